@@ -1,0 +1,22 @@
+# The two commands the README promises, plus their parts. Each target sets up what it needs.
+PY := .venv/bin/python
+
+.PHONY: env assets main test lint bench-policies
+
+env:            ## create/refresh .venv (torch CPU build first, then the project)
+	bash scripts/setup-env
+
+assets: env     ## fetch, verify (sha256) and convert the real model pair; idempotent
+	$(PY) -m workers.assets fetch
+
+main: assets    ## the main job on the embedded defaults
+	bash scripts/main-job
+
+test: assets    ## the whole test suite, real-model tests included
+	$(PY) -m pytest
+
+lint: env
+	$(PY) -m ruff check .
+
+bench-policies: env
+	$(PY) -m jobs.bench_policies

@@ -1,0 +1,80 @@
+"""``any_of``: a union of rules — accept where any member accepts. Members decide in order on the
+same batch, each from the same generator state. Score: how many members accepted."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from policies.core import Decision, PolicyConfig, Rule, VerifyBatch
+from policies.lossless import lossless_accept, with_lossless
+from policies.registry import Leniency, make_policy, policy_from_dict, register
+
+
+def _member(spec: Any) -> Rule:
+    if isinstance(spec, Rule):
+        return spec
+    if isinstance(spec, Mapping):
+        return policy_from_dict(spec)
+    if isinstance(spec, (tuple, list)) and len(spec) == 2 and isinstance(spec[0], str):
+        return make_policy(spec[0], **dict(spec[1] or {}))
+    raise ValueError(
+        f"members: each member must be a policy, {{'policy': name, 'params': {{...}}}} or (name, params), got {spec!r}"
+    )
+
+
+@dataclass(frozen=True)
+class AnyOfConfig(PolicyConfig):
+    members: tuple = field(default=(), metadata={"doc": "member rules; accept where any accepts"})
+
+    def validate(self) -> None:
+        if isinstance(self.members, (str, bytes)) or not isinstance(self.members, (list, tuple)):
+            raise ValueError(f"members must be a list of rules, got {self.members!r}")
+        rules = tuple(_member(m) for m in self.members)
+        if not rules:
+            raise ValueError("members must name at least one rule")
+        if any(r.name == "any_of" for r in rules):
+            raise ValueError("members: nest rules flat; any_of inside any_of is not supported")
+        object.__setattr__(self, "members", rules)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"members": [r.describe() for r in self.members]}
+
+
+@register(
+    "any_of",
+    config=AnyOfConfig,
+    off={"members": (("kl_judge", {"threshold": 0.0}),)},
+    example={"members": (("kl_judge", {"threshold": 0.5}), ("top_k", {"k": 4}))},
+    leniency=Leniency(
+        "members",
+        (
+            (("top_k", {"k": 2}),),
+            (("top_k", {"k": 2}), ("target_entropy", {"threshold": 1.0})),
+            (("top_k", {"k": 2}), ("target_entropy", {"threshold": 1.0}), ("typical", {"epsilon": 0.1})),
+        ),
+    ),
+)
+def decide_any_of(batch: VerifyBatch, config: AnyOfConfig) -> Decision:
+    """Accept a draft token that any member rule accepts."""
+    # Every member starts from the same generator state, so all of them (and this rule) draw the
+    # same lossless uniforms: the union relaxes one lossless decision instead of OR-ing several
+    # independent ones (which would accept more than lossless even with every member "off").
+    generator = batch.generator
+    if generator is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=batch.draft_token_ids.device).manual_seed(seed)
+        batch = replace(batch, generator=generator)
+    start = generator.get_state()
+    lossless = lossless_accept(batch)
+    votes = torch.zeros_like(batch.draft_token_ids, dtype=torch.float32)
+    accepted = torch.zeros_like(lossless.accepted)
+    for rule in config.members:
+        generator.set_state(start)
+        member = rule.decide(batch).accepted
+        accepted |= member
+        votes += member.float()
+    return with_lossless(lossless, accepted, votes)

@@ -1,0 +1,54 @@
+"""Distribution helpers shared by the rules. All in float32, all batched over leading dims.
+
+Divergences and entropies use plain softmax of the logits (T = 1); sampling uses T.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from policies.core import as_float
+
+
+def log_probs(logits: Tensor) -> Tensor:
+    return torch.log_softmax(as_float(logits), dim=-1)
+
+
+def entropy_from_logprobs(logp: Tensor) -> Tensor:
+    """H(p) in nats over the last dim; 0·log 0 = 0."""
+    p = logp.exp()
+    return -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+
+
+def kl_from_logprobs(logp: Tensor, logq: Tensor) -> Tensor:
+    """KL(p ‖ q) in nats over the last dim; terms with p = 0 contribute 0."""
+    p = logp.exp()
+    diff = (logp - logq).nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
+    return torch.where(p > 0, p * diff, torch.zeros_like(p)).sum(-1).clamp_min(0.0)
+
+
+def js_from_probs(p: Tensor, q: Tensor) -> Tensor:
+    """Jensen-Shannon divergence in nats over the last dim (broadcasting), in [0, ln 2]."""
+    m = 0.5 * (p + q)
+    logm = m.clamp_min(1e-38).log()
+
+    def half(a: Tensor) -> Tensor:
+        return torch.where(a > 0, a * (a.clamp_min(1e-38).log() - logm), torch.zeros_like(a)).sum(-1)
+
+    return (0.5 * half(p) + 0.5 * half(q)).clamp_min(0.0)
+
+
+def sampling_probs(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(logits / T) in float32; T must be > 0."""
+    return torch.softmax(as_float(logits) / temperature, dim=-1)
+
+
+def gather_last(x: Tensor, index: Tensor) -> Tensor:
+    """x[..., index] for an index with x's leading shape: [..., V] x [...] -> [...]."""
+    return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
+
+
+def sample_from_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One categorical draw per row of a [N, V] probability matrix (rows need not be normalized)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

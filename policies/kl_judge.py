@@ -1,0 +1,41 @@
+"""The KL judge (arXiv 2601.04766): accept a draft token when KL(p_t ‖ q) <= threshold, except
+where the target is confident (max p_t > confidence), where the lossless rule decides alone.
+Score: KL(p_t ‖ q) in nats (T = 1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.core import Decision, PolicyConfig, SearchRange, Valid, VerifyBatch, knob, require
+from policies.distributions import kl_from_logprobs
+from policies.lossless import lossless_accept, with_lossless
+from policies.registry import Leniency, register
+
+
+@dataclass(frozen=True)
+class KLJudgeConfig(PolicyConfig):
+    threshold: float = knob(
+        0.5, valid=Valid(low=0.0), search=SearchRange(0.01, 5.0, log=True), doc="KL threshold tau (nats)"
+    )
+    confidence: float = knob(
+        0.9, valid=Valid(low=0.0, high=1.0), search=SearchRange(0.5, 1.0), doc="lossless-only above this max p_t"
+    )
+
+
+@register(
+    "kl_judge",
+    config=KLJudgeConfig,
+    off={"threshold": 0.0},
+    leniency=Leniency("threshold", (0.0, 0.05, 0.5, 2.0, 10.0, math.inf), {"confidence": 1.0}),
+)
+def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
+    """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""
+    require(batch, "draft_logits", "kl_judge", "KL(target ‖ draft) needs the draft's distribution")
+    lossless = lossless_accept(batch)
+    target_logp = batch.target_logp  # [B, L, V]
+    kl = kl_from_logprobs(target_logp, batch.draft_logp)  # [B, L]
+    confident = target_logp.amax(dim=-1).exp() > config.confidence  # [B, L]
+    relaxed = ~confident & (kl <= config.threshold)
+    return with_lossless(lossless, relaxed, kl)

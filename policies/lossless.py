@@ -1,0 +1,59 @@
+"""The lossless rule (Leviathan et al. / vLLM's rejection sampler) and the helper every lossy rule
+builds on: a lossy rule's acceptance is ``lossless | relaxed``, with the lossless uniforms drawn
+first so that, from the same generator state, it accepts a superset of what ``lossless`` accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from policies.core import Decision, PolicyConfig, VerifyBatch
+from policies.distributions import gather_last
+from policies.registry import register
+
+
+def lossless_accept(batch: VerifyBatch) -> Decision:
+    """T = 0: accept d iff d = argmax target. T > 0: accept iff u < min(1, p_t(d) / q(d)).
+
+    Scores: the target logit margin z(d) - max z (<= 0) at T = 0, the acceptance probability
+    min(1, p_t(d)/q(d)) at T > 0. Without a draft distribution the drafter is taken as
+    deterministic (q one-hot at d), which keeps the rule exactly lossless.
+    """
+    draft_ids = batch.draft_token_ids  # [B, L]
+    target = batch.target_f32[:, :-1]  # [B, L, V]
+    temperature = batch.temperature
+    if temperature == 0.0:
+        target_max, target_argmax = target.max(dim=-1)  # [B, L]
+        accepted = target_argmax == draft_ids
+        score = gather_last(target, draft_ids) - target_max
+        return Decision(accepted=accepted, score=score)
+    # Only p_t(d) and q(d) are needed: logit(d)/T - logsumexp(logits/T), no full softmax.
+    target_scaled = target / temperature
+    target_logp_d = gather_last(target_scaled, draft_ids) - torch.logsumexp(target_scaled, dim=-1)
+    if batch.draft_f32 is None:
+        draft_logp_d = torch.zeros_like(target_logp_d)
+    else:
+        draft_scaled = batch.draft_f32 / temperature
+        draft_logp_d = gather_last(draft_scaled, draft_ids) - torch.logsumexp(draft_scaled, dim=-1)
+    ratio = (target_logp_d - draft_logp_d).clamp(max=0.0).exp()  # [B, L]
+    uniforms = torch.rand(draft_ids.shape, generator=batch.generator, device=draft_ids.device)
+    return Decision(accepted=uniforms < ratio, score=ratio)
+
+
+def with_lossless(lossless: Decision, relaxed: Tensor, score: Tensor | None) -> Decision:
+    """Combine a relaxation with the lossless decision (lossy rules only ever add acceptances)."""
+    return Decision(accepted=lossless.accepted | relaxed, score=score)
+
+
+@dataclass(frozen=True)
+class LosslessConfig(PolicyConfig):
+    pass
+
+
+@register("lossless", config=LosslessConfig, lossy=False)
+def decide_lossless(batch: VerifyBatch, config: LosslessConfig) -> Decision:
+    """Exact speculative sampling: the output distribution is the target's."""
+    return lossless_accept(batch)

@@ -1,0 +1,113 @@
+"""The rule registry: one entry per rule, refused twice, looked up with errors that list names.
+
+Besides the decide function and config class, each entry records two facts the shared contract
+suite and the search driver need, as data rather than code paths:
+
+- ``off``: the parameters that switch the rule's relaxation off (the rule then reproduces
+  ``lossless`` exactly), and whether that holds when sampling (T > 0) or only greedily;
+- ``leniency``: one knob and a list of values ordered from strict to lenient, with fixed
+  companions, along which acceptance can only grow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.core import DecideFn, PolicyConfig, Rule
+
+
+@dataclass(frozen=True)
+class Leniency:
+    param: str
+    values: tuple[Any, ...]  # strict -> lenient
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    config_cls: type
+    fn: DecideFn
+    lossy: bool
+    off: Mapping[str, Any] | None  # params with the relaxation off; None for lossless itself
+    off_exact_when_sampling: bool  # does `off` reproduce lossless at T > 0 too?
+    leniency: Leniency | None
+    example: Mapping[str, Any]  # params that build a typical instance (defaults where they exist)
+    summary: str
+
+    @property
+    def param_names(self) -> list[str]:
+        return [f.name for f in dataclasses.fields(self.config_cls)]
+
+    def build_config(self, params: Mapping[str, Any]) -> Any:
+        unknown = sorted(set(params) - set(self.param_names))
+        if unknown:
+            raise ValueError(
+                f"unknown parameter(s) {unknown} for policy {self.name!r}; valid: {self.param_names or 'none'}"
+            )
+        return self.config_cls(**params)
+
+
+POLICIES: dict[str, PolicySpec] = {}
+
+
+def register(
+    name: str,
+    *,
+    config: type,
+    lossy: bool = True,
+    off: Mapping[str, Any] | None = None,
+    off_exact_when_sampling: bool = True,
+    leniency: Leniency | None = None,
+    example: Mapping[str, Any] | None = None,
+    summary: str = "",
+) -> Callable[[DecideFn], DecideFn]:
+    if not (dataclasses.is_dataclass(config) and issubclass(config, PolicyConfig)):
+        raise TypeError(f"config for {name!r} must be a PolicyConfig dataclass")
+
+    def deco(fn: DecideFn) -> DecideFn:
+        if name in POLICIES:
+            raise ValueError(f"policy {name!r} is already registered")
+        POLICIES[name] = PolicySpec(
+            name=name,
+            config_cls=config,
+            fn=fn,
+            lossy=lossy,
+            off=off,
+            off_exact_when_sampling=off_exact_when_sampling,
+            leniency=leniency,
+            example=dict(example or {}),
+            summary=summary or (fn.__doc__ or "").strip().splitlines()[0],
+        )
+        return fn
+
+    return deco
+
+
+def get_spec(name: str) -> PolicySpec:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; valid: {sorted(POLICIES)}") from None
+
+
+def make_policy(name: str, **params: Any) -> Rule:
+    """Build a validated policy: ``make_policy("kl_judge", threshold=0.5)``."""
+    spec = get_spec(name)
+    return Rule(name=name, config=spec.build_config(params), fn=spec.fn)
+
+
+def policy_from_dict(d: Mapping[str, Any]) -> Rule:
+    """``{"policy": "kl_judge", "params": {...}}`` (the form written by sweeps and served)."""
+    if not isinstance(d, Mapping) or "policy" not in d:
+        raise ValueError(f"a policy description needs a 'policy' key, got {d!r}")
+    extra = sorted(set(d) - {"policy", "params"})
+    if extra:
+        raise ValueError(f"unknown key(s) {extra} in policy description; valid: ['policy', 'params']")
+    params = d.get("params") or {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"'params' must be an object, got {type(params).__name__}")
+    return make_policy(str(d["policy"]), **dict(params))

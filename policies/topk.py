@@ -1,0 +1,67 @@
+"""Rank-based baselines: Judge Decoding's Top-K and TensorRT-LLM's relaxed top-n acceptance.
+
+Rank of d = number of tokens whose target logit is strictly larger than d's, so ``d in top-k``
+is ``rank < k`` — one comparison pass, no sort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from policies.core import Decision, PolicyConfig, SearchRange, Valid, VerifyBatch, knob
+from policies.distributions import gather_last
+from policies.lossless import lossless_accept, with_lossless
+from policies.registry import Leniency, register
+
+
+def target_rank(target: Tensor, draft_ids: Tensor) -> Tensor:
+    """[B, L, V] x [B, L] -> [B, L] long: 0 for the argmax."""
+    return (target > gather_last(target, draft_ids).unsqueeze(-1)).sum(dim=-1)
+
+
+@dataclass(frozen=True)
+class TopKConfig(PolicyConfig):
+    k: int = knob(4, valid=Valid(low=1), search=SearchRange(2, 64, log=True, integer=True), doc="accept d in top-k(p_t)")
+
+
+@register(
+    "top_k",
+    config=TopKConfig,
+    off={"k": 1},
+    off_exact_when_sampling=False,
+    leniency=Leniency("k", (1, 2, 4, 16, 64)),
+)
+def decide_top_k(batch: VerifyBatch, config: TopKConfig) -> Decision:
+    """Accept a draft token within the target's top-k. Score: the token's rank (0 = argmax)."""
+    lossless = lossless_accept(batch)
+    rank = target_rank(batch.target_f32[:, :-1], batch.draft_token_ids)
+    return with_lossless(lossless, rank < config.k, rank.to(torch.float32))
+
+
+@dataclass(frozen=True)
+class RelaxedTopKConfig(PolicyConfig):
+    n: int = knob(3, valid=Valid(low=1), search=SearchRange(1, 16, integer=True), doc="candidate set top-n(p_t)")
+    delta: float = knob(
+        0.3, valid=Valid(low=0.0, high=1.0), search=SearchRange(0.0, 1.0), doc="max gap p_t(top1) - p_t(d)"
+    )
+
+
+@register(
+    "relaxed_topk",
+    config=RelaxedTopKConfig,
+    off={"n": 1, "delta": 0.0},
+    off_exact_when_sampling=False,
+    leniency=Leniency("delta", (0.0, 0.05, 0.2, 0.5, 1.0), {"n": 8}),
+)
+def decide_relaxed_topk(batch: VerifyBatch, config: RelaxedTopKConfig) -> Decision:
+    """Accept d in top-n(p_t) with p_t(d) >= p_t(top1) - delta. Score: p_t(top1) - p_t(d)."""
+    lossless = lossless_accept(batch)
+    target = batch.target_f32[:, :-1]  # [B, L, V]
+    rank = target_rank(target, batch.draft_token_ids)
+    lse = torch.logsumexp(target, dim=-1)
+    gap = (target.amax(dim=-1) - lse).exp() - (gather_last(target, batch.draft_token_ids) - lse).exp()
+    relaxed = (rank < config.n) & (gap <= config.delta)
+    return with_lossless(lossless, relaxed, gap)

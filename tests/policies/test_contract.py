@@ -1,0 +1,170 @@
+"""The contract every registered rule must meet. Parametrized over POLICIES: a new rule gets the
+whole suite by registering itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from policies import POLICIES, MissingInputError, get_spec, make_policy, verify
+from tests.policies.batches import make_batch, reseeded
+
+RULES = sorted(POLICIES)
+LOSSY = sorted(n for n, s in POLICIES.items() if s.lossy)
+TEMPS = [0.0, 1.0]
+
+
+def example(name: str):
+    return make_policy(name, **get_spec(name).example)
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", RULES)
+def test_shapes_and_dtypes(name, temperature):
+    batch = make_batch(temperature=temperature)
+    b, n = batch.draft_token_ids.shape
+    result = verify(example(name), batch)
+    assert result.decision.accepted.shape == (b, n) and result.decision.accepted.dtype == torch.bool
+    if result.decision.score is not None:
+        assert result.decision.score.shape == (b, n) and result.decision.score.is_floating_point()
+    out, acc = result.output_token_ids, result.num_accepted
+    assert out.shape == (b, n + 1) and out.dtype == torch.long
+    assert acc.shape == (b,) and acc.dtype == torch.long
+    for row in range(b):
+        k = int(acc[row])
+        assert 0 <= k <= n
+        assert out[row, :k].tolist() == batch.draft_token_ids[row, :k].tolist(), "accepted prefix is the draft's"
+        assert 0 <= int(out[row, k]) < batch.vocab_size, "one emitted token after the prefix"
+        assert (out[row, k + 1 :] == -1).all(), "-1 padding after the emitted token"
+        assert not result.decision.accepted[row, k] if k < n else True, "the run stops at a rejection"
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", RULES)
+def test_seeded_determinism(name, temperature):
+    batch = make_batch(temperature=temperature)
+    first = verify(example(name), reseeded(batch, 7))
+    second = verify(example(name), reseeded(batch, 7))
+    assert torch.equal(first.output_token_ids, second.output_token_ids)
+    assert torch.equal(first.decision.accepted, second.decision.accepted)
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", LOSSY)
+def test_relaxation_off_reproduces_lossless(name, temperature):
+    spec = get_spec(name)
+    if temperature > 0 and not spec.off_exact_when_sampling:
+        # Declared in the registry: at T > 0 this rule's "off" setting still samples (e.g. the
+        # K heads' tokens are K samples of p_t), so only greedy equality is promised.
+        temperature = 0.0
+    lossless = make_policy("lossless")
+    off = make_policy(name, **spec.off)
+    for seed in range(6):
+        batch = make_batch(seed=seed, temperature=temperature, draft_noise=0.7)
+        want = verify(lossless, reseeded(batch, seed))
+        got = verify(off, reseeded(batch, seed))
+        assert torch.equal(got.decision.accepted, want.decision.accepted), f"{name} off != lossless, seed {seed}"
+        assert torch.equal(got.num_accepted, want.num_accepted)
+        if temperature == 0.0:
+            assert torch.equal(got.output_token_ids, want.output_token_ids)
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", LOSSY)
+def test_lossy_accepts_superset_of_lossless(name, temperature):
+    spec = get_spec(name)
+    params = [spec.example] + ([{**spec.leniency.fixed, spec.leniency.param: v} for v in spec.leniency.values] if spec.leniency else [])
+    for seed in range(4):
+        batch = make_batch(seed=seed, temperature=temperature)
+        base = make_policy("lossless").decide(reseeded(batch, seed)).accepted
+        for p in params:
+            got = make_policy(name, **p).decide(reseeded(batch, seed)).accepted
+            assert bool((got | ~base).all()), f"{name}{p} rejected a token lossless accepts (seed {seed})"
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", LOSSY)
+def test_acceptance_monotone_in_leniency(name, temperature):
+    spec = get_spec(name)
+    assert spec.leniency is not None, f"{name} must declare a leniency knob"
+    knob = spec.leniency
+    total = []
+    for seed in range(4):
+        batch = make_batch(seed=seed, temperature=temperature, draft_noise=2.0)
+        prev = None
+        for value in knob.values:
+            acc = make_policy(name, **{**knob.fixed, knob.param: value}).decide(reseeded(batch, seed)).accepted
+            if prev is not None:
+                assert bool((acc | ~prev).all()), f"{name}: raising {knob.param} to {value!r} lost an acceptance"
+            prev = acc
+            total.append(int(acc.sum()))
+    assert len(set(total)) > 1, f"{name}: the leniency knob {knob.param} changed nothing on these batches"
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_missing_inputs_raise_or_are_not_needed(name):
+    policy = example(name)
+    for kwargs in ({"with_draft_logits": False}, {"with_hidden": False}):
+        batch = make_batch(**kwargs)
+        try:
+            policy.decide(batch)
+        except MissingInputError as err:
+            assert name in str(err) or "any_of" == name
+
+
+def test_dropmatch_without_hidden_states_says_so():
+    with pytest.raises(MissingInputError, match="target_hidden"):
+        make_policy("dropmatch").decide(make_batch(with_hidden=False))
+
+
+def test_kl_judge_without_draft_logits_says_so():
+    with pytest.raises(MissingInputError, match="draft_logits"):
+        make_policy("kl_judge").decide(make_batch(with_draft_logits=False))
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_bad_parameters_raise_naming_the_parameter(name):
+    spec = get_spec(name)
+    with pytest.raises(ValueError, match="not_a_knob"):
+        make_policy(name, **spec.example, not_a_knob=1)
+    for field in dataclasses.fields(spec.config_cls):
+        valid = field.metadata.get("valid")
+        if valid is None:
+            continue
+        bad_values = ["nonsense"] if valid.choices is None else ["nonsense", 3]
+        if valid.low is not None:
+            bad_values.append(valid.low - 1)
+        if valid.high is not None:
+            bad_values.append(valid.high + 1)
+        if valid.choices is None:
+            bad_values.append(math.nan)
+        for bad in bad_values:
+            with pytest.raises(ValueError, match=field.name):
+                make_policy(name, **{**spec.example, field.name: bad})
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_search_range_inside_valid_set(name):
+    spec = get_spec(name)
+    space = spec.config_cls.search_space()
+    for pname, rng in space.items():
+        ends = list(rng.choices) if rng.choices else [rng.low, rng.high]
+        for value in ends:
+            make_policy(name, **{**spec.example, pname: value})  # must validate
+
+
+def test_unknown_policy_lists_valid_names():
+    with pytest.raises(ValueError) as err:
+        make_policy("kl_jduge")
+    for name in RULES:
+        assert name in str(err.value)
+
+
+def test_every_lossy_rule_has_a_search_space():
+    for name in LOSSY:
+        if name == "any_of":
+            continue  # a union of rules; its members carry the knobs
+        assert get_spec(name).config_cls.search_space(), name
