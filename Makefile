@@ -13,7 +13,7 @@ main: assets    ## the main job on the embedded defaults
 	bash scripts/main-job
 
 test: assets    ## the whole test suite, real-model tests included
-	$(PY) -m pytest
+	SPECTUNE_REAL=1 $(PY) -m pytest
 
 lint: env
 	$(PY) -m ruff check .

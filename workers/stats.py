@@ -1,0 +1,74 @@
+"""Per-generation statistics (vLLM's names) and the modelled cost / speedup built from them.
+
+Knows counts and seconds, nothing about models. Modelled cost of a run, in target-forward units
+with prefill excluded: ``target_forwards + c * draft_forwards`` where c is the pair's measured
+draft/target forward-time ratio. Target-only decoding costs one unit per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    draft_len: int = 0  # L; 0 for target-only decoding
+    num_generated: int = 0  # tokens emitted (after truncation at EOS / stop / max_new_tokens)
+    num_drafts: int = 0  # verify rounds = target forward passes after prefill
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [L] rounds accepting position i
+    target_forwards: int = 0  # after prefill
+    draft_forwards: int = 0  # after prefill
+    prompt_tokens: int = 0
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    policy_time_s: float = 0.0
+    wall_time_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Generated tokens per target call (accepted + 1 per round; MAT / tau in the papers)."""
+        return self.num_generated / self.num_drafts if self.num_drafts else float(self.num_generated > 0)
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def decode_time_s(self) -> float:
+        return self.wall_time_s - self.prefill_time_s
+
+    @property
+    def other_time_s(self) -> float:
+        """Decode time outside draft forwards, target forwards and the rule: the engine's overhead."""
+        return max(0.0, self.decode_time_s - self.draft_time_s - self.verify_time_s - self.policy_time_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput (prefill excluded, as the papers report)."""
+        return self.num_generated / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    def modelled_cost(self, cost_ratio: float) -> float:
+        return self.target_forwards + cost_ratio * self.draft_forwards
+
+    def modelled_speedup_vs_ar(self, cost_ratio: float) -> float:
+        cost = self.modelled_cost(cost_ratio)
+        return self.num_generated / cost if cost > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for name in ("mean_acceptance_length", "draft_acceptance_rate", "other_time_s", "tokens_per_s"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]  # generated tokens only (stop token / EOS excluded)
+    text: str | None  # decoded, cut before a stop string; None without a tokenizer
+    finish_reason: str  # "eos", "stop" (a stop string), or "length"
+    stats: GenerationStats
+    trace: list[tuple[int, Any]] | None = None  # (first position, target logits [L+1, V]) per round, if asked
