@@ -72,6 +72,14 @@ class VerifyBatch:
         return torch.log_softmax(self.target_f32[:, :-1], dim=-1)
 
     @cached_property
+    def target_probs(self) -> Tensor:  # [B, L, V] softmax (T = 1); softmax's fused kernel beats exp(logp)
+        return torch.softmax(self.target_f32[:, :-1], dim=-1)
+
+    @cached_property
+    def target_max(self) -> Tensor:  # [B, L] max logit at the draft positions (amax: vectorized, no index)
+        return self.target_f32[:, :-1].amax(dim=-1)
+
+    @cached_property
     def draft_logp(self) -> Tensor | None:  # [B, L, V]
         return None if self.draft_f32 is None else torch.log_softmax(self.draft_f32, dim=-1)
 

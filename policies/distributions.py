@@ -15,17 +15,23 @@ def log_probs(logits: Tensor) -> Tensor:
     return torch.log_softmax(as_float(logits), dim=-1)
 
 
-def entropy_from_logprobs(logp: Tensor) -> Tensor:
-    """H(p) in nats over the last dim; 0·log 0 = 0."""
-    p = logp.exp()
-    return -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+def entropy_from_logprobs(logp: Tensor, probs: Tensor | None = None) -> Tensor:
+    """H(p) in nats over the last dim; 0·log 0 = 0. ``probs`` = exp(logp) if already at hand."""
+    p = logp.exp() if probs is None else probs
+    h = -torch.linalg.vecdot(p, logp)  # one fused pass; nan only where some logit is -inf
+    if not bool(torch.isfinite(h).all()):
+        h = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
+    return h
 
 
-def kl_from_logprobs(logp: Tensor, logq: Tensor) -> Tensor:
+def kl_from_logprobs(logp: Tensor, logq: Tensor, probs: Tensor | None = None) -> Tensor:
     """KL(p ‖ q) in nats over the last dim; terms with p = 0 contribute 0."""
-    p = logp.exp()
-    diff = (logp - logq).nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
-    return torch.where(p > 0, p * diff, torch.zeros_like(p)).sum(-1).clamp_min(0.0)
+    p = logp.exp() if probs is None else probs
+    kl = torch.linalg.vecdot(p, logp - logq)  # fast path: all logits finite
+    if not bool(torch.isfinite(kl).all()):
+        diff = (logp - logq).nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
+        kl = torch.where(p > 0, p * diff, torch.zeros_like(p)).sum(-1)
+    return kl.clamp_min(0.0)
 
 
 def js_from_probs(p: Tensor, q: Tensor) -> Tensor:

@@ -55,9 +55,15 @@ def _dropped_hidden(hidden: Tensor, keep: Tensor, p_drop: float, dtype: torch.dt
     return hidden.to(dtype).unsqueeze(0) * keep.to(dtype) * scale
 
 
-def _rest_logit(target: Tensor, cand_target: Tensor, temperature: float) -> Tensor:
-    """log Σ_{v ∉ candidates} exp(z_v / T): [B, L]. -inf when candidates hold all the mass."""
-    lse_all = torch.logsumexp(target / temperature, dim=-1)
+def _rest_logit(target: Tensor, target_logp: Tensor | None, cand_target: Tensor, temperature: float) -> Tensor:
+    """log Σ_{v ∉ candidates} exp(z_v / T): [B, L]. -inf when candidates hold all the mass.
+
+    At T = 1 the log-partition comes free from the batch's cached log-softmax (z - log p is the
+    same for every token), saving a logsumexp pass over the vocabulary."""
+    if temperature == 1.0 and target_logp is not None:
+        lse_all = target[..., 0] - target_logp[..., 0]
+    else:
+        lse_all = torch.logsumexp(target / temperature, dim=-1)
     lse_cand = torch.logsumexp(cand_target / temperature, dim=-1)
     return lse_all + torch.log1p(-(lse_cand - lse_all).exp().clamp(max=1.0))
 
@@ -68,6 +74,7 @@ def dropout_heads(
     lm_head_weight: Tensor,  # [V, d]
     lm_head_bias: Tensor | None,  # [V]
     target_logits: Tensor,  # [B, L, V] the undropped logits at the same positions
+    target_logp: Tensor | None,  # [B, L, V] their log-softmax, if already computed
     draft_token_ids: Tensor,  # [B, L]
     k: int,
     p_drop: float,
@@ -106,7 +113,7 @@ def dropout_heads(
     cand_target = target.gather(-1, cand).masked_fill(slot_off, float("-inf"))  # [B, L, C]
 
     def with_rest(head_logits: Tensor, temp: float) -> Tensor:
-        rest = _rest_logit(target, cand_target, temp)  # [B, L]
+        rest = _rest_logit(target, target_logp, cand_target, temp)  # [B, L]
         return torch.cat([head_logits, rest.expand(k, b, n).unsqueeze(-1)], dim=-1)
 
     atom_ids = torch.cat([cand, cand.new_full((b, n, 1), -1)], dim=-1)  # [B, L, C+1]

@@ -28,7 +28,7 @@ class TargetEntropyConfig(PolicyConfig):
 def decide_target_entropy(batch: VerifyBatch, config: TargetEntropyConfig) -> Decision:
     """Accept any draft token where the target's entropy is at least the threshold."""
     lossless = lossless_accept(batch)
-    entropy = entropy_from_logprobs(batch.target_logp)  # [B, L]
+    entropy = entropy_from_logprobs(batch.target_logp, batch.target_probs)  # [B, L]
     return with_lossless(lossless, entropy >= config.threshold, entropy)
 
 

@@ -34,8 +34,7 @@ def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
     """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""
     require(batch, "draft_logits", "kl_judge", "KL(target ‖ draft) needs the draft's distribution")
     lossless = lossless_accept(batch)
-    target_logp = batch.target_logp  # [B, L, V]
-    kl = kl_from_logprobs(target_logp, batch.draft_logp)  # [B, L]
-    confident = target_logp.amax(dim=-1).exp() > config.confidence  # [B, L]
+    kl = kl_from_logprobs(batch.target_logp, batch.draft_logp, batch.target_probs)  # [B, L]
+    confident = batch.target_logp.amax(dim=-1).exp() > config.confidence  # [B, L] max p_t
     relaxed = ~confident & (kl <= config.threshold)
     return with_lossless(lossless, relaxed, kl)

@@ -59,9 +59,8 @@ class RelaxedTopKConfig(PolicyConfig):
 def decide_relaxed_topk(batch: VerifyBatch, config: RelaxedTopKConfig) -> Decision:
     """Accept d in top-n(p_t) with p_t(d) >= p_t(top1) - delta. Score: p_t(top1) - p_t(d)."""
     lossless = lossless_accept(batch)
-    target = batch.target_f32[:, :-1]  # [B, L, V]
-    rank = target_rank(target, batch.draft_token_ids)
-    lse = torch.logsumexp(target, dim=-1)
-    gap = (target.amax(dim=-1) - lse).exp() - (gather_last(target, batch.draft_token_ids) - lse).exp()
+    rank = target_rank(batch.target_f32[:, :-1], batch.draft_token_ids)
+    logp = batch.target_logp  # [B, L, V], shared with other rules on this batch
+    gap = logp.amax(dim=-1).exp() - gather_last(logp, batch.draft_token_ids).exp()
     relaxed = (rank < config.n) & (gap <= config.delta)
     return with_lossless(lossless, relaxed, gap)

@@ -33,7 +33,7 @@ def decide_typical(batch: VerifyBatch, config: TypicalConfig) -> Decision:
     """Accept a draft token whose target probability is typical for the target's entropy."""
     lossless = lossless_accept(batch)
     target_logp = batch.target_logp  # [B, L, V]
-    entropy = entropy_from_logprobs(target_logp)  # [B, L]
+    entropy = entropy_from_logprobs(target_logp, batch.target_probs)  # [B, L]
     threshold = torch.minimum(
         torch.full_like(entropy, config.epsilon), config.delta * torch.exp(-entropy)
     )
