@@ -51,11 +51,14 @@ class GenerationStats:
         """Decode throughput (prefill excluded, as the papers report)."""
         return self.num_generated / self.decode_time_s if self.decode_time_s > 0 else 0.0
 
-    def modelled_cost(self, cost_ratio: float) -> float:
-        return self.target_forwards + cost_ratio * self.draft_forwards
+    def modelled_cost(self, cost_ratio: float, verify_factor: float = 1.0) -> float:
+        """Decode cost in target-step units; ``verify_factor`` prices a verify pass over L+1
+        tokens against a 1-token target step (1.0 = the DESIGN's plain count)."""
+        factor = verify_factor if self.draft_len else 1.0
+        return factor * self.target_forwards + cost_ratio * self.draft_forwards
 
-    def modelled_speedup_vs_ar(self, cost_ratio: float) -> float:
-        cost = self.modelled_cost(cost_ratio)
+    def modelled_speedup_vs_ar(self, cost_ratio: float, verify_factor: float = 1.0) -> float:
+        cost = self.modelled_cost(cost_ratio, verify_factor)
         return self.num_generated / cost if cost > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:

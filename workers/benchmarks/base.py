@@ -1,0 +1,160 @@
+"""The benchmark contract: items, scores, the ``Benchmark`` protocol and the registry.
+
+What every benchmark shares lives here: the deterministic item order, seeded subsets, limits and
+shards (``select``), and the checks on ``turn``/``shots``/``outputs`` arguments. It knows nothing
+about any particular data set or scorer; those are the sibling modules, which register one
+instance each with ``@register``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol, TypeVar, runtime_checkable
+
+from workers.benchmarks.data import DataFile, fetch_files, require
+
+
+@dataclass(frozen=True)
+class Item:
+    id: str  # stable, e.g. "gsm8k/test/0017" (the row in the source file)
+    index: int  # position in the deterministic (or seeded) order, before limit and sharding
+    turns: tuple[str, ...]  # user message(s); MT-bench has 2
+    reference: Any  # gold answer / tests / instruction ids ...
+    meta: dict = field(default_factory=dict)  # topic, entry point, ... (JSON-serializable)
+
+
+@dataclass(frozen=True)
+class Score:
+    score: float  # 0..1: accuracy-like, or the benchmark's own scale mapped onto 0..1
+    extracted: str | None  # what was pulled out of the output (number, letter, code ...)
+    reason: str  # why it scored so: "exact match 72", "no number found", "test failed: AssertionError"
+    details: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Benchmark(Protocol):
+    """What the evaluate job and the sweep call.
+
+    ``items``: deterministic file order; ``seed`` gives a seeded order (by hash of the item id),
+    then ``limit`` keeps a prefix, then ``shard=(i, n)`` keeps items i::n (shards partition it).
+    ``messages``: chat messages for ``tokenizer.apply_chat_template(msgs, add_generation_prompt=True)``;
+    for turn > 0, ``previous`` holds the earlier (question, the model's answer) pairs.
+    ``score``: one output per turn; ``reference_outputs`` (the target-only outputs for the same
+    item) is used by benchmarks with ``needs_reference_outputs`` (MT-bench) and ignored by the rest.
+    Implementations also accept ``cache_dir=`` on ``messages``/``score`` (few-shot exemplars,
+    checker and embedding files are read from the cache).
+    """
+
+    name: str
+    stop: tuple[str, ...]
+    default_max_new_tokens: int
+
+    def items(self, limit: int | None = None, shard: tuple[int, int] | None = None, seed: int | None = None,
+              cache_dir: str | os.PathLike[str] | None = None) -> list[Item]: ...
+
+    def messages(self, item: Item, shots: int = 0, turn: int = 0,
+                 previous: list[tuple[str, str]] | None = None) -> list[dict]: ...
+
+    def score(self, item: Item, outputs: list[str], reference_outputs: list[str] | None = None) -> Score: ...
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+_B = TypeVar("_B")
+
+
+def register(cls: type[_B]) -> type[_B]:
+    """Class decorator: put one default instance of ``cls`` into BENCHMARKS under ``cls.name``."""
+    name = cls.name  # type: ignore[attr-defined]
+    if name in BENCHMARKS:
+        raise ValueError(f"benchmark {name!r} registered twice ({type(BENCHMARKS[name]).__name__}, {cls.__name__})")
+    BENCHMARKS[name] = cls()  # type: ignore[assignment]
+    return cls
+
+
+def get_benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)}")
+    return BENCHMARKS[name]
+
+
+def seeded_key(seed: int, item_id: str) -> str:
+    # A hash rather than random.shuffle: Python only promises random() itself stays the same across
+    # versions, and a hash order is also stable when rows are added or removed.
+    return hashlib.sha256(f"{seed}/{item_id}".encode()).hexdigest()
+
+
+def select(items: Sequence[Item], limit: int | None, shard: tuple[int, int] | None, seed: int | None) -> list[Item]:
+    """Order (file order, or by seeded hash), renumber ``index``, cut to ``limit``, then take shard i of n."""
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0 or None, got {limit}")
+    if shard is not None:
+        i, n = shard
+        if n < 1 or not 0 <= i < n:
+            raise ValueError(f"shard must be (i, n) with n >= 1 and 0 <= i < n, got {shard}")
+    ordered = list(items) if seed is None else sorted(items, key=lambda it: seeded_key(seed, it.id))
+    ordered = [Item(it.id, k, it.turns, it.reference, it.meta) for k, it in enumerate(ordered)]
+    if limit is not None:
+        ordered = ordered[:limit]
+    if shard is not None:
+        ordered = ordered[shard[0]::shard[1]]
+    return ordered
+
+
+class BenchmarkBase:
+    """Shared plumbing; subclasses set the class attributes and implement ``_load`` and ``score``."""
+
+    name: ClassVar[str]
+    files: ClassVar[tuple[DataFile, ...]]
+    stop: tuple[str, ...] = ()
+    default_max_new_tokens: int = 512
+    max_shots: ClassVar[int] = 0
+    needs_reference_outputs: ClassVar[bool] = False  # True: score() needs the target-only outputs
+
+    def path(self, dest: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
+        """The verified cached file ``dest`` (fetched if missing; AssetError if corrupt)."""
+        return require(self.name, self.files, dest, cache_dir)
+
+    def fetch(self, cache_dir: str | os.PathLike[str] | None = None) -> dict[str, Path]:
+        return fetch_files(self.name, self.files, cache_dir)
+
+    def _load(self, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
+        raise NotImplementedError
+
+    def items(self, limit: int | None = None, shard: tuple[int, int] | None = None, seed: int | None = None,
+              cache_dir: str | os.PathLike[str] | None = None) -> list[Item]:
+        return select(self._load(cache_dir), limit, shard, seed)
+
+    def _check(self, item: Item, shots: int, turn: int) -> None:
+        if not item.id.startswith(f"{self.name}/"):
+            raise ValueError(f"item {item.id!r} does not belong to benchmark {self.name!r}")
+        if not 0 <= shots <= self.max_shots:
+            raise ValueError(f"{self.name}: shots must be in [0, {self.max_shots}], got {shots}")
+        if not 0 <= turn < len(item.turns):
+            raise ValueError(f"{self.name}: turn must be in [0, {len(item.turns) - 1}], got {turn}")
+
+    def _check_outputs(self, item: Item, outputs: Sequence[str]) -> None:
+        if isinstance(outputs, str) or len(outputs) != len(item.turns):
+            raise ValueError(f"{self.name}: outputs must be a list with one string per turn "
+                             f"({len(item.turns)}), got {type(outputs).__name__} of length {len(outputs)}")
+
+
+def user(content: str) -> dict:
+    return {"role": "user", "content": content}
+
+
+def assistant(content: str) -> dict:
+    return {"role": "assistant", "content": content}
+
+
+def mean_by(items: Sequence[Item], scores: Sequence[Score], key: Callable[[Item], str]) -> dict[str, dict]:
+    """``{group: {"n": count, "accuracy": mean score}}``, groups in sorted order."""
+    if len(items) != len(scores):
+        raise ValueError(f"{len(items)} items but {len(scores)} scores")
+    groups: dict[str, list[float]] = {}
+    for it, sc in zip(items, scores, strict=True):
+        groups.setdefault(key(it), []).append(sc.score)
+    return {g: {"n": len(v), "accuracy": sum(v) / len(v)} for g, v in sorted(groups.items())}
