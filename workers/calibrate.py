@@ -109,7 +109,7 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
         decoder, head = model.get_decoder(), model.get_output_embeddings()
         cache = DynamicCache()
         decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
-        ids = torch.randint(0, 1000, (1, n), generator=g)
+        ids = torch.randint(0, min(pair.vocab_size, 1000), (1, n), generator=g)
 
         def run() -> None:
             hidden = decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state

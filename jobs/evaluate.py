@@ -1,0 +1,193 @@
+"""Evaluate one acceptance rule on one benchmark, on this machine, without Ray.
+
+    python -m jobs.evaluate --benchmark gsm8k --pair qwen2.5-coder-0.5b+1.5b \\
+        --policy kl_judge --param threshold=0.5 --draft-len 5 --limit 20
+
+Runs (or reuses from the cache) the target-only reference and the lossless run at the same draft
+length on the same items, then the rule; prints accuracy with a 95% interval, the paired accuracy
+drop vs target-only, the noise floor (lossless vs target-only), acceptance length and speedups
+(measured and modelled); writes per-item records (JSONL + parquet) and a summary.json. A rerun of
+the same command skips items already done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from typing import Any
+
+from jobs.records import RecordStore, reference_dir, runs_root, slug
+from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
+from workers.calibrate import CostProfile, get_profile
+from workers.engine import SpecDecoder
+from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
+from workers.metrics import NoiseFloor, TrialMetrics, aggregate, noise_floor
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """``["threshold=0.5", "criterion=js"]`` -> {"threshold": 0.5, "criterion": "js"} (JSON values)."""
+    params: dict[str, Any] = {}
+    for text in pairs:
+        name, sep, raw = text.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param must look like NAME=VALUE, got {text!r}")
+        try:
+            params[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[name] = raw
+    return params
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    i, sep, n = text.partition("/")
+    if not sep or not i.isdigit() or not n.isdigit() or not (0 <= int(i) < int(n)):
+        raise ValueError(f"--shard must look like I/N with 0 <= I < N, got {text!r}")
+    return int(i), int(n)
+
+
+def run_items(engine: SpecDecoder, bench: Benchmark, items: list[Item], spec: DecodeSpec, store: RecordStore,
+              label: str, references: dict[str, Record] | None = None) -> dict[str, Record]:
+    """Evaluate the items the store lacks, appending each record as it is made; show progress."""
+    done = store.load()
+    todo = [it for it in items if it.id not in done]
+    if not todo:
+        print(f"{label}: {len(items)} items cached in {store.dir}", file=sys.stderr)
+    t0 = time.perf_counter()
+    tokens = 0
+    for n, item in enumerate(todo, 1):
+        refs = references[item.id].outputs if references and item.id in references else None
+        record = evaluate_item(engine, bench, item, spec, reference_outputs=refs)
+        store.append(record)
+        done[item.id] = record
+        tokens += record.tokens
+        elapsed = time.perf_counter() - t0
+        eta = elapsed / n * (len(todo) - n)
+        status = "FAILED " + record.reason if record.failed else f"score {record.score:.2f}"
+        print(f"{label} [{n}/{len(todo)}] {item.id} {status} | {tokens / elapsed:.2f} tok/s | "
+              f"ETA {eta:.0f}s", file=sys.stderr, flush=True)
+    ordered = {it.id: done[it.id] for it in items}
+    store.write_parquet(ordered.values())
+    return ordered
+
+
+def fmt(x: float, pct: bool = False) -> str:
+    if isinstance(x, float) and math.isnan(x):
+        return "n/a"
+    return f"{100 * x:.1f}%" if pct else f"{x:.3f}"
+
+
+def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | None, profile: CostProfile) -> str:
+    lo, hi = metrics.accuracy_ci
+    dlo, dhi = metrics.accuracy_drop_ci
+    lines = [
+        f"benchmark {args.benchmark}, pair {args.pair} ({args.dtype}), policy {args.policy} "
+        f"{json.dumps(parse_params(args.param))} L={args.draft_len}, T={args.temperature}, items {metrics.items} "
+        f"(failures {metrics.failures})",
+        f"  accuracy            {fmt(metrics.accuracy, True)}  95% CI [{fmt(lo, True)}, {fmt(hi, True)}]"
+        f"   target-only {fmt(metrics.reference_accuracy, True)}",
+        f"  accuracy drop       {fmt(metrics.accuracy_drop, True)}  95% CI [{fmt(dlo, True)}, {fmt(dhi, True)}] (paired)",
+        f"  mean accept. length {fmt(metrics.mean_acceptance_length)}   draft acceptance {fmt(metrics.draft_acceptance_rate, True)}",
+        f"  tokens/s            {fmt(metrics.tokens_per_s)}",
+        f"  speedup vs target-only  measured {fmt(metrics.speedup_vs_ar_measured)}x   modelled {fmt(metrics.speedup_vs_ar_modelled)}x"
+        f" (c = {metrics.cost_ratio:.3f}{', measured here' if args.cost_ratio is None else ''})",
+        f"  speedup vs lossless     measured {fmt(metrics.speedup_vs_lossless_measured)}x   modelled "
+        f"{fmt(metrics.speedup_vs_lossless_modelled)}x",
+        f"  outputs differing from target-only: {fmt(metrics.output_divergence_vs_ar, True)}",
+    ]
+    if floor is not None:
+        lines.append(f"  noise floor (lossless vs target-only, {floor.items} items): outputs differ on "
+                     f"{fmt(floor.divergence_rate, True)}, accuracy diff {fmt(floor.accuracy_diff, True)} "
+                     f"[{fmt(floor.accuracy_diff_ci[0], True)}, {fmt(floor.accuracy_diff_ci[1], True)}] — a budget "
+                     "inside this interval cannot be told from zero")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Evaluate one acceptance rule on one benchmark (no Ray).")
+    ap.add_argument("--benchmark", required=True, help=f"one of {sorted(BENCHMARKS)}")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT_DIR+TARGET_DIR)")
+    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
+    ap.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
+    ap.add_argument("--draft-len", type=int, default=5, help="draft length L")
+    ap.add_argument("--limit", type=int, default=None, help="first N items (after --subset-seed)")
+    ap.add_argument("--subset-seed", type=int, default=None, help="seeded random subset order")
+    ap.add_argument("--shard", default=None, help="I/N: evaluate shard I of N")
+    ap.add_argument("--shots", type=int, default=0, help="few-shot exemplars (gsm8k: 0 or 8; mmlu: 0 or 5)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
+    ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
+    ap.add_argument("--runs-root", default=None, help="where runs and reference caches live (default ./runs)")
+    ap.add_argument("--no-lossless-ref", action="store_true", help="skip the lossless reference run")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except ValueError as err:  # bad names/values: one clear line, no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
+    from workers.assets import AssetError
+    from workers.pair import load_pair
+
+    bench = get_benchmark(args.benchmark)
+    max_new = args.max_new_tokens or bench.default_max_new_tokens
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots)
+    spec = DecodeSpec.make(args.policy, parse_params(args.param), args.draft_len, **settings)
+    items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
+    try:
+        pair = load_pair(args.pair, dtype=args.dtype)
+    except AssetError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    profile = get_profile(pair)
+    cost_ratio = args.cost_ratio if args.cost_ratio is not None else profile.cost_ratio
+    engine = SpecDecoder(pair)
+    root = runs_root(args.runs_root)
+
+    ar_spec = DecodeSpec.make(TARGET_ONLY, **settings)
+    ar = run_items(engine, bench, items, ar_spec,
+                   RecordStore(reference_dir(root, args.pair, args.dtype, bench.name, ar_spec)), TARGET_ONLY)
+    lossless = None
+    if spec.policy != TARGET_ONLY and not args.no_lossless_ref:
+        ll_spec = DecodeSpec.make("lossless", {}, args.draft_len, **settings)
+        lossless = run_items(engine, bench, items, ll_spec,
+                             RecordStore(reference_dir(root, args.pair, args.dtype, bench.name, ll_spec)),
+                             f"lossless L={args.draft_len}", references=ar)
+    if spec.policy == TARGET_ONLY:
+        records = ar
+    elif spec.policy == "lossless" and lossless is not None and not spec.params:
+        records = lossless
+    else:
+        run_dir = root / "eval" / slug(f"{bench.name}-{args.pair}-{args.dtype}") / f"{slug(spec.label())}-{spec.key()}"
+        records = run_items(engine, bench, items, spec, RecordStore(run_dir), spec.label(), references=ar)
+    metrics = aggregate(list(records.values()), list(ar.values()), list(lossless.values()) if lossless else None,
+                        cost_ratio=cost_ratio, verify_factor=profile.verify_factor)
+    floor = noise_floor(list(lossless.values()), list(ar.values())) if lossless else None
+    text = report(args, metrics, floor, profile)
+    print(text)
+    out = root / "eval" / "summaries"
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{slug(bench.name + '-' + spec.label())}-{spec.key()}-{len(items)}.json"
+    path.write_text(json.dumps({"args": vars(args), "metrics": metrics.to_dict(),
+                                "noise_floor": None if floor is None else floor.__dict__,
+                                "profile": profile.to_json()}, indent=1, default=str))
+    print(f"summary: {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

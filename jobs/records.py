@@ -1,0 +1,93 @@
+"""Where records live: an append-only JSONL per run (resumable: a rerun skips items already
+there; a torn last line from a crash is ignored) and a parquet copy for analysis, written via a
+temporary file and renamed so a reader never sees half a file. Plus the reference-run cache
+layout: target-only and lossless runs keyed by (pair, dtype, benchmark, decoding settings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import polars as pl
+
+from workers.evaluation import DecodeSpec, Record
+
+
+def runs_root(explicit: str | os.PathLike[str] | None = None) -> Path:
+    return Path(explicit or os.environ.get("SPECTUNE_RUNS") or "runs").resolve()
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_")[:80]
+
+
+class RecordStore:
+    """Records of one (benchmark, spec) run in ``directory``: records.jsonl + records.parquet."""
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.dir = Path(directory)
+        self.jsonl = self.dir / "records.jsonl"
+        self.parquet = self.dir / "records.parquet"
+
+    def load(self) -> dict[str, Record]:
+        records: dict[str, Record] = {}
+        if not self.jsonl.is_file():
+            return records
+        self._drop_torn_tail()
+        with self.jsonl.open() as fh:
+            for line in fh:
+                try:
+                    rec = Record.from_row(json.loads(line))
+                except (json.JSONDecodeError, TypeError, KeyError):
+                    continue  # a line torn by a crash mid-write: that item is simply redone
+                records[rec.item_id] = rec
+        return records
+
+    def _drop_torn_tail(self) -> None:
+        """A crash mid-write leaves a last line without its newline; cut it so the next append
+        starts on a fresh line instead of gluing a good record onto the torn one."""
+        data = self.jsonl.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with self.jsonl.open("r+b") as fh:
+                fh.truncate(data.rfind(b"\n") + 1)
+
+    def append(self, record: Record) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with self.jsonl.open("a") as fh:
+            fh.write(json.dumps(record.to_row(), default=_nan_safe) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def write_parquet(self, records: Iterable[Record] | None = None) -> Path:
+        rows = [r.to_row() for r in (records if records is not None else self.load().values())]
+        frame = records_frame(rows)
+        tmp = self.parquet.with_suffix(".parquet.tmp")
+        frame.write_parquet(tmp)
+        tmp.replace(self.parquet)
+        return self.parquet
+
+
+def _nan_safe(value: object) -> object:
+    return str(value)
+
+
+def records_frame(rows: list[dict]) -> pl.DataFrame:
+    if not rows:
+        return pl.DataFrame()
+    flat = []
+    for row in rows:
+        row = dict(row)
+        row["decode_time_s"] = row["wall_time_s"] - row["prefill_time_s"]
+        row["output_token_ids"] = json.dumps(row["output_token_ids"])
+        flat.append(row)
+    return pl.DataFrame(flat, infer_schema_length=None)
+
+
+def reference_dir(root: Path, pair: str, dtype: str, benchmark: str, spec: DecodeSpec) -> Path:
+    """Cache directory of a reference run (target-only, or lossless at one draft length)."""
+    kind = "target-only" if spec.draft_len == 0 else f"lossless-L{spec.draft_len}"
+    return root / "references" / slug(f"{pair}-{dtype}") / benchmark / f"{kind}-{spec.key()}"

@@ -1,0 +1,174 @@
+"""One benchmark item through one decoding configuration -> one ``Record``.
+
+Knows the engine, the benchmark contract and the rule registry; knows nothing about where
+records are stored, Ray, Optuna or MLflow. The evaluate job and the sweep's pair actors both call
+``evaluate_item``; everything they aggregate comes from ``Record`` fields.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from policies import make_policy
+from workers.benchmarks import Benchmark, Item
+from workers.engine import SpecDecoder
+from workers.prompts import encode_chat
+from workers.stats import GenerationStats
+
+TARGET_ONLY = "target-only"
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """How to decode: the rule (``target-only`` for the reference) and the decoding settings."""
+
+    policy: str = TARGET_ONLY
+    params: tuple[tuple[str, Any], ...] = ()  # sorted (name, value) pairs, hashable
+    draft_len: int = 0
+    temperature: float = 0.0
+    seed: int = 0
+    max_new_tokens: int = 256
+    shots: int = 0
+
+    @staticmethod
+    def make(policy: str, params: dict | None = None, draft_len: int = 5, **settings: Any) -> DecodeSpec:
+        params = dict(params or {})
+        if policy == TARGET_ONLY:
+            if params:
+                raise ValueError(f"target-only decoding takes no parameters, got {sorted(params)}")
+            draft_len = 0
+        else:
+            make_policy(policy, **params)  # validate now: unknown names / params / ranges fail early
+            if not isinstance(draft_len, int) or draft_len < 1:
+                raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
+        return DecodeSpec(policy, tuple(sorted(params.items())), draft_len, **settings)
+
+    @property
+    def params_dict(self) -> dict[str, Any]:
+        return dict(self.params)
+
+    def settings_key(self) -> dict[str, Any]:
+        """What makes two runs comparable item by item (everything but the rule)."""
+        return {"temperature": self.temperature, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
+                "shots": self.shots}
+
+    def key(self) -> str:
+        """A short stable id of the whole spec (file names, caches)."""
+        blob = json.dumps({**asdict(self), "params": self.params_dict}, sort_keys=True, default=str)
+        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def label(self) -> str:
+        if self.policy == TARGET_ONLY:
+            return TARGET_ONLY
+        params = ",".join(f"{k}={v}" for k, v in self.params)
+        return f"{self.policy}({params}) L={self.draft_len}"
+
+
+@dataclass
+class Record:
+    """One item under one spec: outputs, score and the engine's counts and times (summed over turns)."""
+
+    item_id: str
+    index: int
+    benchmark: str
+    spec_key: str
+    policy: str
+    params: str  # JSON
+    draft_len: int
+    outputs: list[str]
+    score: float  # NaN when the item failed
+    extracted: str | None
+    reason: str
+    tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    target_forwards: int
+    draft_forwards: int
+    prefill_time_s: float
+    draft_time_s: float
+    verify_time_s: float
+    policy_time_s: float
+    wall_time_s: float
+    finish_reasons: list[str]
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def decode_time_s(self) -> float:
+        return self.wall_time_s - self.prefill_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None or math.isnan(self.score)
+
+    def to_row(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_row(row: dict[str, Any]) -> Record:
+        return Record(**{k: row[k] for k in Record.__dataclass_fields__ if k in row})
+
+
+def _sum_stats(total: GenerationStats, part: GenerationStats) -> None:
+    for name in ("num_generated", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
+                 "draft_forwards", "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s"):
+        setattr(total, name, getattr(total, name) + getattr(part, name))
+    if part.accepted_per_position:
+        if not total.accepted_per_position:
+            total.accepted_per_position = [0] * len(part.accepted_per_position)
+        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, part.accepted_per_position,
+                                                             strict=True)]
+
+
+def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: DecodeSpec,
+                  reference_outputs: list[str] | None = None) -> Record:
+    """Generate every turn of ``item`` under ``spec`` and score it. Never raises for a failing
+    item: the error is recorded (score NaN) so a sweep loses one item, not a trial."""
+    total = GenerationStats(draft_len=spec.draft_len)
+    outputs: list[str] = []
+    finishes: list[str] = []
+    token_ids: list[list[int]] = []
+    policy = None if spec.policy == TARGET_ONLY else make_policy(spec.policy, **spec.params_dict)
+    try:
+        previous: list[tuple[str, str]] = []
+        for turn in range(len(item.turns)):
+            ids = encode_chat(engine.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn, previous=previous))
+            common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                          seed=spec.seed + turn, stop=list(bench.stop) or None)
+            if policy is None:
+                gen = engine.autoregressive(ids, **common)
+            else:
+                gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
+            _sum_stats(total, gen.stats)
+            outputs.append(gen.text or "")
+            finishes.append(gen.finish_reason)
+            token_ids.append(gen.token_ids)
+            previous.append((item.turns[turn], gen.text or ""))
+        refs = outputs if (reference_outputs is None and spec.policy == TARGET_ONLY) else reference_outputs
+        scored = bench.score(item, outputs, reference_outputs=refs)
+        score, extracted, reason, error = float(scored.score), scored.extracted, scored.reason, None
+    except Exception as err:  # recorded, not raised: see docstring
+        score, extracted, reason = math.nan, None, f"failed: {type(err).__name__}: {err}"
+        error = "".join(traceback.format_exception_only(type(err), err)).strip()
+    return Record(
+        item_id=item.id, index=item.index, benchmark=bench.name, spec_key=spec.key(), policy=spec.policy,
+        params=json.dumps(spec.params_dict, sort_keys=True), draft_len=spec.draft_len, outputs=outputs,
+        score=score, extracted=extracted, reason=reason, tokens=total.num_generated, num_drafts=total.num_drafts,
+        num_draft_tokens=total.num_draft_tokens, num_accepted_tokens=total.num_accepted_tokens,
+        accepted_per_position=list(total.accepted_per_position) or [0] * spec.draft_len,
+        target_forwards=total.target_forwards, draft_forwards=total.draft_forwards,
+        prefill_time_s=total.prefill_time_s, draft_time_s=total.draft_time_s, verify_time_s=total.verify_time_s,
+        policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
+        output_token_ids=token_ids, error=error,
+    )
