@@ -20,3 +20,9 @@ lint: env
 
 bench-policies: env
 	$(PY) -m jobs.bench_policies
+
+ray-head: env   ## a local Ray head with the job server (for `ray job submit`)
+	bash scripts/ray-head start
+
+ray-stop:
+	bash scripts/ray-head stop

@@ -1,0 +1,185 @@
+"""Long-lived pair actors and the streaming of benchmark shards through them.
+
+A ``PairWorker`` loads its draft/target pair ONCE (in ``__init__``) and keeps it across trials.
+Per trial, the items become a ``ray.data`` Dataset split into small shards that idle actors take
+one at a time, so the driver sees records shard by shard and can stop a trial early. A dead or
+failing actor does not stall the trial: its shard is re-queued for a live actor and the failure
+is recorded. (``streaming_split`` was the first design: its consumers are coordinated, so one
+dead consumer can block the others — a failure mode a sweep cannot afford.)
+
+Knows workers/ (engine, evaluation) and Ray; knows nothing about Optuna or MLflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from workers.benchmarks import Item, get_benchmark
+from workers.evaluation import DecodeSpec, Record, evaluate_item
+
+
+# max_concurrency=2: a trial's stop() must run while consume() is busy in the other thread.
+@ray.remote(max_restarts=2, max_task_retries=0, max_concurrency=2)
+class PairWorker:
+    """Hosts one pair (loaded once) and evaluates items with any DecodeSpec."""
+
+    def __init__(self, pair: str, dtype: str = "bf16", cache_dir: str | None = None, num_threads: int | None = None,
+                 tensor_parallel_size: int = 1) -> None:
+        import torch
+
+        from workers.engine import SpecDecoder
+        from workers.pair import load_pair
+
+        if tensor_parallel_size != 1:
+            # The CPU engine runs one process per pair; TP sizes > 1 are for the vLLM engine on GPU nodes.
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the vLLM engine; the CPU engine runs TP=1")
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        t0 = time.perf_counter()
+        self.pair_name = pair
+        self.engine = SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir))
+        self.load_s = time.perf_counter() - t0
+        self.items_done = 0
+        self._stop: set[str] = set()
+
+    def info(self) -> dict[str, Any]:
+        return {"pair": self.pair_name, "pid": os.getpid(), "load_s": self.load_s, "items_done": self.items_done,
+                "node": ray.get_runtime_context().get_node_id()}
+
+    def stop(self, tag: str) -> None:
+        """Ask a running ``consume`` for trial ``tag`` to stop after its current item."""
+        self._stop.add(tag)
+
+    def profile(self) -> dict[str, Any]:
+        """This pair's cost profile on this node (measured once, then read from the pair cache)."""
+        from workers.calibrate import get_profile
+
+        return get_profile(self.engine.pair).to_json()
+
+    def evaluate(self, benchmark: str, spec: DecodeSpec, item: Item, references: dict[str, list[str]]) -> Record:
+        record = evaluate_item(self.engine, get_benchmark(benchmark), item, spec, references.get(item.id))
+        self.items_done += 1
+        return record
+
+    def consume(self, tag: str, benchmark: str, spec: DecodeSpec, shard: Any, references: dict[str, list[str]]
+                ) -> list[Record]:
+        """Evaluate one shard (a small Ray Data dataset of items); stop early if asked."""
+        records = []
+        for row in shard.iter_rows():
+            if tag in self._stop:
+                break
+            records.append(self.evaluate(benchmark, spec, item_from_json(row["item"]), references))
+        return records
+
+    def evaluate_list(self, benchmark: str, spec: DecodeSpec, items: list[Item], references: dict[str, list[str]]
+                      ) -> list[Record]:
+        return [self.evaluate(benchmark, spec, item, references) for item in items]
+
+
+def item_to_json(item: Item) -> str:
+    return json.dumps(dataclasses.asdict(item))
+
+
+def item_from_json(text: str) -> Item:
+    data = json.loads(text)
+    data["turns"] = tuple(data["turns"])
+    return Item(**data)
+
+
+@dataclass
+class TrialRun:
+    """What streaming one trial produced."""
+
+    records: dict[str, Record] = field(default_factory=dict)
+    stopped_early: bool = False
+    actor_failures: list[str] = field(default_factory=list)
+    retried_items: int = 0
+    wall_s: float = 0.0
+
+
+def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
+                 cache_dir: str | None = None, tensor_parallel_size: int = 1) -> list[Any]:
+    threads = max(1, int(cpus_per_actor))
+    workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor).remote(
+        pair, dtype, cache_dir, threads, tensor_parallel_size) for _ in range(n)]
+    ray.get([w.info.remote() for w in workers])  # surface load errors now, not mid-trial
+    return workers
+
+
+def release(workers: list[Any]) -> None:
+    """End the actors now (rather than whenever their handles are collected)."""
+    for w in workers:
+        ray.kill(w)
+
+
+def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, items: list[Item],
+              references: dict[str, list[str]], on_record: Callable[[Record], bool] | None = None,
+              timeout_s: float | None = None, shard_size: int | None = None) -> TrialRun:
+    """Evaluate ``items`` on ``workers``, shard by shard.
+
+    The items become a Ray Data dataset split into small shards; each idle actor takes the next
+    shard, so fast actors take more. ``on_record`` runs on the driver for every record and
+    returns True to stop the trial early (no new shards go out; running ones stop after their
+    current item). A shard whose actor dies is re-queued for a live actor and the failure is
+    recorded; a trial fails only when no actor is left.
+    """
+    t0 = time.perf_counter()
+    out = TrialRun()
+    if not items:
+        return out
+    size = shard_size or max(1, min(8, math.ceil(len(items) / (2 * len(workers)))))
+    rows = [{"item_id": item.id, "item": item_to_json(item)} for item in items]  # JSON: an Arrow-native column
+    n_shards = math.ceil(len(rows) / size)
+    shards = ray.data.from_items(rows, override_num_blocks=n_shards).split(n_shards)
+    queue_: deque[int] = deque(range(n_shards))
+    refs = ray.put(references)
+    live = list(workers)
+    running: dict[Any, tuple[Any, int]] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while queue_ or running:
+        while queue_ and not out.stopped_early:
+            idle = [w for w in live if all(w is not v[0] for v in running.values())]
+            if not idle:
+                break
+            shard_id = queue_.popleft()
+            running[idle[0].consume.remote(tag, benchmark, spec, shards[shard_id], refs)] = (idle[0], shard_id)
+        if not running:
+            break
+        wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _ = ray.wait(list(running), num_returns=1, timeout=wait)
+        if not ready:
+            out.actor_failures.append(f"trial timed out after {timeout_s:.0f}s with {len(running)} shard(s) running")
+            break
+        worker, shard_id = running.pop(ready[0])
+        try:
+            records = ray.get(ready[0])
+        except ray.exceptions.RayError as err:
+            out.actor_failures.append(f"shard {shard_id}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            if isinstance(err, ray.exceptions.RayActorError):
+                live = [w for w in live if w is not worker]
+            if not live:
+                raise RuntimeError(f"trial {tag}: every pair actor failed; last error: {err}") from err
+            queue_.appendleft(shard_id)
+            out.retried_items += shards[shard_id].count()
+            continue
+        for record in records:
+            if record.item_id in out.records:
+                continue
+            out.records[record.item_id] = record
+            if on_record is not None and not out.stopped_early and on_record(record):
+                out.stopped_early = True
+                queue_.clear()
+                for w in live:
+                    w.stop.remote(tag)
+    out.wall_s = time.perf_counter() - t0
+    return out

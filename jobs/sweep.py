@@ -1,0 +1,367 @@
+"""The sweep: search each rule's knobs for the best speedup under quality budgets, on Ray.
+
+    ray job submit --working-dir . -- python jobs/sweep.py --benchmark gsm8k \\
+        --pair qwen2.5-coder-0.5b+1.5b --budgets 0.01,0.02,0.05 --items 40 --trials 16
+
+Optuna (sqlite under the run directory; rerunning the same command resumes it) asks for a rule
+family, its knobs (from the registry's field metadata) and a draft length; long-lived pair actors
+evaluate the trial's items streamed through Ray Data; the driver aggregates the records against
+the cached target-only and lossless references on the same items, stops a trial early once its
+accuracy drop is beyond the largest budget with 95% confidence (recorded as pruned), tells Optuna
+(objectives: speedup, accuracy; constraint: drop <= largest budget) and logs a nested MLflow run.
+The Pareto front, the quality-constrained speedup table, acceptance plots and the chosen policy
+per budget are refreshed as the sweep goes and logged to the parent run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python jobs/sweep.py` (as `ray job submit` runs it): repo root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
+from jobs.search_space import DEFAULT_FAMILIES, check_families, decode_params, suggest  # noqa: E402
+from workers.benchmarks import BENCHMARKS, get_benchmark  # noqa: E402
+from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
+from workers.metrics import TrialMetrics, aggregate, bootstrap_ci, noise_floor  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
+    ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT_DIR+TARGET_DIR")
+    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
+    ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
+    ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
+    ap.add_argument("--items", type=int, default=40, help="benchmark items per trial (0 = all)")
+    ap.add_argument("--subset-seed", type=int, default=0, help="seeded item subset")
+    ap.add_argument("--draft-len", default="3,8", help="draft length search range LO,HI (or one value)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
+    ap.add_argument("--shots", type=int, default=0)
+    ap.add_argument("--objective", choices=("vs-ar", "vs-lossless"), default="vs-ar", help="which modelled speedup to maximize")
+    ap.add_argument("--cost-ratio", type=float, default=None, help="deployment c for modelled speedup (default: measured)")
+    ap.add_argument("--actors", type=int, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
+    ap.add_argument("--cpus-per-actor", type=float, default=1)
+    ap.add_argument("--gpus-per-actor", type=float, default=0)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
+    ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
+    ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
+    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
+    ap.add_argument("--runs-root", default=None, help="default ./runs (or SPECTUNE_RUNS)")
+    ap.add_argument("--run-dir", default=None, help="default <runs-root>/sweeps/<study name>")
+    return ap
+
+
+def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
+    bench = get_benchmark(args.benchmark)
+    try:
+        budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
+    if not budgets or any(not (0 < b < 1) for b in budgets):
+        raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
+    families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
+    bounds = [int(x) for x in args.draft_len.split(",")]
+    lo, hi = (bounds[0], bounds[-1])
+    if not (1 <= lo <= hi <= 16):
+        raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
+    for name in ("trials", "min_items_to_prune"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.items < 0:
+        raise ValueError("--items must be >= 0 (0 = all)")
+    return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi),
+            "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
+                           max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
+
+
+def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
+    key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
+                      "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
+                      "subset_seed": args.subset_seed}, sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
+
+
+class Sweep:
+    """Driver state: workers, references, study, tracker. One per command invocation."""
+
+    def __init__(self, args: argparse.Namespace, s: dict[str, Any]) -> None:
+        import optuna
+
+        from cluster.pair_actor import make_workers
+        from cluster.runtime import default_num_actors, init_ray
+        from jobs.tracking import SweepTracker
+
+        self.args, self.s = args, s
+        self.bench = s["bench"]
+        self.root = runs_root(args.runs_root)
+        self.name = study_name(args, s)
+        self.dir = Path(args.run_dir) if args.run_dir else self.root / "sweeps" / self.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.items = self.bench.items(limit=args.items or None, seed=args.subset_seed)
+        init_ray(args.address)
+        n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
+        log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
+        self.workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
+                                    gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size)
+        import ray
+
+        self.profile = ray.get(self.workers[0].profile.remote())
+        self.cost_ratio = args.cost_ratio if args.cost_ratio is not None else self.profile["cost_ratio"]
+        self.verify_s = {int(k): v for k, v in self.profile["verify_s"].items()}
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.study = optuna.create_study(
+            study_name=self.name, storage=f"sqlite:///{self.dir / 'optuna.db'}", load_if_exists=True,
+            directions=["maximize", "maximize"],
+            sampler=optuna.samplers.TPESampler(seed=args.seed, multivariate=True, group=True,
+                                               n_startup_trials=max(4, min(10, args.trials // 2)),
+                                               warn_independent_sampling=False))
+        self.tracker = SweepTracker(self.dir)
+        meta = self.dir / "sweep.json"
+        state = json.loads(meta.read_text()) if meta.is_file() else {}
+        parent = self.tracker.start_parent(
+            self.name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(self.items),
+                        "budgets": s["budgets"], "policies": s["families"], "draft_len_range": list(s["draft_len"]),
+                        **s["decode"], "objective": args.objective, "cost_ratio": self.cost_ratio, "actors": n},
+            {"machine": platform.node(), "python": platform.python_version(), "study": self.name,
+             "run_dir": str(self.dir), **_versions()}, state.get("parent_run_id"))
+        meta.write_text(json.dumps({"parent_run_id": parent, "study": self.name, "args": vars(args)}, indent=1))
+        self.refs: dict[str, dict[str, Record]] = {}
+
+    # -- references ------------------------------------------------------------------------------
+
+    def reference(self, spec: DecodeSpec, label: str) -> dict[str, Record]:
+        from cluster.pair_actor import run_trial
+
+        store = RecordStore(reference_dir(self.root, self.args.pair, self.args.dtype, self.bench.name, spec))
+        done = store.load()
+        missing = [it for it in self.items if it.id not in done]
+        if missing:
+            log(f"{label}: computing {len(missing)} of {len(self.items)} items")
+            ar = self.refs.get(TARGET_ONLY, {})
+            run = run_trial(self.workers, f"ref-{spec.key()}", self.bench.name, spec, missing,
+                            {k: r.outputs for k, r in ar.items()}, on_record=lambda r: store.append(r) and False,
+                            timeout_s=self.args.trial_timeout)
+            done.update(run.records)
+        records = {it.id: done[it.id] for it in self.items if it.id in done}
+        store.write_parquet(records.values())
+        return records
+
+    def lossless(self, draft_len: int) -> dict[str, Record]:
+        key = f"lossless-{draft_len}"
+        if key not in self.refs:
+            spec = DecodeSpec.make("lossless", {}, draft_len, **self.s["decode"])
+            self.refs[key] = self.reference(spec, f"lossless L={draft_len} reference")
+        return self.refs[key]
+
+    def verify_factor(self, draft_len: int) -> float:
+        from workers.calibrate import CostProfile
+
+        data = dict(self.profile)
+        data.pop("cost_ratio", None)
+        return CostProfile(**data).verify_factor(draft_len)
+
+    # -- trials ----------------------------------------------------------------------------------
+
+    def resume_stale(self) -> None:
+        """Trials left RUNNING by an interrupted sweep are failed and re-enqueued with the same
+        params; their records (keyed by spec, not trial number) are reused item by item."""
+        from optuna.trial import TrialState
+
+        for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            self.study.tell(t.number, state=TrialState.FAIL)
+            self.study.enqueue_trial(t.params, user_attrs={"resumed_from": t.number})
+            log(f"trial {t.number} was interrupted: re-enqueued")
+
+    def finished(self) -> int:
+        from optuna.trial import TrialState
+
+        return len(self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
+
+    def run_one(self) -> None:
+        from optuna.trial import TrialState
+
+        from cluster.pair_actor import run_trial
+
+        trial = self.study.ask()
+        family, params, draft_len = suggest(trial, self.s["families"], self.s["draft_len"])
+        spec = DecodeSpec.make(family, params, draft_len, **self.s["decode"])
+        ar, ll = self.refs[TARGET_ONLY], self.lossless(draft_len)
+        store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
+        records = {k: v for k, v in store.load().items() if k in ar}
+        budget = max(self.s["budgets"])
+        check_every = max(2, len(self.workers))
+
+        def on_record(rec: Record) -> bool:
+            store.append(rec)
+            records[rec.item_id] = rec
+            n = len(records)
+            if n < self.args.min_items_to_prune or n % check_every:
+                return False
+            diffs = [ar[k].score - r.score for k, r in records.items() if k in ar and not r.failed]
+            return bootstrap_ci(diffs, resamples=500)[0] > budget  # beyond the budget with 95% confidence
+
+        todo = [it for it in self.items if it.id not in records]
+        run = run_trial(self.workers, f"trial-{trial.number}", self.bench.name, spec, todo,
+                        {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout)
+        store.write_parquet(records.values())
+        m = aggregate(list(records.values()), list(ar.values()), list(ll.values()), self.cost_ratio, self.verify_factor)
+        pruned = run.stopped_early or (len(records) >= self.args.min_items_to_prune and m.accuracy_drop_ci[0] > budget)
+        speed = m.speedup_vs_ar_modelled if self.args.objective == "vs-ar" else m.speedup_vs_lossless_modelled
+        for k, v in m.flat().items():
+            trial.set_user_attr(k, v)
+        trial.set_user_attr("acceptance_per_position", m.acceptance_per_position)
+        trial.set_user_attr("actor_failures", run.actor_failures)
+        trial.set_user_attr("retried_items", run.retried_items)
+        trial.set_user_attr("trial_wall_s", run.wall_s)
+        trial.set_user_attr("spec_key", spec.key())
+        over = m.accuracy_drop - budget if math.isfinite(m.accuracy_drop) else 1.0
+        trial.set_constraint("accuracy_drop_over_budget", over)  # feasible when <= 0
+        if pruned:
+            self.study.tell(trial, state=TrialState.PRUNED)
+        elif math.isnan(speed) or math.isnan(m.accuracy):
+            self.study.tell(trial, state=TrialState.FAIL)
+        else:
+            self.study.tell(trial, [speed, m.accuracy])
+        state = "PRUNED" if pruned else "COMPLETE"
+        self.tracker.log_trial(
+            f"trial-{trial.number:03d} {spec.label()}",
+            {"family": family, **{f"param.{k}": v for k, v in params.items()}, "draft_len": draft_len, "trial": trial.number},
+            {**m.flat(), "retried_items": run.retried_items, "actor_failures": len(run.actor_failures),
+             "trial_wall_s": run.wall_s, "items_evaluated": len(records)},
+            {"state": state, "family": family, "spec_key": spec.key()}, [store.parquet])
+        self.progress(trial.number, spec, m, state, run.wall_s)
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def trials_frame(self):
+        import polars as pl
+
+        rows = []
+        for t in self.study.get_trials(deepcopy=False):
+            if t.state.name not in ("COMPLETE", "PRUNED") or "accuracy" not in t.user_attrs:
+                continue
+            family, params, draft_len = decode_params(t.params, self.s["families"])
+            a = t.user_attrs
+            rows.append({"trial": t.number, "family": family, "params": json.dumps(params, sort_keys=True),
+                         "draft_len": draft_len or 0, "state": t.state.name, "items": int(a.get("items", 0)),
+                         **{k: float(a.get(k, math.nan)) for k in (
+                             "accuracy", "accuracy_drop", "accuracy_drop_ci_lo", "accuracy_drop_ci_hi",
+                             "speedup_vs_ar_modelled", "speedup_vs_ar_measured", "speedup_vs_lossless_modelled",
+                             "speedup_vs_lossless_measured", "mean_acceptance_length", "draft_acceptance_rate")}})
+        return pl.DataFrame(rows) if rows else pl.DataFrame()
+
+    def report(self) -> dict[str, Any]:
+        from dashboards.report import write_report
+        from dashboards.tables import chosen_per_budget
+
+        frame = self.trials_frame()
+        ar = self.refs[TARGET_ONLY]
+        ref_acc = sum(r.score for r in ar.values() if not r.failed) / max(1, sum(not r.failed for r in ar.values()))
+        ll_key = next((k for k in self.refs if k.startswith("lossless")), None)
+        floor = noise_floor(list(self.refs[ll_key].values()), list(ar.values())).__dict__ if ll_key else None
+        winners = {}
+        chosen: dict[str, Any] = {}
+        if len(frame):
+            for budget, row in chosen_per_budget(frame, self.s["budgets"]).items():
+                chosen[str(budget)] = self.choice(budget, row)
+                if row is not None:
+                    winners[f"≤{budget * 100:g}%: {row['family']} (trial {row['trial']})"] = self.acceptance(row)
+        out = self.dir / "report"
+        write_report(frame, out, reference_accuracy=ref_acc, budgets=self.s["budgets"],
+                     winners_acceptance=winners or None, noise_floor=floor, title=self.name)
+        for budget, choice in chosen.items():
+            (out / f"chosen-budget-{budget}.json").write_text(json.dumps(choice, indent=1, default=str))
+        self.tracker.log_report(out, chosen)
+        return chosen
+
+    def choice(self, budget: float, row: dict | None) -> dict[str, Any]:
+        base = {"budget": budget, "pair": self.args.pair, "benchmark": self.bench.name, "dtype": self.args.dtype,
+                "sweep": self.name, "parent_run_id": self.tracker.parent_id, "decode": self.s["decode"]}
+        if row is None:
+            return {**base, "policy": None, "reason": "no finished trial is within this budget"}
+        return {**base, "policy": row["family"], "params": json.loads(row["params"]), "draft_len": row["draft_len"],
+                "trial": row["trial"], "metrics": {k: v for k, v in row.items() if isinstance(v, float)}}
+
+    def acceptance(self, row: dict) -> tuple[int, list[int]]:
+        spec = DecodeSpec.make(row["family"], json.loads(row["params"]), row["draft_len"], **self.s["decode"])
+        store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
+        recs = [r for r in store.load().values() if not r.failed]
+        counts = [0] * spec.draft_len
+        for r in recs:
+            counts = [a + b for a, b in zip(counts, r.accepted_per_position, strict=False)]
+        return sum(r.num_drafts for r in recs), counts
+
+    def progress(self, number: int, spec: DecodeSpec, m: TrialMetrics, state: str, wall: float) -> None:
+        done, total = self.finished(), self.args.trials
+        self.elapsed.append(wall)
+        eta = sum(self.elapsed) / len(self.elapsed) * max(0, total - done)
+        frame = self.trials_frame()
+        best = []
+        for b in self.s["budgets"]:
+            ok = frame.filter((frame["state"] == "COMPLETE") & (frame["accuracy_drop"] <= b)) if len(frame) else frame
+            best.append(f"≤{b * 100:g}%: {ok['speedup_vs_ar_modelled'].max():.2f}x" if len(ok) else f"≤{b * 100:g}%: -")
+        log(f"trial {number} [{done}/{total}] {state} {spec.label()}: acc {m.accuracy:.3f} drop {m.accuracy_drop:+.3f} "
+            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x) MAL "
+            f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | best {', '.join(best)} | "
+            f"ETA {eta / 60:.1f} min")
+
+    def run(self) -> dict[str, Any]:
+        self.elapsed: list[float] = []
+        self.refs[TARGET_ONLY] = self.reference(DecodeSpec.make(TARGET_ONLY, **self.s["decode"]), "target-only reference")
+        self.resume_stale()
+        if self.finished() >= self.args.trials:
+            log(f"study {self.name} already has {self.finished()} finished trials: reporting only")
+        while self.finished() < self.args.trials:
+            self.run_one()
+            if self.finished() % 4 == 0:
+                self.report()
+        chosen = self.report()
+        self.tracker.end()
+        from cluster.pair_actor import release
+
+        release(self.workers)
+        return chosen
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {f"version.{p}": md.version(p) for p in ("torch", "transformers", "ray", "optuna", "mlflow")}
+
+
+def log(msg: str) -> None:
+    print(f"[sweep {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = parse_settings(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sweep = Sweep(args, settings)
+    chosen = sweep.run()
+    print(json.dumps({"run_dir": str(sweep.dir), "parent_run_id": sweep.tracker.parent_id, "chosen": chosen},
+                     indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

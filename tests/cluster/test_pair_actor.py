@@ -1,0 +1,78 @@
+"""Pair actors on a real local Ray (2 CPUs): items stream through Ray Data, an actor that dies
+mid-trial loses nothing, early stop works."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import ray
+
+from cluster.pair_actor import item_from_json, item_to_json, make_workers, run_trial
+from cluster.runtime import init_ray
+from workers.benchmarks import get_benchmark
+from workers.evaluation import DecodeSpec
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def workers():
+    init_ray(num_cpus=2)
+    # half a CPU each: the kill test below starts two more actors on this 2-CPU cluster
+    return make_workers(2, "tiny-random", "fp32", cpus_per_actor=0.5)
+
+
+@pytest.fixture(scope="module")
+def items():
+    return get_benchmark("gsm8k").items(limit=8)
+
+
+def spec(**kw):
+    return DecodeSpec.make("kl_judge", {"threshold": 1.0}, 3, max_new_tokens=kw.get("max_new_tokens", 6))
+
+
+def test_items_round_trip_through_json(items):
+    assert all(item_from_json(item_to_json(it)) == it for it in items)
+
+
+def test_every_item_is_evaluated_exactly_once_by_the_actors(workers, items):
+    run = run_trial(workers, "once", "gsm8k", spec(), items, {})
+    assert sorted(run.records) == sorted(it.id for it in items)
+    assert not run.actor_failures and run.retried_items == 0
+    done = [info["items_done"] for info in ray.get([w.info.remote() for w in workers])]
+    assert all(n > 0 for n in done), f"both actors took shards: {done}"
+    loads = {info["pid"]: info["load_s"] for info in ray.get([w.info.remote() for w in workers])}
+    run_trial(workers, "again", "gsm8k", spec(), items, {})
+    after = {info["pid"]: info["load_s"] for info in ray.get([w.info.remote() for w in workers])}
+    assert after == loads, "actors keep their pair across trials (same processes, loaded once)"
+
+
+def test_early_stop_ends_the_trial(workers, items):
+    seen = []
+    run = run_trial(workers, "stop", "gsm8k", spec(max_new_tokens=12), items, {},
+                    on_record=lambda r: seen.append(r) or len(seen) >= 2)
+    assert run.stopped_early
+    assert len(run.records) < len(items)
+
+
+def test_killed_actor_loses_neither_the_items_nor_the_trial(items):
+    init_ray(num_cpus=2)
+    victims = make_workers(2, "tiny-random", "fp32", cpus_per_actor=0.5)
+    first = threading.Event()
+
+    def on_record(_):
+        first.set()
+        return False
+
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("run", run_trial(
+        victims, "kill", "gsm8k", spec(max_new_tokens=48), items, {}, on_record=on_record)))
+    th.start()
+    assert first.wait(120), "no record arrived"
+    ray.kill(victims[1], no_restart=True)
+    th.join(300)
+    run = result["run"]
+    assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
+    assert run.actor_failures, "the dead actor is recorded as a failure"
+    assert all(not r.failed for r in run.records.values())

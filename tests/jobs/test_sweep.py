@@ -1,0 +1,119 @@
+"""The sweep end to end on the tiny pair with 2 actors on a local Ray: study, MLflow parent and
+nested runs, report artifacts, chosen policy per budget; resume without redoing trials."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "6", "--max-new-tokens", "8",
+        "--actors", "2", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k", "--draft-len", "2,4",
+        "--cost-ratio", "0.4", "--min-items-to-prune", "4"]
+
+
+def sweep(tmp_path: Path, *extra: str) -> dict:
+    from jobs import sweep as sweep_job
+
+    run_dir = tmp_path / "sweep"
+    rc = sweep_job.main([*BASE, "--runs-root", str(tmp_path), "--run-dir", str(run_dir), *extra])
+    assert rc == 0
+    return json.loads((run_dir / "sweep.json").read_text())
+
+
+def trials(run_dir: Path):
+    import optuna
+
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    study = optuna.load_study(study_name=meta["study"], storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    return study.get_trials(deepcopy=False)
+
+
+def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
+    meta = sweep(tmp_path, "--trials", "3")
+    run_dir = tmp_path / "sweep"
+    finished = [t for t in trials(run_dir) if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(finished) == 3
+    assert all("accuracy" in t.user_attrs for t in finished)
+    report = run_dir / "report"
+    for name in ("pareto.png", "budget_table.md", "report.md", "trials.parquet"):
+        assert (report / name).is_file() and (report / name).stat().st_size > 0, name
+    chosen = json.loads((report / "chosen-budget-0.2.json").read_text())
+    assert chosen["pair"] == "tiny-random" and "policy" in chosen
+
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")
+    parent = [r for r in runs if r.info.run_id == meta["parent_run_id"]][0]
+    nested = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(nested) == 3
+    assert all("speedup_vs_ar_modelled" in r.data.metrics for r in nested)
+    assert any(k.startswith("chosen.") for k in parent.data.tags)
+    artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
+    assert {"report", "chosen"} <= artifacts
+
+    # Rerun with a larger target: the 3 finished trials are kept, 2 more are run, same parent run.
+    numbers_before = {t.number for t in finished}
+    meta2 = sweep(tmp_path, "--trials", "5")
+    assert meta2["parent_run_id"] == meta["parent_run_id"]
+    after = [t for t in trials(run_dir) if t.state.name in ("COMPLETE", "PRUNED")]
+    assert len(after) == 5 and numbers_before <= {t.number for t in after}
+    nested = [r for r in mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")
+              if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(nested) == 5, "finished trials are not redone or re-logged"
+
+
+def test_interrupted_trial_is_redone_with_its_params(tmp_path):
+    sweep(tmp_path, "--trials", "1")
+    run_dir = tmp_path / "sweep"
+    import optuna
+
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    study = optuna.load_study(study_name=meta["study"], storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    stale = study.ask({"family": optuna.distributions.CategoricalDistribution(["kl_judge", "top_k"]),
+                       "top_k.k": optuna.distributions.IntDistribution(2, 64, log=True),
+                       "draft_len": optuna.distributions.IntDistribution(2, 4)})
+    assert stale.number == 1  # left RUNNING, as a killed driver would leave it
+    sweep(tmp_path, "--trials", "2")
+    states = {t.number: t for t in trials(run_dir)}
+    assert states[1].state.name == "FAIL"
+    redo = [t for t in states.values() if t.user_attrs.get("resumed_from") == 1]
+    assert len(redo) == 1 and redo[0].state.name in ("COMPLETE", "PRUNED")
+    assert redo[0].params == stale.params
+
+
+def test_bad_arguments_are_clear_errors(tmp_path, capsys):
+    from jobs import sweep as sweep_job
+
+    for bad, msg in ((["--policies", "kl_jduge"], "unknown policy"), (["--budgets", "2"], "--budgets"),
+                     (["--draft-len", "5,2"], "--draft-len"), (["--benchmark", "nope"], "unknown benchmark")):
+        assert sweep_job.main([*BASE, "--runs-root", str(tmp_path), *bad]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err
+
+
+def test_ray_job_submit_to_a_local_head_completes(tmp_path):
+    """`ray job submit --working-dir .` of jobs/sweep.py against a head started by scripts/ray-head."""
+    import ray
+
+    ray.shutdown()  # `ray stop` below ends every Ray process here; leave no in-process cluster behind
+    env_ray = str(ROOT / ".venv" / "bin" / "ray")
+    subprocess.run(["bash", str(ROOT / "scripts" / "ray-head"), "start"], check=True, cwd=ROOT,
+                   env={**__import__("os").environ, "RAY_PORT": "6390", "RAY_DASHBOARD_PORT": "8275"})
+    try:
+        cmd = [env_ray, "job", "submit", "--address", "http://127.0.0.1:8275", "--working-dir", str(ROOT), "--",
+               sys.executable, "jobs/sweep.py", *BASE, "--trials", "2", "--runs-root", str(tmp_path)]
+        env = {**__import__("os").environ, "RAY_AUTH_MODE": "token"}
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "succeeded" in (done.stdout + done.stderr).lower()
+        assert list(tmp_path.glob("sweeps/*/report/report.md")), "the job wrote its report"
+    finally:
+        subprocess.run(["bash", str(ROOT / "scripts" / "ray-head"), "stop"], cwd=ROOT)
