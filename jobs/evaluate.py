@@ -94,7 +94,8 @@ def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | 
         f"  mean accept. length {fmt(metrics.mean_acceptance_length)}   draft acceptance {fmt(metrics.draft_acceptance_rate, True)}",
         f"  tokens/s            {fmt(metrics.tokens_per_s)}",
         f"  speedup vs target-only  measured {fmt(metrics.speedup_vs_ar_measured)}x   modelled {fmt(metrics.speedup_vs_ar_modelled)}x"
-        f" (c = {metrics.cost_ratio:.3f}{', measured here' if args.cost_ratio is None else ''})",
+        f" (c = {metrics.cost_ratio:.3f}{', calibrated here' if args.cost_ratio is None else ''});"
+        f" with c seen in this run ({fmt(metrics.cost_ratio_in_situ)}): {fmt(metrics.speedup_vs_ar_modelled_in_situ)}x",
         f"  speedup vs lossless     measured {fmt(metrics.speedup_vs_lossless_measured)}x   modelled "
         f"{fmt(metrics.speedup_vs_lossless_modelled)}x",
         f"  outputs differing from target-only: {fmt(metrics.output_divergence_vs_ar, True)}",

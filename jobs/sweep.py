@@ -129,8 +129,7 @@ class Sweep:
             study_name=self.name, storage=f"sqlite:///{self.dir / 'optuna.db'}", load_if_exists=True,
             directions=["maximize", "maximize"],
             sampler=optuna.samplers.TPESampler(seed=args.seed, multivariate=True, group=True,
-                                               n_startup_trials=max(4, min(10, args.trials // 2)),
-                                               warn_independent_sampling=False))
+                                               n_startup_trials=max(4, min(10, args.trials // 2))))
         self.tracker = SweepTracker(self.dir)
         meta = self.dir / "sweep.json"
         state = json.loads(meta.read_text()) if meta.is_file() else {}
@@ -317,7 +316,8 @@ class Sweep:
             ok = frame.filter((frame["state"] == "COMPLETE") & (frame["accuracy_drop"] <= b)) if len(frame) else frame
             best.append(f"≤{b * 100:g}%: {ok['speedup_vs_ar_modelled'].max():.2f}x" if len(ok) else f"≤{b * 100:g}%: -")
         log(f"trial {number} [{done}/{total}] {state} {spec.label()}: acc {m.accuracy:.3f} drop {m.accuracy_drop:+.3f} "
-            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x) MAL "
+            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x, modelled with the "
+            f"c seen in this trial {m.cost_ratio_in_situ:.2f}: {m.speedup_vs_ar_modelled_in_situ:.2f}x) MAL "
             f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | best {', '.join(best)} | "
             f"ETA {eta / 60:.1f} min")
 

@@ -240,7 +240,10 @@ class SpecDecoder:
         proposals: list[int] = []
         rows: list[Tensor] = []
         for i in range(n):
-            logits = self.draft.head(self.draft.forward(feed)[:, -1:])  # [1, 1, V]
+            # clone: the last row of a 2-token forward keeps a row stride of 2*d; the bf16 linear
+            # takes a ~35x slower path on such strides (measured 0.87 s vs 0.022 s per call).
+            last = self.draft.forward(feed)[:, -1:].clone(memory_format=torch.contiguous_format)
+            logits = self.draft.head(last)  # [1, 1, V]
             stats.draft_forwards += 1
             tok = self._pick(logits[0, 0], temperature, gen)
             proposals.append(tok)

@@ -57,6 +57,8 @@ class TrialMetrics:
     speedup_vs_lossless_modelled: float = math.nan
     output_divergence_vs_ar: float = math.nan  # fraction of items whose output differs from target-only
     cost_ratio: float = math.nan
+    cost_ratio_in_situ: float = math.nan  # c seen in this run: draft s/forward ÷ target-only s/forward
+    speedup_vs_ar_modelled_in_situ: float = math.nan  # the modelled speedup with that c
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -88,6 +90,19 @@ def modelled_cost(r: Record, cost_ratio: float, verify_factor: VerifyFactor = _u
 def tokens_per_cost(records: Sequence[Record], cost_ratio: float, verify_factor: VerifyFactor = _unit) -> float:
     cost = sum(modelled_cost(r, cost_ratio, verify_factor) for r in records)
     return sum(r.tokens for r in records) / cost if cost > 0 else math.nan
+
+
+def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record]) -> float:
+    """c as this run saw it: mean draft-forward time over mean target-only step time, on the same
+    items and machine state. The calibrated c (short context, idle machine) can differ a lot
+    from this under long few-shot prompts or several actors per node; both are reported so the
+    modelled speedup can be checked against the conditions it claims to describe."""
+    drafts = sum(r.draft_forwards for r in records)
+    steps = sum(r.target_forwards for r in target_only)
+    step_s = sum(r.verify_time_s for r in target_only) / steps if steps else 0.0
+    if not drafts or step_s <= 0:
+        return math.nan
+    return sum(r.draft_time_s for r in records) / drafts / step_s
 
 
 def _by_item(records: Sequence[Record]) -> dict[str, Record]:
@@ -130,6 +145,11 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
                                  if paired else math.nan),
         cost_ratio=cost_ratio,
     )
+    c_here = in_situ_cost_ratio(paired_records, paired_refs)
+    if not math.isnan(c_here):
+        metrics.cost_ratio_in_situ = c_here
+        metrics.speedup_vs_ar_modelled_in_situ = (tokens_per_cost(paired_records, c_here, verify_factor)
+                                                  / tokens_per_cost(paired_refs, c_here, verify_factor))
     if lossless:
         base = _by_item(lossless)
         both = [k for k in ok if k in base]
