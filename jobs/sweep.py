@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     bench = get_benchmark(args.benchmark)
+    from workers.pair import LOCAL_FORM, PAIRS, _split_local
+
+    if args.pair not in PAIRS and _split_local(args.pair) is None:  # fail here, not inside every actor
+        raise ValueError(f"unknown pair {args.pair!r}; valid names: {', '.join(PAIRS)}, or {LOCAL_FORM}")
     try:
         budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:

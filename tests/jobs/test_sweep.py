@@ -93,7 +93,8 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     from jobs import sweep as sweep_job
 
     for bad, msg in ((["--policies", "kl_jduge"], "unknown policy"), (["--budgets", "2"], "--budgets"),
-                     (["--draft-len", "5,2"], "--draft-len"), (["--benchmark", "nope"], "unknown benchmark")):
+                     (["--draft-len", "5,2"], "--draft-len"), (["--benchmark", "nope"], "unknown benchmark"),
+                     (["--pair", "nope"], "unknown pair")):
         assert sweep_job.main([*BASE, "--runs-root", str(tmp_path), *bad]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
