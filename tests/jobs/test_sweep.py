@@ -77,10 +77,12 @@ def test_interrupted_trial_is_redone_with_its_params(tmp_path):
 
     meta = json.loads((run_dir / "sweep.json").read_text())
     study = optuna.load_study(study_name=meta["study"], storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    # a trial a killed driver left RUNNING; its params are pinned so the family and its knobs agree
+    study.enqueue_trial({"family": "top_k", "top_k.k": 13, "draft_len": 2})
     stale = study.ask({"family": optuna.distributions.CategoricalDistribution(["kl_judge", "top_k"]),
                        "top_k.k": optuna.distributions.IntDistribution(2, 64, log=True),
                        "draft_len": optuna.distributions.IntDistribution(2, 4)})
-    assert stale.number == 1  # left RUNNING, as a killed driver would leave it
+    assert stale.number == 1 and stale.params == {"family": "top_k", "top_k.k": 13, "draft_len": 2}
     sweep(tmp_path, "--trials", "2")
     states = {t.number: t for t in trials(run_dir)}
     assert states[1].state.name == "FAIL"
