@@ -13,12 +13,17 @@ Invariants (asserted every round — a cache that silently lags collapses accept
   committed token it lacks (after a fully accepted round that is d_{L-1} and the bonus token),
   then proposes L tokens one forward at a time. Caches are cropped, never recomputed.
 
+Prefix caching: each model's cache remembers the ids it holds; a new prompt keeps the longest
+shared prefix (cropped) and prefills only the rest — a few-shot preamble or a system prompt is
+computed once per engine, and the same prompt under another rule costs one token of prefill.
+
 Only the logits rows that are used are computed: the LM head runs on the draft's last position
 and never in prefill. Tensors are ``[B, ...]`` throughout; B = 1 is what is supported today.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,17 +37,19 @@ from workers.stats import Generation, GenerationStats
 
 
 class _LM:
-    """A causal LM split into decoder + LM head, with its own KV cache."""
+    """A causal LM split into decoder + LM head, with its own KV cache and the ids it holds."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.decoder = model.get_decoder()
         self.head = model.get_output_embeddings()
         self.cache: Any = None
+        self.ids: list[int] = []  # the token ids whose keys/values the cache holds, in order
 
     def reset(self) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache()
+        self.ids = []
 
     @property
     def length(self) -> int:
@@ -52,12 +59,27 @@ class _LM:
         """Feed tokens [B, n]; return final hidden states [B, n, d] (post final norm)."""
         out = self.decoder(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
         self.cache = out.past_key_values
+        self.ids += input_ids[0].tolist()
         return out.last_hidden_state
 
     def crop(self, length: int) -> None:
         if self.length > length:
             self.cache.crop(length - self.length)  # transformers 5: a negative count to remove
-        assert self.length == length, f"KV cache holds {self.length} tokens, expected {length}"
+        del self.ids[length:]
+        assert self.length == length == len(self.ids), f"KV cache holds {self.length} tokens, expected {length}"
+
+    def reuse(self, context: list[int]) -> int:
+        """Keep the cached prefix shared with ``context`` (prefix caching); return its length."""
+        if self.cache is None:
+            self.reset()
+            return 0
+        n = 0
+        for a, b in zip(self.ids, context):
+            if a != b:
+                break
+            n += 1
+        self.crop(n)
+        return n
 
 
 @dataclass
@@ -87,11 +109,29 @@ class _Stop:
         return any(s in tail for s in self.strings)
 
 
+def _resets_on_error(method):
+    """A generation that fails part-way leaves caches whose ids may not match their contents:
+    drop them so the next request starts clean (and the error still propagates)."""
+    @functools.wraps(method)
+    def wrapper(self: SpecDecoder, *args: Any, **kwargs: Any) -> Generation:
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self.target.reset()
+            self.draft.reset()
+            raise
+    return wrapper
+
+
 class SpecDecoder:
     """Speculative decoding with any registered acceptance rule, plus target-only decoding."""
 
-    def __init__(self, pair: ModelPair) -> None:
+    def __init__(self, pair: ModelPair, prefix_cache: bool = True) -> None:
+        """``prefix_cache``: a new prompt reuses the KV entries of the longest prefix it shares
+        with what each model's cache holds (a few-shot preamble, a system prompt, the same
+        prompt under another rule) instead of recomputing them. Off, every prefill starts empty."""
         self.pair = pair
+        self.prefix_cache = prefix_cache
         self.target = _LM(pair.target)
         self.draft = _LM(pair.draft)
         head = pair.target.get_output_embeddings()
@@ -100,6 +140,7 @@ class SpecDecoder:
 
     # -- public API ------------------------------------------------------------------------------
 
+    @_resets_on_error
     @torch.inference_mode()
     def generate(
         self,
@@ -164,6 +205,7 @@ class SpecDecoder:
                 self.draft.crop(len(tokens) - 1)
         return self._finish(generated, finish, stats, t_start, rounds, stopper.strings)
 
+    @_resets_on_error
     @torch.inference_mode()
     def autoregressive(
         self,
@@ -219,13 +261,16 @@ class SpecDecoder:
 
     def _prefill(self, prompt: list[int], stats: GenerationStats, draft: bool) -> list[int]:
         t0 = time.perf_counter()
-        self.target.reset()
-        self.draft.reset()
-        if len(prompt) > 1:
-            context = torch.tensor([prompt[:-1]])
-            self.target.forward(context)  # no LM head: prefill logits are never used
-            if draft:
-                self.draft.forward(context)
+        context = prompt[:-1]  # prefill logits are never used: the last prompt token starts decoding
+        lms = (self.target, self.draft) if draft else (self.target,)
+        for lm in lms:
+            reused = lm.reuse(context) if self.prefix_cache else 0
+            if not self.prefix_cache:
+                lm.reset()
+            if lm is self.target:
+                stats.cached_prompt_tokens = reused
+            if len(context) > reused:
+                lm.forward(torch.tensor([context[reused:]]))  # no LM head in prefill
         stats.prompt_tokens = len(prompt)
         stats.prefill_time_s = time.perf_counter() - t0
         return list(prompt)

@@ -22,6 +22,7 @@ class GenerationStats:
     target_forwards: int = 0  # after prefill
     draft_forwards: int = 0  # after prefill
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV entries came from the prefix cache
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0

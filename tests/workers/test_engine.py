@@ -154,3 +154,36 @@ def test_bad_inputs_get_clear_errors(engine):
         engine.generate([1, 2], "nope")
     with pytest.raises(ValueError, match="temperature"):
         engine.generate([1, 2], "lossless", temperature=-1.0)
+
+
+def test_prefix_cache_reuses_shared_prefix_and_changes_no_output(engine):
+    plain = SpecDecoder(engine.pair, prefix_cache=False)
+    shared = encode(engine, "A long shared preamble that every request repeats word for word. ")
+    first, second = shared + encode(engine, PROMPTS[0]), shared + encode(engine, PROMPTS[1])
+    engine.generate(first, "lossless", draft_len=3, max_new_tokens=12)
+    got = engine.generate(second, "lossless", draft_len=3, max_new_tokens=12)
+    ref = plain.generate(second, "lossless", draft_len=3, max_new_tokens=12)
+    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    assert got.stats.cached_prompt_tokens == common >= len(shared) - 1
+    assert ref.stats.cached_prompt_tokens == 0
+    assert got.token_ids == ref.token_ids
+    again = engine.autoregressive(second, max_new_tokens=12)  # the same prompt: all but the last token cached
+    assert again.stats.cached_prompt_tokens == len(second) - 1
+    assert again.token_ids == plain.autoregressive(second, max_new_tokens=12).token_ids
+
+
+def test_a_failed_generation_leaves_the_engine_serving(engine):
+    ids = encode(engine, PROMPTS[2])
+    ref = engine.generate(ids, "lossless", draft_len=3, max_new_tokens=10)
+
+    class Exploding:  # a Policy whose decision fails after prefill and a draft round
+        name = "exploding"
+        config = None
+
+        def decide(self, batch):
+            raise RuntimeError("policy failed mid-generation")
+
+    with pytest.raises(RuntimeError, match="mid-generation"):
+        engine.generate(ids, Exploding(), draft_len=3, max_new_tokens=10)
+    assert engine.target.ids == [] and engine.draft.ids == []
+    assert engine.generate(ids, "lossless", draft_len=3, max_new_tokens=10).token_ids == ref.token_ids
