@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,9 @@ from torch import Tensor
 from policies import Policy, VerifyBatch, make_policy, verify
 from workers.pair import ModelPair
 from workers.stats import Generation, GenerationStats
+
+
+OnTokens = Callable[[list[int]], "bool | None"]
 
 
 class _LM:
@@ -152,8 +156,12 @@ class SpecDecoder:
         seed: int = 0,
         stop: list[str] | tuple[str, ...] | None = None,
         trace: bool = False,
+        on_tokens: OnTokens | None = None,
     ) -> Generation:
-        """Speculative decoding of ``prompt_ids`` with ``policy`` (a Policy or a registered name)."""
+        """Speculative decoding of ``prompt_ids`` with ``policy`` (a Policy or a registered name).
+
+        ``on_tokens(new_ids)`` is called with the tokens each round emits (streaming); returning
+        False from it ends generation there with finish reason ``"abort"`` (client gone)."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         if not isinstance(draft_len, int) or draft_len < 1:
@@ -200,6 +208,8 @@ class SpecDecoder:
             kept, finish = stopper.cut(generated, new)
             generated += kept
             tokens += new
+            if on_tokens is not None and kept and on_tokens(kept) is False and finish is None:
+                finish = "abort"
             self.target.crop(committed + n_acc)  # all committed tokens but the emitted one
             if self.draft.length > len(tokens) - 1:
                 self.draft.crop(len(tokens) - 1)
@@ -215,6 +225,7 @@ class SpecDecoder:
         seed: int = 0,
         stop: list[str] | tuple[str, ...] | None = None,
         trace: bool = False,
+        on_tokens: OnTokens | None = None,
     ) -> Generation:
         """Target-only decoding: the reference every speculative run is compared with."""
         prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop)
@@ -238,6 +249,8 @@ class SpecDecoder:
             kept, finish = stopper.cut(generated, [tok])
             generated += kept
             tokens.append(tok)
+            if on_tokens is not None and kept and on_tokens(kept) is False and finish is None:
+                finish = "abort"
         return self._finish(generated, finish, stats, t_start, rounds, stopper.strings)
 
     # -- the pieces -----------------------------------------------------------------------------

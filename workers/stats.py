@@ -73,6 +73,6 @@ class GenerationStats:
 class Generation:
     token_ids: list[int]  # generated tokens only (stop token / EOS excluded)
     text: str | None  # decoded, cut before a stop string; None without a tokenizer
-    finish_reason: str  # "eos", "stop" (a stop string), or "length"
+    finish_reason: str  # "eos", "stop" (a stop string), "length", or "abort" (on_tokens said stop)
     stats: GenerationStats
     trace: list[tuple[int, Any]] | None = None  # (first position, target logits [L+1, V]) per round, if asked

@@ -187,3 +187,22 @@ def test_a_failed_generation_leaves_the_engine_serving(engine):
         engine.generate(ids, Exploding(), draft_len=3, max_new_tokens=10)
     assert engine.target.ids == [] and engine.draft.ids == []
     assert engine.generate(ids, "lossless", draft_len=3, max_new_tokens=10).token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("spec", [True, False])
+def test_on_tokens_streams_every_emitted_token_and_can_abort(engine, spec):
+    ids = encode(engine, PROMPTS[1])
+    run = (lambda **kw: engine.generate(ids, "lossless", draft_len=3, **kw)) if spec else \
+        (lambda **kw: engine.autoregressive(ids, **kw))
+    chunks: list[list[int]] = []
+    full = run(max_new_tokens=20, on_tokens=chunks.append)
+    assert [t for c in chunks for t in c] == full.token_ids and all(chunks)
+    seen: list[int] = []
+
+    def stop_after_four(new: list[int]) -> bool:
+        seen.extend(new)
+        return len(seen) < 4
+
+    cut = run(max_new_tokens=20, on_tokens=stop_after_four)
+    assert cut.finish_reason == "abort" and 4 <= len(cut.token_ids) < 20
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
