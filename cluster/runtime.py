@@ -17,6 +17,10 @@ from typing import Any
 
 AUTH_MODE = "token"
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20
+# Serve's proxy must answer its readiness check within 5 s by default; on a busy 2-core node
+# (a model loading next to it) starting uvicorn takes longer and the controller kills it in a
+# loop. The controller and proxy read these from their environment (inherited from here).
+SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
 
 
 def configure_env() -> None:
@@ -26,6 +30,8 @@ def configure_env() -> None:
         os.environ.setdefault("RAY_AUTH_MODE", AUTH_MODE)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+    for name, value in SERVE_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_store_bytes: int | None = None,
@@ -40,7 +46,8 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_
     # Ship our packages to workers by path: jobs submitted with --working-dir already run there;
     # a local driver's workers share this checkout, so adding it to PYTHONPATH is enough.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}}
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+                        **{k: os.environ[k] for k in SERVE_ENV}}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=not quiet, configure_logging=quiet)
     else:

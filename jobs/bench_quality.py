@@ -17,12 +17,10 @@ and the 1-minute load average seen while running. No assertions: this is a measu
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 from jobs.evaluate import parse_params
 from jobs.records import RecordStore, runs_root, slug

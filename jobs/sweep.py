@@ -68,10 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     bench = get_benchmark(args.benchmark)
-    from workers.pair import LOCAL_FORM, PAIRS, _split_local
+    from workers.pair import check_pair_name
 
-    if args.pair not in PAIRS and _split_local(args.pair) is None:  # fail here, not inside every actor
-        raise ValueError(f"unknown pair {args.pair!r}; valid names: {', '.join(PAIRS)}, or {LOCAL_FORM}")
+    check_pair_name(args.pair)  # fail here, not inside every actor
     try:
         budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ from torch import Tensor
 from policies import Policy, VerifyBatch, make_policy, verify
 from workers.pair import ModelPair
 from workers.stats import Generation, GenerationStats
-
 
 OnTokens = Callable[[list[int]], "bool | None"]
 
@@ -78,7 +77,7 @@ class _LM:
             self.reset()
             return 0
         n = 0
-        for a, b in zip(self.ids, context):
+        for a, b in zip(self.ids, context, strict=False):
             if a != b:
                 break
             n += 1

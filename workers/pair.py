@@ -55,6 +55,14 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return _DTYPES[key]
 
 
+def check_pair_name(name: str, dtype: torch.dtype | str | None = None) -> None:
+    """Fail early (before Ray, before any actor) on a pair name or dtype no loader accepts."""
+    if name not in PAIRS and _split_local(name) is None:
+        raise ValueError(f"unknown pair {name!r}; valid names: {', '.join(PAIRS)}, or {LOCAL_FORM}")
+    if dtype is not None:
+        resolve_dtype(dtype)
+
+
 def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
               cache_dir: str | os.PathLike[str] | None = None, *, seed: int = 0) -> ModelPair:
     """Load pair ``name``: one of ``PAIRS`` or two local model dirs (see ``LOCAL_FORM``).

@@ -163,7 +163,7 @@ def test_prefix_cache_reuses_shared_prefix_and_changes_no_output(engine):
     engine.generate(first, "lossless", draft_len=3, max_new_tokens=12)
     got = engine.generate(second, "lossless", draft_len=3, max_new_tokens=12)
     ref = plain.generate(second, "lossless", draft_len=3, max_new_tokens=12)
-    common = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
     assert got.stats.cached_prompt_tokens == common >= len(shared) - 1
     assert ref.stats.cached_prompt_tokens == 0
     assert got.token_ids == ref.token_ids

@@ -1,0 +1,361 @@
+"""The Ray Serve application: one draft/target pair behind an OpenAI-compatible HTTP API.
+
+Each replica loads its pair once and serves one acceptance rule (the "served policy", chosen by
+``jobs/serve.py`` from a sweep, a file or flags); a request may override it for itself with a
+``spec_decode`` field, validated by the same registry as everywhere else. Generations on a
+replica run one at a time on one worker thread (the engine's caches are per replica); the
+asyncio loop stays free for health checks and streams. Admission: Serve sends at most
+``max_ongoing_requests`` requests to a replica and queues at most ``max_queued_requests`` more at
+the proxy; anything beyond is answered 429 with ``Retry-After`` instead of queueing without bound.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` = server-sent
+events), ``GET /v1/models``, ``GET /v1/policy``, ``GET /healthz``. Aggregate metrics go to Ray's
+metrics (Prometheus) as ``spectune_*`` counters and histograms.
+
+Knows workers/ (pair, engine), policies/ and Ray Serve; nothing about sweeps or MLflow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cluster.openai_api import (
+    ApiError,
+    GenRequest,
+    Limits,
+    Response,
+    SpecChoice,
+    TextStream,
+    parse_chat,
+    parse_completion,
+    spec_metrics,
+    sse,
+    usage,
+)
+
+DEPLOYMENT = "spectune"
+
+
+@dataclass
+class ServeSettings:
+    """Everything a replica needs; plain JSON so it travels in a Serve config file."""
+
+    pair: str = "qwen2.5-coder-0.5b+1.5b"
+    dtype: str = "bf16"
+    policy: str | None = "lossless"  # None: speculation off by default
+    params: dict[str, Any] = field(default_factory=dict)
+    draft_len: int = 5
+    source: dict[str, Any] = field(default_factory=lambda: {"kind": "flags"})  # how the policy was chosen
+    model_name: str | None = None  # the OpenAI "model" id (default: spectune/<pair>)
+    limits: dict[str, int] = field(default_factory=dict)  # overrides of Limits' defaults
+    num_replicas: int = 1
+    num_cpus: float = 1.0  # per replica; also its torch threads (rounded, at least 1)
+    max_ongoing_requests: int = 8
+    max_queued_requests: int = 32
+    prefix_cache: bool = True
+    # Fault injection for tests of the error path: a prompt containing this text fails inside the
+    # engine after its first round (off unless set; the text itself is never executed).
+    fail_marker: str | None = None
+
+    def __post_init__(self) -> None:
+        self.limits_obj()  # bad limits fail here, before anything starts
+        self.default_spec().build()  # unknown policy / params / ranges fail here
+        for name in ("num_replicas", "max_ongoing_requests", "max_queued_requests", "draft_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.num_cpus, (int, float)) and self.num_cpus > 0):
+            raise ValueError(f"num_cpus must be > 0, got {self.num_cpus!r}")
+
+    @property
+    def model(self) -> str:
+        return self.model_name or f"spectune/{self.pair}"
+
+    def limits_obj(self) -> Limits:
+        unknown = sorted(set(self.limits) - {f.name for f in dataclasses.fields(Limits)})
+        if unknown:
+            raise ValueError(f"unknown limit {unknown[0]!r}; known: {[f.name for f in dataclasses.fields(Limits)]}")
+        return Limits(**self.limits)
+
+    def default_spec(self) -> SpecChoice:
+        return SpecChoice(self.policy, dict(self.params), self.draft_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> ServeSettings:
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(ServeSettings)})
+        if unknown:
+            raise ValueError(f"unknown serve setting {unknown[0]!r}")
+        return ServeSettings(**d)
+
+
+class _Metrics:
+    """Aggregates exported through Ray's metrics agent (Prometheus names get a ``ray_`` prefix)."""
+
+    def __init__(self) -> None:
+        from ray.serve.metrics import Counter, Histogram
+
+        keys = ("route", "status")
+        self.requests = Counter("spectune_requests", description="HTTP requests answered", tag_keys=keys)
+        by = ("policy",)
+        self.prompt = Counter("spectune_prompt_tokens", description="prompt tokens", tag_keys=by)
+        self.generated = Counter("spectune_generated_tokens", description="generated tokens", tag_keys=by)
+        self.drafts = Counter("spectune_num_drafts", description="verify rounds", tag_keys=by)
+        self.draft_tokens = Counter("spectune_num_draft_tokens", description="draft tokens proposed", tag_keys=by)
+        self.accepted = Counter("spectune_num_accepted_tokens", description="draft tokens accepted", tag_keys=by)
+        self.latency = Histogram("spectune_request_latency_s", description="request latency (s)",
+                                 boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160], tag_keys=("route",))
+        self.ttft = Histogram("spectune_time_to_first_token_s", description="time to first streamed token (s)",
+                              boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40], tag_keys=("route",))
+        self.mal = Histogram("spectune_mean_acceptance_length", description="per-request mean acceptance length",
+                             boundaries=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 17], tag_keys=by)
+
+    def answered(self, route: str, status: int, seconds: float | None = None) -> None:
+        self.requests.inc(1, tags={"route": route, "status": str(status)})
+        if seconds is not None and status == 200:
+            self.latency.observe(seconds, tags={"route": route})
+
+    def generation(self, spec: SpecChoice, gen: Any) -> None:
+        tags = {"policy": spec.policy or "off"}
+        s = gen.stats
+        self.prompt.inc(s.prompt_tokens, tags=tags)
+        self.generated.inc(s.num_generated, tags=tags)
+        if spec.policy is not None:
+            self.drafts.inc(s.num_drafts, tags=tags)
+            self.draft_tokens.inc(s.num_draft_tokens, tags=tags)
+            self.accepted.inc(s.num_accepted_tokens, tags=tags)
+            if s.num_drafts:
+                self.mal.observe(s.mean_acceptance_length, tags=tags)
+
+
+api = FastAPI(title="spectune", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods answer with an OpenAI-style body too."""
+    err = ApiError(exc.status_code, str(exc.detail), type="invalid_request_error")
+    return JSONResponse(err.body(), status_code=exc.status_code)
+
+
+class SpecDecodeServer:
+    """One replica: the pair, its engine and the served policy."""
+
+    def __init__(self, settings: dict[str, Any]) -> None:
+        import torch
+
+        from workers.engine import SpecDecoder
+        from workers.pair import load_pair
+
+        self.s = ServeSettings.from_dict(settings)
+        torch.set_num_threads(max(1, round(self.s.num_cpus)))
+        t0 = time.perf_counter()
+        self.pair = load_pair(self.s.pair, dtype=self.s.dtype)
+        self.engine = SpecDecoder(self.pair, prefix_cache=self.s.prefix_cache)
+        self.load_s = time.perf_counter() - t0
+        self.limits = self.s.limits_obj()
+        self.default = self.s.default_spec()
+        self.max_positions = int(getattr(self.pair.target.config, "max_position_embeddings", 0) or 0)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectune-generate")
+        self.metrics = _Metrics()
+        self.started = time.time()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _json(self, request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+            raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {self.limits.max_body_bytes}")
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.limits.max_body_bytes:
+                raise ApiError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes")
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            raise ApiError(400, f"the request body is not valid JSON: {str(err)[:200]}") from None
+
+    def _encode(self, req: GenRequest) -> list[int]:
+        from workers.prompts import encode_chat
+
+        tok = self.pair.tokenizer
+        param = "messages" if req.kind == "chat" else "prompt"
+        if req.kind == "chat":
+            ids = encode_chat(tok, req.messages)
+        elif isinstance(req.prompt, str):
+            ids = list(tok.encode(req.prompt, add_special_tokens=False))
+        else:
+            ids = list(req.prompt)
+            bad_ids = [t for t in ids if not 0 <= t < self.pair.vocab_size]
+            if bad_ids:
+                raise ApiError(400, f"prompt: token ids outside the vocabulary [0, {self.pair.vocab_size}): "
+                                    f"{bad_ids[:5]}", param="prompt")
+        if not ids:
+            raise ApiError(400, f"{param}: encodes to no tokens", param=param)
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise ApiError(400, f"{param}: {len(ids)} prompt tokens exceed this server's limit of "
+                                f"{self.limits.max_prompt_tokens}", param=param, code="context_length_exceeded")
+        if self.max_positions and len(ids) + req.max_tokens > self.max_positions:
+            raise ApiError(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {req.max_tokens} exceed the "
+                                f"model's context of {self.max_positions}", param="max_tokens",
+                           code="context_length_exceeded")
+        return ids
+
+    def _generate(self, req: GenRequest, ids: list[int], on_tokens: Any = None) -> Any:
+        if self.s.fail_marker and self.s.fail_marker in json.dumps([req.prompt, req.messages]):
+            def on_tokens(_: list[int]) -> bool:
+                raise RuntimeError("injected failure (fail_marker) after the first round")
+        common = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+                      stop=list(req.stop) or None, on_tokens=on_tokens)
+        if req.spec.policy is None:
+            return self.engine.autoregressive(ids, **common)
+        return self.engine.generate(ids, req.spec.build(), draft_len=req.spec.draft_len, **common)
+
+    def _error(self, route: str, err: ApiError, t0: float) -> JSONResponse:
+        self.metrics.answered(route, err.status, time.perf_counter() - t0)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def _serve(self, request: Request, kind: str) -> Any:
+        route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        t0 = time.perf_counter()
+        try:
+            body = await self._json(request)
+            parse = parse_chat if kind == "chat" else parse_completion
+            req = parse(body, self.limits, self.s.model, self.default)
+            ids = self._encode(req)
+        except ApiError as err:
+            return self._error(route, err, t0)
+        resp = Response(kind, self.s.model)
+        if req.stream:
+            return StreamingResponse(self._events(req, ids, resp, route, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        loop = asyncio.get_running_loop()
+        try:
+            gen = await loop.run_in_executor(self.pool, self._generate, req, ids)
+        except Exception as err:  # the engine dropped its caches; this replica serves the next request
+            return self._error(route, ApiError(500, f"generation failed: {type(err).__name__}: {err}",
+                                               type="server_error"), t0)
+        self.metrics.generation(req.spec, gen)
+        self.metrics.answered(route, 200, time.perf_counter() - t0)
+        return resp.full(gen.text or "", gen.finish_reason, usage(len(ids), len(gen.token_ids)),
+                         spec_metrics(gen.stats, req.spec))
+
+    async def _events(self, req: GenRequest, ids: list[int], resp: Response, route: str, t0: float):
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+
+        def on_tokens(new: list[int]) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", new))
+            return not gone.is_set()
+
+        def work() -> None:
+            try:
+                gen = self._generate(req, ids, on_tokens)
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", gen))
+            except Exception as err:
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
+
+        loop.run_in_executor(self.pool, work)
+        text = TextStream(self.pair.tokenizer, req.stop)
+        first_token = True
+        try:
+            if req.kind == "chat":
+                yield sse(resp.chunk("", first=True))
+            while True:
+                kind, payload = await queue.get()
+                if kind == "tokens":
+                    if first_token:
+                        self.metrics.ttft.observe(time.perf_counter() - t0, tags={"route": route})
+                        first_token = False
+                    delta = text.push(payload)
+                    if delta:
+                        yield sse(resp.chunk(delta))
+                elif kind == "done":
+                    gen = payload
+                    rest = text.finish(gen.text or "")
+                    if rest:
+                        yield sse(resp.chunk(rest))
+                    yield sse(resp.chunk(None, gen.finish_reason, spec=spec_metrics(gen.stats, req.spec)))
+                    if req.include_usage:
+                        yield sse(resp.usage_chunk(usage(len(ids), len(gen.token_ids))))
+                    yield sse("[DONE]")
+                    self.metrics.generation(req.spec, gen)
+                    self.metrics.answered(route, 200, time.perf_counter() - t0)
+                    return
+                else:
+                    err = ApiError(500, f"generation failed: {type(payload).__name__}: {payload}", type="server_error")
+                    yield sse(err.body())
+                    yield sse("[DONE]")
+                    self.metrics.answered(route, 500)
+                    return
+        finally:
+            gone.set()  # client disconnected or stream done: the engine stops at its next round
+
+    # -- routes ------------------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._serve(request, "completion")
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._serve(request, "chat")
+
+    @api.get("/v1/models")
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.s.model, "object": "model", "created": int(self.started),
+                                            "owned_by": "spectune", "max_model_len": self.max_positions or None}]}
+
+    @api.get("/v1/policy")
+    async def policy(self) -> dict[str, Any]:
+        return {"model": self.s.model, "pair": self.s.pair, "dtype": self.s.dtype, **self.default.to_dict(),
+                "source": self.s.source, "limits": dataclasses.asdict(self.limits),
+                "max_ongoing_requests": self.s.max_ongoing_requests,
+                "max_queued_requests": self.s.max_queued_requests, "prefix_cache": self.s.prefix_cache}
+
+    @api.get("/healthz")
+    async def healthz(self) -> dict[str, Any]:
+        return {"status": "ok", "model": self.s.model, "policy": self.default.policy or "off",
+                "pid": os.getpid(), "load_s": round(self.load_s, 2)}
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a replica whose worker thread died is restarted."""
+        if self.pool._shutdown:  # noqa: SLF001 - no public flag
+            raise RuntimeError("generation worker is shut down")
+
+
+Server = serve.ingress(api)(SpecDecodeServer)
+
+
+def build_app(settings: ServeSettings) -> Any:
+    """The bound Serve application for ``settings`` (``serve.run`` it, or return it from a builder)."""
+    from ray.serve.config import BackpressureConfig
+
+    deployment = serve.deployment(Server).options(
+        name=DEPLOYMENT,
+        num_replicas=settings.num_replicas,
+        max_ongoing_requests=settings.max_ongoing_requests,
+        max_queued_requests=settings.max_queued_requests,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        ray_actor_options={"num_cpus": settings.num_cpus},
+        health_check_period_s=10,
+        graceful_shutdown_timeout_s=30,
+    )
+    return deployment.bind(settings.to_dict())

@@ -1,0 +1,253 @@
+"""Serve a draft/target pair with the chosen acceptance rule behind an OpenAI-compatible API.
+
+    # the policy a sweep chose for a 2% accuracy budget (read from the sweep's MLflow run)
+    python -m jobs.serve --from-sweep RUN_ID --budget 0.02
+    # a chosen-policy JSON file (a sweep's report/chosen-budget-0.02.json, or hand-written)
+    python -m jobs.serve --policy-file chosen.json
+    # explicit flags
+    python -m jobs.serve --policy kl_judge --param threshold=0.5 --draft-len 5
+    # a Serve config for `serve run` / `serve deploy` (import path jobs.serve:app_builder)
+    python -m jobs.serve --policy kl_judge --param threshold=0.5 --write-config serve.yaml
+
+Starts a local Ray on 127.0.0.1 (or joins ``--address``), binds HTTP to ``--host`` (default
+127.0.0.1) and serves until Ctrl-C. Policy and settings are validated before Ray starts: a bad
+name, parameter, run id or file is one line naming the problem (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.serve_app import ServeSettings
+
+CHOICE_KEYS = ("policy", "params", "draft_len")
+
+
+def parse_budget(text: str | float) -> float:
+    """``0.02``, ``2%`` -> 0.02."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise ValueError(f"--budget must be a fraction like 0.02 or a percentage like 2%, got {text!r}") from None
+    if not 0 < value < 1:
+        raise ValueError(f"--budget must be in (0, 1), got {text!r}")
+    return value
+
+
+def find_sweep_store(run_id: str, runs_root: str | None = None) -> str:
+    """The tracking URI of the sweep whose parent MLflow run is ``run_id`` (searched under runs/sweeps)."""
+    from jobs.records import runs_root as root_of
+    from jobs.tracking import tracking_uri
+
+    for meta in sorted((root_of(runs_root) / "sweeps").glob("*/sweep.json")):
+        try:
+            if json.loads(meta.read_text()).get("parent_run_id") == run_id:
+                return tracking_uri(meta.parent)
+        except (OSError, ValueError):
+            continue
+    raise ValueError(f"no sweep under {root_of(runs_root) / 'sweeps'} has parent run {run_id!r}; "
+                     "pass --tracking-uri (or --run-dir) of the sweep that made it")
+
+
+def choice_from_sweep(run_id: str, budget: float, tracking_uri: str | None, runs_root: str | None) -> dict[str, Any]:
+    from jobs.tracking import load_chosen
+
+    uri = tracking_uri or find_sweep_store(run_id, runs_root)
+    try:
+        choice = load_chosen(run_id, budget, uri)
+    except Exception as err:  # MLflow raises several types for a missing run / artifact
+        raise ValueError(f"sweep run {run_id!r} has no chosen policy for budget {budget} in {uri} "
+                         f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
+    return {**choice, "source": {"kind": "sweep", "run_id": run_id, "budget": budget, "tracking_uri": uri,
+                                 "trial": choice.get("trial"), "metrics": choice.get("metrics"),
+                                 "sweep": choice.get("sweep")}}
+
+
+def choice_from_file(path: str) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        choice = json.loads(p.read_text())
+    except OSError as err:
+        raise ValueError(f"--policy-file {path}: {err.strerror}") from None
+    except ValueError as err:
+        raise ValueError(f"--policy-file {path} is not valid JSON: {err}") from None
+    if not isinstance(choice, dict) or "policy" not in choice:
+        raise ValueError(f'--policy-file {path} must be a JSON object with "policy" (and "params", "draft_len")')
+    return {**choice, "source": {"kind": "file", "path": str(p.resolve()), "metrics": choice.get("metrics")}}
+
+
+def settings_from(spec: dict[str, Any]) -> ServeSettings:
+    """Build validated settings from a plain dict (CLI args or a Serve config's ``args``).
+
+    Policy sources, in order: ``from_sweep`` {run_id, budget, tracking_uri?}, ``policy_file``,
+    else ``policy``/``params``/``draft_len`` as given. A sweep or file also gives the pair and
+    dtype it was calibrated on, unless ``pair``/``dtype`` are given explicitly."""
+    spec = dict(spec)
+    sweep, file = spec.pop("from_sweep", None), spec.pop("policy_file", None)
+    runs_root = spec.pop("runs_root", None)
+    if sweep and file:
+        raise ValueError("give one policy source: a sweep run or a policy file, not both")
+    chosen = None
+    if sweep:
+        if not isinstance(sweep, dict) or not sweep.get("run_id") or sweep.get("budget") is None:
+            raise ValueError("from_sweep needs run_id and budget")
+        chosen = choice_from_sweep(sweep["run_id"], parse_budget(sweep["budget"]), sweep.get("tracking_uri"),
+                                   runs_root)
+    elif file:
+        chosen = choice_from_file(file)
+    if chosen is not None:
+        given = [k for k in CHOICE_KEYS if spec.get(k) is not None]
+        if given:
+            raise ValueError(f"{given[0]} given together with a sweep/file policy: use one source")
+        spec.update({k: chosen[k] for k in CHOICE_KEYS if k in chosen}, source=chosen["source"])
+        for k in ("pair", "dtype"):
+            if spec.get(k) is None and chosen.get(k):
+                spec[k] = chosen[k]
+    elif spec.get("policy") in ("off", "target-only"):
+        spec["policy"] = None
+        spec.setdefault("source", {"kind": "flags"})
+    spec = {k: v for k, v in spec.items() if v is not None or k == "policy"}
+    if "policy" not in spec:
+        spec["policy"] = "lossless"
+    return ServeSettings.from_dict(spec)
+
+
+def app_builder(args: dict[str, Any]) -> Any:
+    """Serve application builder: ``import_path: jobs.serve:app_builder`` with ``args`` in a Serve config."""
+    from cluster.serve_app import build_app
+
+    return build_app(settings_from(args))
+
+
+def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, address: str | None = None,
+          name: str = "spectune", route_prefix: str = "/") -> str:
+    """Start (or join) Ray and Serve, deploy, wait until healthy; return the base URL."""
+    from cluster.runtime import init_ray
+    from cluster.serve_app import build_app
+
+    init_ray(address)
+    from ray import serve
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(settings), name=name, route_prefix=route_prefix, blocking=False)
+    return f"http://{host}:{port}{route_prefix.rstrip('/')}"
+
+
+def serve_config(settings: ServeSettings, host: str, port: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A Serve config (``serve run FILE`` / ``serve deploy FILE``) that rebuilds this app."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": host, "port": port},
+        "applications": [{
+            "name": "spectune", "route_prefix": "/", "import_path": "jobs.serve:app_builder",
+            "runtime_env": {},
+            "args": args,
+        }],
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_argument_group("policy (one source)")
+    src.add_argument("--from-sweep", metavar="RUN_ID", help="a sweep's parent MLflow run id")
+    src.add_argument("--budget", help="with --from-sweep: the accuracy budget, e.g. 0.02 or 2%%")
+    src.add_argument("--tracking-uri", help="with --from-sweep: the sweep's MLflow store (default: found under runs/)")
+    src.add_argument("--run-dir", help="with --from-sweep: the sweep's run directory (holds mlflow.db)")
+    src.add_argument("--policy-file", help="a chosen-policy JSON file")
+    src.add_argument("--policy", help="a registered rule, or 'off' for target-only decoding (default lossless)")
+    src.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
+    src.add_argument("--draft-len", type=int, help="draft length L (default 5)")
+    ap.add_argument("--pair", help="pair name or DRAFT_DIR+TARGET_DIR (default: the sweep's, else the real pair)")
+    ap.add_argument("--dtype", help="bf16 or fp32 (default: the sweep's, else bf16)")
+    ap.add_argument("--model-name", help="the OpenAI model id clients send (default spectune/<pair>)")
+    ap.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--address", help="an existing Ray cluster (default: start one locally)")
+    ap.add_argument("--replicas", type=int, default=1, help="replicas, one pair each")
+    ap.add_argument("--num-cpus", type=float, default=None, help="CPUs (and torch threads) per replica (default: all)")
+    ap.add_argument("--max-ongoing", type=int, default=8, help="requests in a replica at once")
+    ap.add_argument("--max-queued", type=int, default=32, help="requests queued at the proxy before 429")
+    ap.add_argument("--max-prompt-tokens", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=1024, help="cap on a request's max_tokens")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    ap.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from scratch")
+    ap.add_argument("--runs-root", help="where sweeps live (default ./runs)")
+    ap.add_argument("--write-config", metavar="FILE", help="write a Serve config YAML for these settings and exit")
+    return ap
+
+
+def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
+    from jobs.evaluate import parse_params
+
+    if (args.budget or args.tracking_uri or args.run_dir) and not args.from_sweep:
+        raise ValueError("--budget/--tracking-uri/--run-dir go with --from-sweep")
+    if args.from_sweep and not args.budget:
+        raise ValueError("--from-sweep needs --budget (e.g. 0.02)")
+    if args.param and not args.policy:
+        raise ValueError("--param needs --policy")
+    uri = args.tracking_uri
+    if args.run_dir:
+        from jobs.tracking import tracking_uri
+
+        if not (Path(args.run_dir) / "mlflow.db").is_file():
+            raise ValueError(f"--run-dir {args.run_dir} holds no mlflow.db (is it a sweep's run directory?)")
+        uri = tracking_uri(Path(args.run_dir))
+    spec: dict[str, Any] = {
+        "pair": args.pair, "dtype": args.dtype, "policy": args.policy,
+        "params": parse_params(args.param) if args.param else None, "draft_len": args.draft_len,
+        "model_name": args.model_name, "num_replicas": args.replicas,
+        "num_cpus": args.num_cpus or float(os.cpu_count() or 1),
+        "max_ongoing_requests": args.max_ongoing, "max_queued_requests": args.max_queued,
+        "limits": {"max_prompt_tokens": args.max_prompt_tokens, "max_tokens": args.max_tokens,
+                   "max_body_bytes": args.max_body_bytes},
+        "prefix_cache": not args.no_prefix_cache, "runs_root": args.runs_root,
+    }
+    if args.from_sweep:
+        spec["from_sweep"] = {"run_id": args.from_sweep, "budget": args.budget, "tracking_uri": uri}
+    if args.policy_file:
+        spec["policy_file"] = args.policy_file
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        spec = args_to_spec(args)
+        settings = settings_from(spec)
+        from workers.pair import check_pair_name
+
+        check_pair_name(settings.pair, settings.dtype)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.write_config:
+        import yaml
+
+        plain = {k: v for k, v in spec.items() if v is not None}
+        Path(args.write_config).write_text(yaml.safe_dump(serve_config(settings, args.host, args.port, plain),
+                                                          sort_keys=False))
+        print(f"wrote {args.write_config}: serve run {args.write_config}", file=sys.stderr)
+        return 0
+    url = start(settings, args.host, args.port, args.address)
+    print(json.dumps({"url": url, "model": settings.model, "policy": settings.policy, "params": settings.params,
+                      "draft_len": settings.draft_len, "source": settings.source}, default=str), flush=True)
+    print(f"serving on {url}/v1 (Ctrl-C to stop)", file=sys.stderr, flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        from ray import serve
+
+        serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
