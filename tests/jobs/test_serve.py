@@ -1,0 +1,102 @@
+"""jobs/serve.py: the policy comes from a sweep's MLflow run, a chosen-policy file or flags; a Serve
+config file rebuilds the same app; bad sources are one-line errors before Ray starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobs import serve as serve_job
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def swept(tmp_path_factory) -> tuple[Path, dict]:
+    from jobs import sweep as sweep_job
+
+    root = tmp_path_factory.mktemp("serve-sweep")
+    base = ["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "4", "--max-new-tokens", "6",
+            "--actors", "1", "--cpus-per-actor", "0.5", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k",
+            "--draft-len", "2,3", "--cost-ratio", "0.4", "--trials", "2", "--runs-root", str(root)]
+    assert sweep_job.main(base) == 0
+    (meta,) = root.glob("sweeps/*/sweep.json")
+    return root, json.loads(meta.read_text())
+
+
+def test_policy_from_a_sweep_run_id_and_budget(swept):
+    root, meta = swept
+    run_id = meta["parent_run_id"]
+    settings = serve_job.settings_from({"from_sweep": {"run_id": run_id, "budget": "5%"}, "runs_root": str(root)})
+    chosen = json.loads(next(root.glob("sweeps/*/report/chosen-budget-0.05.json")).read_text())
+    assert (settings.policy, settings.params, settings.draft_len) == (chosen["policy"], chosen["params"], chosen["draft_len"])
+    assert (settings.pair, settings.dtype) == ("tiny-random", "fp32")  # the pair the sweep calibrated
+    src = settings.source
+    assert src["kind"] == "sweep" and src["run_id"] == run_id and src["budget"] == 0.05 and src["trial"] == chosen["trial"]
+    # the CLI path, through the sweep's run directory
+    args = serve_job.build_parser().parse_args(["--from-sweep", run_id, "--budget", "0.05",
+                                                "--run-dir", str(next(root.glob("sweeps/*")))])
+    assert serve_job.settings_from(serve_job.args_to_spec(args)).policy == chosen["policy"]
+
+
+def test_sweep_source_errors_are_clear(swept, capsys):
+    root, meta = swept
+    with pytest.raises(ValueError, match="no chosen policy for budget 0.03"):
+        serve_job.settings_from({"from_sweep": {"run_id": meta["parent_run_id"], "budget": 0.03}, "runs_root": str(root)})
+    with pytest.raises(ValueError, match="no sweep under"):
+        serve_job.settings_from({"from_sweep": {"run_id": "0" * 32, "budget": 0.05}, "runs_root": str(root)})
+    with pytest.raises(ValueError, match="one source"):
+        serve_job.settings_from({"from_sweep": {"run_id": meta["parent_run_id"], "budget": 0.05}, "policy": "top_k",
+                                 "runs_root": str(root)})
+
+
+def test_policy_file_and_flags(tmp_path):
+    path = tmp_path / "chosen.json"
+    path.write_text(json.dumps({"policy": "dropmatch", "params": {"k": 4, "p_drop": 0.2}, "draft_len": 4,
+                                "pair": "tiny-random", "dtype": "fp32"}))
+    s = serve_job.settings_from({"policy_file": str(path)})
+    assert (s.policy, s.params, s.draft_len, s.pair, s.source["kind"]) == ("dropmatch", {"k": 4, "p_drop": 0.2}, 4,
+                                                                          "tiny-random", "file")
+    assert serve_job.settings_from({"policy": "off"}).policy is None
+    path.write_text(json.dumps({"policy": "dropmatch", "params": {"p_drop": 2}}))
+    with pytest.raises(ValueError, match="p_drop"):
+        serve_job.settings_from({"policy_file": str(path)})
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        serve_job.settings_from({"policy_file": str(path)})
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--policy", "kl_jduge"], "unknown policy"),
+    (["--policy", "kl_judge", "--param", "threshold=-2"], "threshold"),
+    (["--budget", "0.02"], "--from-sweep"),
+    (["--from-sweep", "abc"], "--budget"),
+    (["--from-sweep", "abc", "--budget", "7"], "--budget"),
+    (["--pair", "nope"], "unknown pair"),
+    (["--dtype", "fp8"], "dtype"),
+    (["--replicas", "0"], "num_replicas"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--policy-file", "/no/such.json"], "No such file"),
+])
+def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys):
+    assert serve_job.main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_written_serve_config_is_valid_and_builds_the_app(tmp_path):
+    from ray.serve.schema import ServeDeploySchema
+
+    out = tmp_path / "serve.yaml"
+    assert serve_job.main(["--pair", "tiny-random", "--dtype", "fp32", "--policy", "top_k", "--param", "k=3",
+                           "--draft-len", "3", "--port", "8123", "--write-config", str(out)]) == 0
+    config = yaml.safe_load(out.read_text())
+    ServeDeploySchema.model_validate(config)
+    app = config["applications"][0]
+    assert app["import_path"] == "jobs.serve:app_builder" and config["http_options"]["host"] == "127.0.0.1"
+    settings = serve_job.settings_from(app["args"])
+    assert (settings.policy, settings.params, settings.draft_len) == ("top_k", {"k": 3}, 3)
+    assert serve_job.app_builder(app["args"]) is not None
