@@ -200,6 +200,7 @@ class Sweep:
 
         from cluster.pair_actor import run_trial
 
+        t_trial = time.perf_counter()
         trial = self.study.ask()
         family, params, draft_len = suggest(trial, self.s["families"], self.s["draft_len"])
         spec = DecodeSpec.make(family, params, draft_len, **self.s["decode"])
@@ -247,7 +248,21 @@ class Sweep:
             {**m.flat(), "retried_items": run.retried_items, "actor_failures": len(run.actor_failures),
              "trial_wall_s": run.wall_s, "items_evaluated": len(records)},
             {"state": state, "family": family, "spec_key": spec.key()}, [store.parquet])
+        self.timing(trial.number, run, [records[it.id] for it in todo if it.id in records], time.perf_counter() - t_trial)
         self.progress(trial.number, spec, m, state, run.wall_s)
+
+    def timing(self, number: int, run: Any, records: list[Record], total_s: float) -> None:
+        """Where a trial's time went: generation in the engines, dispatch (Ray Data shards, actor
+        calls, waiting on the slowest shard) and bookkeeping outside ``run_trial`` (Optuna ask/tell,
+        aggregation, MLflow logging). Appended to ``timing.jsonl`` in the run directory."""
+        fresh = [r for r in records if r.wall_time_s > 0]
+        gen = sum(r.wall_time_s for r in fresh)
+        actors = max(1, len(self.workers))
+        row = {"trial": number, "actors": actors, "items": len(fresh), "trial_wall_s": run.wall_s,
+               "generation_s": gen, "dispatch_overhead_s": max(0.0, run.wall_s - gen / actors),
+               "bookkeeping_s": max(0.0, total_s - run.wall_s), "items_per_s": len(fresh) / run.wall_s if run.wall_s else 0.0}
+        with open(self.dir / "timing.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
 
     # -- reporting -------------------------------------------------------------------------------
 

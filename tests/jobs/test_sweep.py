@@ -46,6 +46,11 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
         assert (report / name).is_file() and (report / name).stat().st_size > 0, name
     chosen = json.loads((report / "chosen-budget-0.2.json").read_text())
     assert chosen["pair"] == "tiny-random" and "policy" in chosen
+    timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
+    assert [t["trial"] for t in timing] == sorted(t.number for t in finished)
+    for t in timing:  # where each trial's time went
+        assert t["actors"] == 2 and 0 < t["generation_s"] and t["dispatch_overhead_s"] >= 0 <= t["bookkeeping_s"]
+        assert t["items_per_s"] == pytest.approx(t["items"] / t["trial_wall_s"])
 
     import mlflow
 
