@@ -87,8 +87,8 @@ _embedders_lock = threading.Lock()
 
 def model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """The verified model directory (fetched with MT-bench's files when missing)."""
-    from workers.benchmarks.mtbench import FILES as MTBENCH_FILES  # the model is part of MT-bench's files
-    paths = [require("mtbench", MTBENCH_FILES, s.dest, cache_dir) for s in MODEL_FILES]
+    # the model lives in MT-bench's data directory; fetching needs only the model's own files
+    paths = [require("mtbench", MODEL_FILES, s.dest, cache_dir) for s in MODEL_FILES]
     return paths[0].parent
 
 
