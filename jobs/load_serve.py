@@ -130,7 +130,8 @@ def summarize(phases: dict[str, dict[str, Any]]) -> str:
 
     for name, r in rows.items():
         lines.append(f"| {name} | {phases[name]['label']} | {r['requests']} ({r['errors']}) | {r['rps']:.3f} | "
-                     f"{r['p50']:.1f} | {r['p99']:.1f} | {r['ttft']:.2f} | {r['tok_s']:.2f} | {r['mal']:.2f} | "
+                     f"{r['p50']:.1f} | {r['p99']:.1f} | {r['ttft']:.2f} | {r['tok_s']:.2f} | "
+                     f"{'—' if r['mal'] != r['mal'] else format(r['mal'], '.2f')} | "
                      f"{vs(r, 'off')} | {vs(r, 'lossless')} | {r['load']:.2f} |")
     return "\n".join(lines)
 

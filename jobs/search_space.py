@@ -38,9 +38,11 @@ def suggest(trial: Any, families: list[str], draft_len: tuple[int, int]) -> tupl
     return family, params, length
 
 
-def decode_params(trial_params: dict[str, Any], families: list[str]) -> tuple[str, dict[str, Any], int | None]:
-    """Inverse of ``suggest`` for a finished trial's ``params`` dict."""
+def decode_params(trial_params: dict[str, Any], families: list[str],
+                  draft_len: tuple[int, int]) -> tuple[str, dict[str, Any], int]:
+    """Inverse of ``suggest`` for a finished trial's ``params`` dict (a fixed draft length, one
+    that was never a search parameter, comes from ``draft_len``)."""
     family = trial_params.get("family", families[0])
     prefix = f"{family}."
     params = {k[len(prefix):]: v for k, v in trial_params.items() if k.startswith(prefix)}
-    return family, params, trial_params.get("draft_len")
+    return family, params, int(trial_params.get("draft_len", draft_len[0]))

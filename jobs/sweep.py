@@ -273,10 +273,10 @@ class Sweep:
         for t in self.study.get_trials(deepcopy=False):
             if t.state.name not in ("COMPLETE", "PRUNED") or "accuracy" not in t.user_attrs:
                 continue
-            family, params, draft_len = decode_params(t.params, self.s["families"])
+            family, params, draft_len = decode_params(t.params, self.s["families"], self.s["draft_len"])
             a = t.user_attrs
             rows.append({"trial": t.number, "family": family, "params": json.dumps(params, sort_keys=True),
-                         "draft_len": draft_len or 0, "state": t.state.name, "items": int(a.get("items", 0)),
+                         "draft_len": draft_len, "state": t.state.name, "items": int(a.get("items", 0)),
                          **{k: float(a.get(k, math.nan)) for k in (
                              "accuracy", "accuracy_drop", "accuracy_drop_ci_lo", "accuracy_drop_ci_hi",
                              "speedup_vs_ar_modelled", "speedup_vs_ar_measured", "speedup_vs_lossless_modelled",
