@@ -90,10 +90,11 @@ def test_interrupted_trial_is_redone_with_its_params(tmp_path):
     assert stale.number == 1 and stale.params == {"family": "top_k", "top_k.k": 13, "draft_len": 2}
     sweep(tmp_path, "--trials", "2")
     states = {t.number: t for t in trials(run_dir)}
-    assert states[1].state.name == "FAIL"
+    seen = {n: (t.state.name, t.params, t.user_attrs.get("resumed_from")) for n, t in states.items()}
+    assert states[1].state.name == "FAIL", seen
     redo = [t for t in states.values() if t.user_attrs.get("resumed_from") == 1]
-    assert len(redo) == 1 and redo[0].state.name in ("COMPLETE", "PRUNED")
-    assert redo[0].params == stale.params
+    assert len(redo) == 1 and redo[0].state.name in ("COMPLETE", "PRUNED"), seen
+    assert redo[0].params == stale.params, seen
 
 
 def test_bad_arguments_are_clear_errors(tmp_path, capsys):
