@@ -335,11 +335,6 @@ class SpecDecodeServer:
         return {"status": "ok", "model": self.s.model, "policy": self.default.policy or "off",
                 "pid": os.getpid(), "load_s": round(self.load_s, 2)}
 
-    def check_health(self) -> None:
-        """Serve's replica health check: a replica whose worker thread died is restarted."""
-        if self.pool._shutdown:  # noqa: SLF001 - no public flag
-            raise RuntimeError("generation worker is shut down")
-
 
 Server = serve.ingress(api)(SpecDecodeServer)
 

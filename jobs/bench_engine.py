@@ -23,6 +23,7 @@ from pathlib import Path
 
 from policies import make_policy
 from workers.calibrate import get_profile
+from workers.cli import one_line_errors
 from workers.engine import SpecDecoder
 from workers.pair import load_pair
 from workers.prompts import encode_chat
@@ -124,18 +125,8 @@ def summarize(result: dict) -> str:
     return "\n".join(out)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    """Bad names, values or missing assets: one line naming the problem (exit 2), no traceback."""
-    from workers.assets import AssetError
-
-    try:
-        return _main(argv)
-    except (ValueError, AssetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT_DIR+TARGET_DIR")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")

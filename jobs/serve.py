@@ -140,7 +140,7 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, ad
     return f"http://{host}:{port}{route_prefix.rstrip('/')}"
 
 
-def serve_config(settings: ServeSettings, host: str, port: int, args: dict[str, Any]) -> dict[str, Any]:
+def serve_config(host: str, port: int, args: dict[str, Any]) -> dict[str, Any]:
     """A Serve config (``serve run FILE`` / ``serve deploy FILE``) that rebuilds this app."""
     return {
         "proxy_location": "EveryNode",
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         import yaml
 
         plain = {k: v for k, v in spec.items() if v is not None}
-        Path(args.write_config).write_text(yaml.safe_dump(serve_config(settings, args.host, args.port, plain),
+        Path(args.write_config).write_text(yaml.safe_dump(serve_config(args.host, args.port, plain),
                                                           sort_keys=False))
         print(f"wrote {args.write_config}: serve run {args.write_config}", file=sys.stderr)
         return 0

@@ -17,13 +17,13 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from workers.cli import one_line_errors
 from workers.pair import ModelPair, load_pair
 
 
@@ -145,18 +145,8 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
     return profile
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    """Bad names, values or missing assets: one line naming the problem (exit 2), no traceback."""
-    from workers.assets import AssetError
-
-    try:
-        return _main(argv)
-    except (ValueError, AssetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def _main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure and store a pair's draft/target cost ratio on this machine.")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT_DIR+TARGET_DIR")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
