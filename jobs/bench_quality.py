@@ -26,6 +26,7 @@ from jobs.evaluate import parse_params
 from jobs.records import RecordStore, runs_root, slug
 from workers.benchmarks import get_benchmark
 from workers.calibrate import get_profile
+from workers.cli import one_line_errors
 from workers.engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics import aggregate, noise_floor
@@ -36,7 +37,10 @@ DEFAULT_RULES = ["kl_judge:threshold=0.5", "dropmatch:k=5,p_drop=0.3,criterion=j
 def parse_rule(text: str) -> tuple[str, dict]:
     """``kl_judge:threshold=0.5,confidence=0.9`` -> ("kl_judge", {...})."""
     name, _, rest = text.partition(":")
-    return name.strip(), parse_params([p for p in rest.split(",") if p.strip()])
+    try:
+        return name.strip(), parse_params([p for p in rest.split(",") if p.strip()])
+    except ValueError:
+        raise ValueError(f"--rule must look like NAME or NAME:KNOB=VALUE,KNOB=VALUE, got {text!r}") from None
 
 
 def _pct(x: float) -> str:
@@ -121,10 +125,8 @@ def summarize(result: dict) -> str:
     return "\n".join(lines)
 
 
+@one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    """Bad names, values or missing assets: one line naming the problem (exit 2), no traceback."""
-    from workers.assets import AssetError
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT_DIR+TARGET_DIR")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
@@ -139,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args.rule = args.rule or DEFAULT_RULES
     if args.items < 1 or args.max_new_tokens < 1:
         ap.error("--items and --max-new-tokens must be >= 1")
-    try:
-        result = run(args)
-    except (ValueError, AssetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    table = summarize(result)
+    table = summarize(run(args))
     print(table)
     out = runs_root(args.runs_root) / "quality" / f"table-{time.strftime('%Y%m%d-%H%M%S')}.md"
     out.write_text(table + "\n")

@@ -46,7 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus-per-actor", type=float, default=1.0)
     ap.add_argument("--actors", default="1,2", help="actor counts to compare")
     args = ap.parse_args(argv)
-    counts = [int(a) for a in args.actors.split(",")]
+    try:
+        counts = [int(a) for a in args.actors.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or args.items < 1 or args.trials < 1 or args.max_new_tokens < 1:
+        ap.error(f"--actors must be comma-separated integers >= 1 (got {args.actors!r}); --items, --trials, "
+                 "--max-new-tokens >= 1")
     rows: dict[int, list[dict]] = {}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="bench-sweep-") as tmp:

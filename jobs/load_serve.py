@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"starting the app ({settings.pair}, {settings.policy} {settings.params} L={settings.draft_len})",
               file=sys.stderr, flush=True)
         url = serve.start(settings, sargs.host, sargs.port, sargs.address)
-    deadline = time.time() + 900
+    deadline = time.time() + (30 if args.url else 900)  # a server started here may still be loading its pair
     while True:
         try:
             policy = requests.get(f"{url}/v1/policy", timeout=10).json()
