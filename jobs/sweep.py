@@ -36,6 +36,16 @@ from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
 from workers.metrics import TrialMetrics, aggregate, bootstrap_ci, noise_floor  # noqa: E402
 
 
+def subset_seed(text: str) -> int | None:
+    """``--subset-seed``: an integer seed (seeded item order) or ``file`` (the benchmark file's order)."""
+    if text.strip().lower() == "file":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed or 'file', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
     ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}")
@@ -45,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
     ap.add_argument("--items", type=int, default=40, help="benchmark items per trial (0 = all)")
-    ap.add_argument("--subset-seed", type=int, default=0, help="seeded item subset")
+    ap.add_argument("--subset-seed", type=subset_seed, default=0,
+                    help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
     ap.add_argument("--draft-len", default="3,8", help="draft length search range LO,HI (or one value)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")

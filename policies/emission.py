@@ -28,14 +28,15 @@ def _row_at(x: Tensor, position: Tensor) -> Tensor:
     return x.gather(1, index).squeeze(1)
 
 
-def emit_tokens(batch: VerifyBatch, num_accepted: Tensor) -> Tensor:
-    """The token emitted after the accepted run, per sequence: [B] long."""
+def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | None = None) -> Tensor:
+    """The token emitted after the accepted run, per sequence: [B] long. ``num_draft`` [B] gives
+    ragged batches their own draft counts (a run that reaches it is not a rejection)."""
     b, n_draft = batch.draft_token_ids.shape
     target_rows = _row_at(batch.target_f32, num_accepted)  # [B, V]
     if batch.temperature == 0.0:
         return target_rows.argmax(dim=-1)
     probs = torch.softmax(target_rows / batch.temperature, dim=-1)  # [B, V]
-    rejected = num_accepted < n_draft  # [B]; False: bonus slot, sample p_t as is
+    rejected = num_accepted < (n_draft if num_draft is None else num_draft)  # [B]; False: bonus slot
     if bool(rejected.any()):
         pos = num_accepted.clamp(max=n_draft - 1)
         if batch.draft_f32 is None:

@@ -74,6 +74,16 @@ def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
     torch_dtype = resolve_dtype(dtype)
     if name == TINY_PAIR:
         return tiny_random_pair(torch_dtype, seed=seed)
+    draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
+    return _load_dirs(name, draft_dir, target_dir, torch_dtype, pair_cache)
+
+
+def pair_dirs(name: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Path, Path, Path]:
+    """(draft dir, target dir, pair-level cache dir) of a real or local pair — for engines that load
+    from disk themselves (vLLM). ``tiny-random`` lives in memory: save it with :func:`save_tiny_pair`."""
+    if name == TINY_PAIR:
+        raise ValueError(f"{TINY_PAIR!r} is built in memory; write it to disk with save_tiny_pair() and pass "
+                         f"the two directories as {LOCAL_FORM}")
     root = assets.cache_root(cache_dir)
     if name in REAL_PAIRS:
         draft_name, target_name = REAL_PAIRS[name]
@@ -89,7 +99,7 @@ def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
     pair_cache.mkdir(parents=True, exist_ok=True)
     if name not in REAL_PAIRS:
         (pair_cache / "pair.json").write_text(json.dumps({"draft": str(dirs[0]), "target": str(dirs[1])}) + "\n")
-    return _load_dirs(name, dirs[0], dirs[1], torch_dtype, pair_cache)
+    return dirs[0], dirs[1], pair_cache
 
 
 def _split_local(name: str) -> tuple[Path, Path] | None:
@@ -206,12 +216,14 @@ def tiny_tokenizer() -> Any:
     return fast
 
 
-def _tiny_config(num_layers: int) -> Any:
+def _tiny_config(num_layers: int, head_dim: int = 16) -> Any:
     from transformers import LlamaConfig
 
+    heads = 64 // head_dim if head_dim <= 32 else 2  # hidden 64 (4 x 16) or 2 x head_dim (vLLM: >= 32)
     kwargs: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-        num_attention_heads=4, num_key_value_heads=2,  # grouped-query attention, as in Qwen2.5
+        vocab_size=TINY_VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=heads // 2,  # grouped-query attention, as in Qwen2.5
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=[258, 256], pad_token_id=256,
         # sdpa: the default every directory-loaded model (real or local) gets, so a tiny pair saved and
@@ -221,13 +233,14 @@ def _tiny_config(num_layers: int) -> Any:
     return LlamaConfig(**kwargs)
 
 
-def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> ModelPair:
+def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16) -> ModelPair:
     """A seeded random Llama pair for tests, built in code (tens of ms after import).
 
     The target has 2 layers; the draft is an early-exit copy of it: the target's embedding, first
     layer (plus a little noise), final norm and untied LM head. Sharing the head makes the draft agree
     with the target often but not always, so speculative decoding accepts some and rejects some.
-    The global torch RNG is left untouched; weights depend only on ``seed``.
+    The global torch RNG is left untouched; weights depend only on ``seed``. ``head_dim`` 64 builds
+    the same shape of pair wide enough for vLLM's CPU attention kernels (which reject 16).
     """
     from transformers import LlamaForCausalLM
 
@@ -235,14 +248,16 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> Model
     num_tokens = 256 + len(TINY_SPECIALS)
     # Constructors draw their default init from the global RNG; fork it so callers' seeds stay put.
     with torch.random.fork_rng(devices=[]):
-        target: Any = LlamaForCausalLM(_tiny_config(2))
-        draft: Any = LlamaForCausalLM(_tiny_config(1))
+        target: Any = LlamaForCausalLM(_tiny_config(2, head_dim))
+        draft: Any = LlamaForCausalLM(_tiny_config(1, head_dim))
+    # Wider layers sum more terms: scale their init so the target/draft agreement stays ~the same.
+    layer_std = _LAYER_STD * (64 / target.config.hidden_size) ** 0.5
     with torch.no_grad():
         for pname, param in sorted(target.named_parameters()):  # sorted: order independent of module order
             if pname.endswith("norm.weight"):
                 param.fill_(1.0)
                 continue
-            std = _EMB_STD if "embed_tokens" in pname else _HEAD_STD if pname == "lm_head.weight" else _LAYER_STD
+            std = _EMB_STD if "embed_tokens" in pname else _HEAD_STD if pname == "lm_head.weight" else layer_std
             param.copy_(torch.randn(param.shape, generator=gen) * std)
         # Padding rows score 0, below the best real token almost surely: never greedy, rarely sampled.
         target.lm_head.weight[num_tokens:] = 0.0
@@ -251,6 +266,18 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0) -> Model
         draft.load_state_dict(shared, strict=True)
         for pname, param in sorted(draft.named_parameters()):
             if pname.startswith("model.layers.0.") and not pname.endswith("norm.weight"):
-                param.add_(torch.randn(param.shape, generator=gen) * _LAYER_STD * _DRAFT_NOISE)
+                param.add_(torch.randn(param.shape, generator=gen) * layer_std * _DRAFT_NOISE)
     draft, target = draft.to(dtype), target.to(dtype)
     return _finish(TINY_PAIR, draft, target, tiny_tokenizer(), dtype, None, ("tiny-random draft", "tiny-random target"))
+
+
+def save_tiny_pair(directory: str | os.PathLike[str], seed: int = 0, head_dim: int = 64) -> tuple[Path, Path]:
+    """Write the tiny random pair as two HF model directories (``draft/``, ``target/``, each with the
+    tokenizer) for engines that load from disk (vLLM); returns (draft_dir, target_dir). Idempotent."""
+    root = Path(directory)
+    pair = tiny_random_pair(torch.float32, seed=seed, head_dim=head_dim)
+    dirs = (root / "draft", root / "target")
+    for path, model in zip(dirs, (pair.draft, pair.target), strict=True):
+        model.save_pretrained(path)
+        pair.tokenizer.save_pretrained(path)
+    return dirs

@@ -126,3 +126,15 @@ def test_ray_job_submit_to_a_local_head_completes(tmp_path):
         assert list(tmp_path.glob("sweeps/*/report/report.md")), "the job wrote its report"
     finally:
         subprocess.run(["bash", str(ROOT / "scripts" / "ray-head"), "stop"], cwd=ROOT)
+
+
+def test_subset_seed_takes_file_order_or_a_seed():
+    """'file' = the first N items in the benchmark's order (the items bench_quality uses, so the
+    cached references are shared); an integer = a seeded order; anything else names the flag."""
+    from jobs.sweep import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--subset-seed", "file"]).subset_seed is None
+    assert parser.parse_args(["--subset-seed", "7"]).subset_seed == 7
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--subset-seed", "bogus"])

