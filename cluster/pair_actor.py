@@ -34,26 +34,26 @@ class PairWorker:
     """Hosts one pair (loaded once) and evaluates items with any DecodeSpec."""
 
     def __init__(self, pair: str, dtype: str = "bf16", cache_dir: str | None = None, num_threads: int | None = None,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, engine: str = "cpu", draft_len: int = 5,
+                 vllm: dict[str, Any] | None = None) -> None:
         import torch
 
-        from workers.engine import SpecDecoder
-        from workers.pair import load_pair
+        from workers.engines import make_engine
 
-        if tensor_parallel_size != 1:
-            # The CPU engine runs one process per pair; TP sizes > 1 are for the vLLM engine on GPU nodes.
-            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the vLLM engine; the CPU engine runs TP=1")
         if num_threads:
             torch.set_num_threads(num_threads)
         t0 = time.perf_counter()
         self.pair_name = pair
-        self.engine = SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir))
+        self.engine_kind = engine
+        self.engine = make_engine(engine, pair, dtype, cache_dir=cache_dir, draft_len=draft_len,
+                                  tensor_parallel_size=tensor_parallel_size, vllm=vllm)
         self.load_s = time.perf_counter() - t0
         self.items_done = 0
         self._stop: set[str] = set()
 
     def info(self) -> dict[str, Any]:
-        return {"pair": self.pair_name, "pid": os.getpid(), "load_s": self.load_s, "items_done": self.items_done,
+        return {"pair": self.pair_name, "engine": self.engine_kind, "pid": os.getpid(), "load_s": self.load_s,
+                "items_done": self.items_done,
                 "node": ray.get_runtime_context().get_node_id()}
 
     def stop(self, tag: str) -> None:
@@ -62,6 +62,8 @@ class PairWorker:
 
     def profile(self) -> dict[str, Any]:
         """This pair's cost profile on this node (measured once, then read from the pair cache)."""
+        if self.engine_kind != "cpu":
+            return self.engine.profile()  # c is not measurable here: the sweep asks for --cost-ratio
         from workers.calibrate import get_profile
 
         return get_profile(self.engine.pair).to_json()
@@ -108,10 +110,11 @@ class TrialRun:
 
 
 def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
-                 cache_dir: str | None = None, tensor_parallel_size: int = 1) -> list[Any]:
+                 cache_dir: str | None = None, tensor_parallel_size: int = 1, engine: str = "cpu",
+                 draft_len: int = 5, vllm: dict[str, Any] | None = None) -> list[Any]:
     threads = max(1, int(cpus_per_actor))
     workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor).remote(
-        pair, dtype, cache_dir, threads, tensor_parallel_size) for _ in range(n)]
+        pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, vllm) for _ in range(n)]
     ray.get([w.info.remote() for w in workers])  # surface load errors now, not mid-trial
     return workers
 

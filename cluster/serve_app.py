@@ -66,6 +66,10 @@ class ServeSettings:
     max_ongoing_requests: int = 8
     max_queued_requests: int = 32
     prefix_cache: bool = True
+    engine: str = "cpu"  # "vllm" on GPU nodes: vLLM with spectune's rule inside its verification
+    tensor_parallel_size: int = 1  # vLLM: GPUs per replica (give the replica as many in num_gpus)
+    num_gpus: float = 0  # per replica
+    vllm: dict[str, Any] = field(default_factory=dict)  # VLLMSettings fields (memory fraction, max_model_len)
     # Fault injection for tests of the error path: a prompt containing this text fails inside the
     # engine after its first round (off unless set; the text itself is never executed).
     fail_marker: str | None = None
@@ -79,6 +83,12 @@ class ServeSettings:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if not (isinstance(self.num_cpus, (int, float)) and self.num_cpus > 0):
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus!r}")
+        if not (isinstance(self.num_gpus, (int, float)) and self.num_gpus >= 0):
+            raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus!r}")
+        from workers.engines import check_engine
+
+        check_engine(self.engine, draft_lens=(self.draft_len, self.draft_len),
+                     tensor_parallel_size=self.tensor_parallel_size, vllm=self.vllm)
 
     @property
     def model(self) -> str:
@@ -159,18 +169,22 @@ class SpecDecodeServer:
     def __init__(self, settings: dict[str, Any]) -> None:
         import torch
 
-        from workers.engine import SpecDecoder
-        from workers.pair import load_pair
+        from workers.engines import make_engine
 
         self.s = ServeSettings.from_dict(settings)
         torch.set_num_threads(max(1, round(self.s.num_cpus)))
         t0 = time.perf_counter()
-        self.pair = load_pair(self.s.pair, dtype=self.s.dtype)
-        self.engine = SpecDecoder(self.pair, prefix_cache=self.s.prefix_cache)
+        self.engine = make_engine(self.s.engine, self.s.pair, self.s.dtype, prefix_cache=self.s.prefix_cache,
+                                  draft_len=self.s.draft_len, tensor_parallel_size=self.s.tensor_parallel_size,
+                                  vllm=self.s.vllm)
+        self.pair = self.engine.pair
         self.load_s = time.perf_counter() - t0
         self.limits = self.s.limits_obj()
         self.default = self.s.default_spec()
-        self.max_positions = int(getattr(self.pair.target.config, "max_position_embeddings", 0) or 0)
+        if self.s.engine == "vllm":
+            self.max_positions = int(self.engine.settings.max_model_len)
+        else:
+            self.max_positions = int(getattr(self.pair.target.config, "max_position_embeddings", 0) or 0)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spectune-generate")
         self.metrics = _Metrics()
         self.started = time.time()
@@ -217,6 +231,12 @@ class SpecDecodeServer:
                            code="context_length_exceeded")
         return ids
 
+    def _check_engine_can(self, req: GenRequest) -> None:
+        """The vLLM engine runs one draft length (fixed when it starts)."""
+        if self.s.engine == "vllm" and req.spec.policy is not None and req.spec.draft_len != self.s.draft_len:
+            raise ApiError(400, f"spec_decode.draft_len: this server's vLLM engine runs draft length "
+                                f"{self.s.draft_len}, got {req.spec.draft_len}", param="spec_decode.draft_len")
+
     def _generate(self, req: GenRequest, ids: list[int], on_tokens: Any = None) -> Any:
         if self.s.fail_marker and self.s.fail_marker in json.dumps([req.prompt, req.messages]):
             def on_tokens(_: list[int]) -> bool:
@@ -238,6 +258,7 @@ class SpecDecodeServer:
             body = await self._json(request)
             parse = parse_chat if kind == "chat" else parse_completion
             req = parse(body, self.limits, self.s.model, self.default)
+            self._check_engine_can(req)
             ids = self._encode(req)
         except ApiError as err:
             return self._error(route, err, t0)
@@ -349,7 +370,7 @@ def build_app(settings: ServeSettings) -> Any:
         max_ongoing_requests=settings.max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
-        ray_actor_options={"num_cpus": settings.num_cpus},
+        ray_actor_options={"num_cpus": settings.num_cpus, "num_gpus": settings.num_gpus},
         health_check_period_s=10,
         graceful_shutdown_timeout_s=30,
     )

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.serve_app import ServeSettings
+from workers.engines import ENGINES
 
 CHOICE_KEYS = ("policy", "params", "draft_len")
 
@@ -178,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on a request's max_tokens")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from scratch")
+    ap.add_argument("--engine", choices=ENGINES, default=None, help="cpu (default) or vllm (GPU nodes)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None, help="vLLM: GPUs per replica")
+    ap.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (vLLM: = tensor parallel size)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM: fraction of each GPU")
+    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for")
     ap.add_argument("--runs-root", help="where sweeps live (default ./runs)")
     ap.add_argument("--write-config", metavar="FILE", help="write a Serve config YAML for these settings and exit")
     return ap
@@ -208,6 +214,9 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         "limits": {"max_prompt_tokens": args.max_prompt_tokens, "max_tokens": args.max_tokens,
                    "max_body_bytes": args.max_body_bytes},
         "prefix_cache": not args.no_prefix_cache, "runs_root": args.runs_root,
+        "engine": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "num_gpus": args.num_gpus,
+        "vllm": {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory_utilization),
+                                   ("max_model_len", args.max_model_len)) if v is not None} or None,
     }
     if args.from_sweep:
         spec["from_sweep"] = {"run_id": args.from_sweep, "budget": args.budget, "tracking_uri": uri}

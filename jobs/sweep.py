@@ -32,6 +32,7 @@ from typing import Any  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import DEFAULT_FAMILIES, check_families, decode_params, suggest  # noqa: E402
 from workers.benchmarks import BENCHMARKS, get_benchmark  # noqa: E402
+from workers.engines import ENGINES, check_engine  # noqa: E402
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
 from workers.metrics import TrialMetrics, aggregate, bootstrap_ci, noise_floor  # noqa: E402
 
@@ -67,7 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--actors", type=int, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
     ap.add_argument("--cpus-per-actor", type=float, default=1)
     ap.add_argument("--gpus-per-actor", type=float, default=0)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
+    ap.add_argument("--engine", choices=ENGINES, default="cpu",
+                    help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+                    help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
+    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for (default 4096)")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
     ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
     ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
     ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
@@ -93,6 +100,11 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     lo, hi = (bounds[0], bounds[-1])
     if not (1 <= lo <= hi <= 16):
         raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
+    check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
+                 vllm=vllm_options(args))
+    if args.engine == "vllm" and args.cost_ratio is None:
+        raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
+                         "(measure c with `python -m workers.calibrate` or from your serving logs)")
     for name in ("trials", "min_items_to_prune"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -103,10 +115,18 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
 
 
+def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
+    given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
+             "enforce_eager": args.enforce_eager or None}
+    return {k: v for k, v in given.items() if v is not None}
+
+
 def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
     key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
                       "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
-                      "subset_seed": args.subset_seed}, sort_keys=True)
+                      "subset_seed": args.subset_seed,
+                      **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
 
@@ -132,7 +152,8 @@ class Sweep:
         n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
         log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
         self.workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
-                                    gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size)
+                                    gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
+                                    engine=args.engine, draft_len=s["draft_len"][0], vllm=vllm_options(args))
         import ray
 
         self.profile = ray.get(self.workers[0].profile.remote())
@@ -161,7 +182,9 @@ class Sweep:
     def reference(self, spec: DecodeSpec, label: str) -> dict[str, Record]:
         from cluster.pair_actor import run_trial
 
-        store = RecordStore(reference_dir(self.root, self.args.pair, self.args.dtype, self.bench.name, spec))
+        # references are per engine (same greedy tokens up to bf16 kernels, different timings)
+        pair = self.args.pair if self.args.engine == "cpu" else f"{self.args.pair}@{self.args.engine}"
+        store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.name, spec))
         done = store.load()
         missing = [it for it in self.items if it.id not in done]
         if missing:
@@ -185,6 +208,8 @@ class Sweep:
     def verify_factor(self, draft_len: int) -> float:
         from workers.calibrate import CostProfile
 
+        if not self.profile.get("verify_s"):
+            return 1.0  # no timed verify passes (vLLM engine): the DESIGN's plain count
         data = dict(self.profile)
         data.pop("cost_ratio", None)
         return CostProfile(**data).verify_factor(draft_len)

@@ -119,6 +119,8 @@ class VLLMDecoder:
             model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
             max_model_len=s.max_model_len, enforce_eager=s.enforce_eager, disable_log_stats=False,
+            # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
+            distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
             speculative_config={"method": "draft_model", "model": str(draft_dir),
                                 "num_speculative_tokens": s.draft_len,
                                 "draft_tensor_parallel_size": s.tensor_parallel_size,

@@ -202,3 +202,31 @@ def test_plugin_that_does_not_run_fails_loudly(tiny_dirs):
                           cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode != 0
     assert "VLLMUnavailable" in proc.stderr and "rule never ran" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_the_sweep_item_path_runs_on_vllm(engine):
+    """What a PairWorker does per item, on the vLLM engine: chat prompt, stop strings, scoring, stats."""
+    from workers.benchmarks import get_benchmark
+    from workers.evaluation import TARGET_ONLY, DecodeSpec, evaluate_item
+
+    bench = get_benchmark("gsm8k")
+    item = bench.items(limit=1)[0]
+    settings = dict(temperature=0.0, seed=0, max_new_tokens=24, shots=0)
+    ref = evaluate_item(engine, bench, item, DecodeSpec.make(TARGET_ONLY, **settings))
+    rec = evaluate_item(engine, bench, item, DecodeSpec.make("lossless", {}, L, **settings),
+                        reference_outputs=ref.outputs)
+    assert rec.error is None and ref.error is None, (rec.error, ref.error)
+    assert rec.outputs == ref.outputs, "greedy lossless = target-only on the benchmark path too"
+    assert rec.num_drafts > 0 and rec.num_draft_tokens == L * rec.num_drafts
+    assert ref.num_drafts == ref.target_forwards == ref.tokens
+
+
+def test_engine_factory_builds_and_validates(tiny_dirs):
+    from workers.engines import check_engine, make_engine
+
+    with pytest.raises(ValueError, match="unknown vLLM setting 'gpu_mem'"):
+        check_engine("vllm", vllm={"gpu_mem": 0.5})
+    with pytest.raises(ValueError, match="unknown engine"):
+        make_engine("tpu", tiny_dirs, "fp32")
+    cpu = make_engine("cpu", "tiny-random", "fp32")
+    assert type(cpu).__name__ == "SpecDecoder"
