@@ -10,9 +10,10 @@ second vLLM engine without speculation, started on first use.
 Stats come from vLLM's ``spec_decode`` counters (``LLM.get_metrics()``, differenced around each
 generation) mapped onto spectune's names; times from vLLM's request timestamps.
 
-What vLLM cannot do here, the engine refuses with a message: ``trace`` (per-round logits),
-aborting from ``on_tokens`` (it is called once, with all tokens), DropMatch with tensor-parallel
-size > 1 (the LM head is sharded), draft lengths other than the one it started with.
+What vLLM cannot do here, the engine refuses with a message: ``trace`` (per-round logits), draft
+lengths other than the one it started with. ``on_tokens`` is called once, with all tokens (the offline
+API does not stream; an abort cannot stop a generation part-way). Under tensor parallelism DropMatch
+all-gathers the target's sharded LM head once per worker (not exercised on this CPU-only machine).
 """
 
 from __future__ import annotations
@@ -144,9 +145,6 @@ class VLLMDecoder:
         if draft_len != self.settings.draft_len:
             raise ValueError(f"this vLLM engine was started with draft length {self.settings.draft_len}; "
                              f"got {draft_len} (vLLM fixes num_speculative_tokens at start)")
-        if policy.name == "dropmatch" and self.settings.tensor_parallel_size > 1:
-            raise ValueError("dropmatch under vLLM needs tensor_parallel_size 1 (its dropout heads reuse the "
-                             "target's LM head, which tensor parallelism shards)")
         self._set_rule(policy)
         before = self._counters()
         gen = self._run(self.llm, prompt_ids, max_new_tokens, temperature, seed, stop, trace, on_tokens)

@@ -137,16 +137,29 @@ STEP = _Step()
 
 
 def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's LM head as [V, d] (+ bias). Under tensor parallelism each rank holds a vocabulary
+    shard: the full head is all-gathered once (every rank verifies the same step, so every rank joins
+    the collective) and kept on the model (V x d per rank, ~0.5 GB for a 1.5B bf16 target)."""
+    cached = getattr(model, "_spectune_lm_head", None)
+    if cached is not None:
+        return cached
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor):
         raise RuntimeError("spectune vLLM plugin: the target model has no plain lm_head.weight tensor "
                            "(quantized head?); DropMatch cannot build its dropout heads")
-    if weight.shape[0] < vocab:
-        raise RuntimeError(f"spectune vLLM plugin: lm_head holds {weight.shape[0]} of {vocab} vocabulary rows "
-                           "(tensor-parallel shard); DropMatch under vLLM needs tensor_parallel_size 1")
     bias = getattr(head, "bias", None)
-    return weight[:vocab], (bias[:vocab] if isinstance(bias, torch.Tensor) else None)
+    bias = bias if isinstance(bias, torch.Tensor) else None
+    if weight.shape[0] < vocab:  # a tensor-parallel shard of the (padded) vocabulary
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+        bias = None if bias is None else tensor_model_parallel_all_gather(bias.contiguous(), dim=0)
+        if weight.shape[0] < vocab:
+            raise RuntimeError(f"spectune vLLM plugin: the gathered lm_head has {weight.shape[0]} of {vocab} rows")
+    result = (weight[:vocab], None if bias is None else bias[:vocab])
+    model._spectune_lm_head = result
+    return result
 
 
 def _needs_hidden(policy: Any) -> bool:
