@@ -277,12 +277,14 @@ def register() -> None:
             if getattr(self, "use_heterogeneous_vocab", False):
                 raise RuntimeError("spectune rules need a draft and target that share one vocabulary")
             logits = self.model.compute_logits(hidden_states)
+            # T = 1 log-probs first: vLLM's draft sampler divides the logits by T in place
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
             if sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False):
                 tokens = logits.argmax(dim=-1)
             else:
                 tokens, _ = self._sample_from_logits(logits, sampling_metadata)
             STEP.draft_logprobs = True
-            return tokens, torch.log_softmax(logits.float(), dim=-1)
+            return tokens, logprobs
 
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
