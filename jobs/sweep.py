@@ -115,6 +115,15 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
 
 
+def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
+    """TPE over the families' knobs. A resumed study gets its seed offset by the trials it holds: the
+    same seed would replay the first random suggestions (seen: two duplicate trials after a restart)."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed + existing_trials, multivariate=True, group=True,
+                                      n_startup_trials=max(4, min(10, trials // 2)))
+
+
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
     given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
@@ -162,9 +171,9 @@ class Sweep:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.study = optuna.create_study(
             study_name=self.name, storage=f"sqlite:///{self.dir / 'optuna.db'}", load_if_exists=True,
-            directions=["maximize", "maximize"],
-            sampler=optuna.samplers.TPESampler(seed=args.seed, multivariate=True, group=True,
-                                               n_startup_trials=max(4, min(10, args.trials // 2))))
+            directions=["maximize", "maximize"], sampler=make_sampler(args.seed, 0, args.trials))
+        if self.study.trials:
+            self.study.sampler = make_sampler(args.seed, len(self.study.trials), args.trials)
         self.tracker = SweepTracker(self.dir)
         meta = self.dir / "sweep.json"
         state = json.loads(meta.read_text()) if meta.is_file() else {}

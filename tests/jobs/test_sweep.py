@@ -138,3 +138,18 @@ def test_subset_seed_takes_file_order_or_a_seed():
     assert parser.parse_args(["--subset-seed", "7"]).subset_seed == 7
     with pytest.raises(SystemExit):
         parser.parse_args(["--subset-seed", "bogus"])
+
+
+def test_a_resumed_study_does_not_replay_its_first_suggestions():
+    """Same seed, fresh process: without an offset the sampler's RNG restarts and the first random
+    suggestions repeat trials the study already holds."""
+    import optuna
+
+    from jobs.sweep import make_sampler
+
+    def first_suggestions(existing: int, n: int = 3) -> list[float]:
+        study = optuna.create_study(sampler=make_sampler(0, existing, 10))
+        return [study.ask().suggest_float("x", 0.0, 1.0) for _ in range(n)]
+
+    assert first_suggestions(0) == first_suggestions(0), "seeded: reproducible"
+    assert not set(first_suggestions(0)) & set(first_suggestions(2)), "resumed: new suggestions"
