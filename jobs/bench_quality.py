@@ -22,25 +22,15 @@ import os
 import sys
 import time
 
-from jobs.evaluate import parse_params
 from jobs.records import RecordStore, reference_dir, runs_root, slug
 from workers.benchmarks import get_benchmark
 from workers.calibrate import get_profile
-from workers.cli import one_line_errors
+from workers.cli import one_line_errors, parse_rule
 from workers.engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics import aggregate, noise_floor
 
 DEFAULT_RULES = ["kl_judge:threshold=0.5", "dropmatch:k=5,p_drop=0.3,criterion=js"]
-
-
-def parse_rule(text: str) -> tuple[str, dict]:
-    """``kl_judge:threshold=0.5,confidence=0.9`` -> ("kl_judge", {...})."""
-    name, _, rest = text.partition(":")
-    try:
-        return name.strip(), parse_params([p for p in rest.split(",") if p.strip()])
-    except ValueError:
-        raise ValueError(f"--rule must look like NAME or NAME:KNOB=VALUE,KNOB=VALUE, got {text!r}") from None
 
 
 def _pct(x: float) -> str:

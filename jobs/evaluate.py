@@ -17,28 +17,14 @@ import json
 import math
 import sys
 import time
-from typing import Any
 
 from jobs.records import RecordStore, reference_dir, runs_root, slug
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.calibrate import CostProfile, get_profile
+from workers.cli import parse_params  # noqa: F401  (re-exported: jobs.serve, tests)
 from workers.engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics import NoiseFloor, TrialMetrics, aggregate, noise_floor
-
-
-def parse_params(pairs: list[str]) -> dict[str, Any]:
-    """``["threshold=0.5", "criterion=js"]`` -> {"threshold": 0.5, "criterion": "js"} (JSON values)."""
-    params: dict[str, Any] = {}
-    for text in pairs:
-        name, sep, raw = text.partition("=")
-        if not sep or not name:
-            raise ValueError(f"--param must look like NAME=VALUE, got {text!r}")
-        try:
-            params[name] = json.loads(raw)
-        except json.JSONDecodeError:
-            params[name] = raw
-    return params
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:

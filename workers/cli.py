@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 
 def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
@@ -22,3 +24,26 @@ def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[s
             return 2
 
     return wrapper
+
+
+def parse_params(pairs: list[str]) -> dict[str, Any]:
+    """``["threshold=0.5", "criterion=js"]`` -> {"threshold": 0.5, "criterion": "js"} (JSON values)."""
+    params: dict[str, Any] = {}
+    for text in pairs:
+        name, sep, raw = text.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--param must look like NAME=VALUE, got {text!r}")
+        try:
+            params[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            params[name] = raw
+    return params
+
+
+def parse_rule(text: str) -> tuple[str, dict]:
+    """``kl_judge:threshold=0.5,confidence=0.9`` -> ("kl_judge", {...})."""
+    name, _, rest = text.partition(":")
+    try:
+        return name.strip(), parse_params([p for p in rest.split(",") if p.strip()])
+    except ValueError:
+        raise ValueError(f"--rule must look like NAME or NAME:KNOB=VALUE,KNOB=VALUE, got {text!r}") from None

@@ -28,7 +28,7 @@ from typing import Any
 
 from policies import Policy, make_policy
 from workers.stats import Generation, GenerationStats
-from workers.vllm_plugin import ENTRY_POINT, RULE_FILE_ENV, rule_digest, seen_rules, write_rule
+from workers.vllm_plugin import ENTRY_POINT, NATIVE, RULE_FILE_ENV, rule_digest, seen_rules, write_rule
 
 _METRICS = {  # vLLM counter -> GenerationStats field
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -140,7 +140,8 @@ class VLLMDecoder:
                  max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                  stop: list[str] | tuple[str, ...] | None = None, trace: bool = False,
                  on_tokens: Any = None) -> Generation:
-        if isinstance(policy, str):
+        """``policy="vllm-native"`` verifies with vLLM's own rejection sampler (A/B measurements)."""
+        if isinstance(policy, str) and policy != NATIVE:
             policy = make_policy(policy)
         if draft_len != self.settings.draft_len:
             raise ValueError(f"this vLLM engine was started with draft length {self.settings.draft_len}; "
@@ -192,9 +193,13 @@ class VLLMDecoder:
 
     # -- the pieces -----------------------------------------------------------------------------
 
-    def _set_rule(self, policy: Policy) -> None:
-        described = policy.describe() if hasattr(policy, "describe") else {"policy": policy.name,
-                                                                             "params": policy.config.to_dict()}
+    def _set_rule(self, policy: Policy | str) -> None:
+        if policy == NATIVE:
+            described: dict[str, Any] = {"policy": NATIVE, "params": {}}
+        elif hasattr(policy, "describe"):
+            described = policy.describe()
+        else:
+            described = {"policy": policy.name, "params": policy.config.to_dict()}
         spec = {"policy": described["policy"], "params": described["params"], "seed": self.settings.seed}
         if rule_digest(spec) != self._digest:
             self._digest = write_rule(self.rule_file, spec["policy"], spec["params"], self.settings.seed)

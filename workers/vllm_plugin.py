@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 RULE_FILE_ENV = "SPECTUNE_VLLM_RULE_FILE"
+NATIVE = "vllm-native"  # a rule file naming this hands verification back to vLLM's own sampler (A/B runs)
 TRACE_DIR_ENV = "SPECTUNE_VLLM_TRACE_DIR"
 ENTRY_POINT = "spectune_rules"
 
@@ -57,7 +58,8 @@ def write_rule(path: str | os.PathLike[str], policy: str, params: dict[str, Any]
     """Atomically write the rule file the plugin reads; returns the rule's digest."""
     from policies import make_policy
 
-    make_policy(policy, **params)  # validate here, where the error reaches the user
+    if policy != NATIVE:
+        make_policy(policy, **params)  # validate here, where the error reaches the user
     spec = {"policy": policy, "params": params, "seed": int(seed)}
     path = Path(path)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -106,7 +108,7 @@ class _RuleState:
             from policies import make_policy
 
             spec = json.loads(Path(path).read_text())
-            policy = make_policy(spec["policy"], **spec.get("params", {}))
+            policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
             self.active = _Active(policy, spec, rule_digest(spec), stamp)
         return self.active
 
@@ -260,19 +262,24 @@ def register() -> None:
         def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                              target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
             active = RULE.current()
-            if active is None:
+            if active is None or active.policy is None:
+                if active is not None:
+                    RULE.report(active)
                 return orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                    draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
             return apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
                               target_logits, bonus_token_ids, sampling_metadata)
 
         def apply_sampling_constraints(logits, *args, **kwargs):
-            if RULE.current() is not None:
+            active = RULE.current()
+            if active is not None and active.policy is not None:
                 return logits  # rules read raw logits and apply the temperature themselves
             return orig_constraints(logits, *args, **kwargs)
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-            if RULE.current() is None:
+            active = RULE.current()
+            if active is None or active.policy is None:
+                STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
             if getattr(self, "use_heterogeneous_vocab", False):
                 raise RuntimeError("spectune rules need a draft and target that share one vocabulary")
@@ -288,7 +295,8 @@ def register() -> None:
 
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
-            if state is not None and RULE.current() is not None:
+            active = RULE.current()
+            if state is not None and active is not None and active.policy is not None:
                 meta = state.spec_decode_metadata
                 STEP.hidden = state.sample_hidden_states
                 STEP.target_indices = None if meta is None else meta.target_logits_indices

@@ -259,3 +259,30 @@ def test_sampled_lossless_inside_vllm_keeps_the_target_distribution(engine, temp
                                 minlength=vocab).double(), p2) for _ in range(20)]
     mean = sum(floor) / len(floor)
     assert _tv(second, p2) <= 1.4 * mean, (_tv(second, p2), mean)
+
+
+def test_native_mode_hands_verification_back_to_vllm(engine, cpu_engine):
+    """policy "vllm-native": vLLM's own rejection sampler decides (the A/B baseline of bench_vllm);
+    greedy lossless is the same either way, and the plugin reports which one ran."""
+    from workers.vllm_plugin import NATIVE, seen_rules
+
+    want = cpu_engine.autoregressive(PROMPTS[2], max_new_tokens=30).token_ids
+    assert engine.generate(PROMPTS[2], NATIVE, draft_len=L, max_new_tokens=30).token_ids == want
+    assert any(r["policy"] == NATIVE for r in seen_rules(engine.rule_file))
+    assert engine.generate(PROMPTS[2], "lossless", draft_len=L, max_new_tokens=30).token_ids == want
+
+
+def test_bench_vllm_prints_the_side_by_side_table(tiny_dirs, tmp_path, capsys):
+    from jobs import bench_vllm
+
+    code = bench_vllm.main(["--pair", tiny_dirs, "--dtype", "fp32", "--items", "1", "--max-new-tokens", "8",
+                            "--rounds", "1", "--draft-len", str(L), "--gpu-memory-utilization", "0.04",
+                            "--max-model-len", "512", "--enforce-eager", "--runs-root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    for row in ("| target-only |", "| lossless (vLLM's rule) |", "| lossless (spectune's, in vLLM) |", "| dropmatch",
+                "| kl_judge"):
+        assert row in out
+    assert list((tmp_path / "bench").glob("vllm-*.md"))
+    assert bench_vllm.main(["--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
