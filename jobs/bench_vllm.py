@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> str:
 
     engine = make_engine("vllm", args.pair, args.dtype, draft_len=args.draft_len,
                          vllm={"gpu_memory_utilization": args.gpu_memory_utilization,
+                               "target_only_memory_utilization": args.target_only_memory_utilization,
                                "max_model_len": args.max_model_len, "enforce_eager": args.enforce_eager})
     bench = get_benchmark("gsm8k")
     prompts = [encode_chat(engine.pair.tokenizer, bench.messages(it, shots=0)) for it in bench.items(limit=args.items)]
@@ -96,8 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-len", type=int, default=5)
     ap.add_argument("--rule", action="append", default=None,
                     help="NAME[:k=v,...] (repeatable; default dropmatch js K=5 p=0.3 and kl_judge 0.5)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.1,
-                    help="per engine (two: speculative + target-only); on CPU builds a fraction of RAM")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                    help="the speculative engine's share of the GPU (vLLM-CPU: of RAM, weights included)")
+    ap.add_argument("--target-only-memory-utilization", type=float, default=0.25,
+                    help="the target-only engine's share (a second engine on the same device)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--runs-root", default=None)

@@ -112,6 +112,21 @@ class _Stop:
         return any(s in tail for s in self.strings)
 
 
+def check_request(prompt_ids: Any, vocab_size: int, max_new_tokens: Any, temperature: Any) -> list[int]:
+    """A generation request's shared checks (every engine): the prompt as a list of ids."""
+    prompt = prompt_ids.flatten().tolist() if isinstance(prompt_ids, Tensor) else list(prompt_ids)
+    if not prompt:
+        raise ValueError("prompt_ids is empty: at least one token is needed")
+    bad = [t for t in prompt if not (0 <= int(t) < vocab_size)]
+    if bad:
+        raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not (temperature >= 0.0):
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    return [int(t) for t in prompt]
+
+
 def _resets_on_error(method):
     """A generation that fails part-way leaves caches whose ids may not match their contents:
     drop them so the next request starts clean (and the error still propagates)."""
@@ -255,21 +270,12 @@ class SpecDecoder:
     # -- the pieces -----------------------------------------------------------------------------
 
     def _start(self, prompt_ids: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any):
-        prompt = prompt_ids.flatten().tolist() if isinstance(prompt_ids, Tensor) else list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids is empty: at least one token is needed")
-        bad = [t for t in prompt if not (0 <= int(t) < self.pair.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.pair.vocab_size}): {bad[:5]}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not (temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
         strings = tuple(s for s in (stop or ()) if s)
         if strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need the pair's tokenizer")
         stopper = _Stop(frozenset(self.pair.eos_token_ids), strings, max_new_tokens, self.pair.tokenizer)
-        return [int(t) for t in prompt], stopper, torch.Generator().manual_seed(int(seed))
+        return prompt, stopper, torch.Generator().manual_seed(int(seed))
 
     def _prefill(self, prompt: list[int], stats: GenerationStats, draft: bool) -> list[int]:
         t0 = time.perf_counter()

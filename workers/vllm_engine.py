@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from policies import Policy, make_policy
+from workers.engine import check_request
 from workers.stats import Generation, GenerationStats
 from workers.vllm_plugin import ENTRY_POINT, NATIVE, RULE_FILE_ENV, rule_digest, seen_rules, write_rule
 
@@ -234,16 +235,7 @@ class VLLMDecoder:
 
         if trace:
             raise ValueError("trace=True (per-round target logits) is a CPU-engine feature; vLLM does not expose them")
-        prompt = prompt_ids.flatten().tolist() if hasattr(prompt_ids, "flatten") else list(prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids is empty: at least one token is needed")
-        bad = [t for t in prompt if not (0 <= int(t) < self.pair.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt_ids has ids outside the vocabulary [0, {self.pair.vocab_size}): {bad[:5]}")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+        prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
         eos = list(self.pair.eos_token_ids) if stop_on_eos else []
         params = SamplingParams(
             temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 else None,
@@ -251,7 +243,7 @@ class VLLMDecoder:
             ignore_eos=not eos, skip_special_tokens=True,
         )
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": [int(t) for t in prompt]}], params, use_tqdm=False)[0]
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         wall = time.perf_counter() - t0
         completion = out.outputs[0]
         tokens = list(completion.token_ids)

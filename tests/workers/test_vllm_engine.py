@@ -277,6 +277,7 @@ def test_bench_vllm_prints_the_side_by_side_table(tiny_dirs, tmp_path, capsys):
 
     code = bench_vllm.main(["--pair", tiny_dirs, "--dtype", "fp32", "--items", "1", "--max-new-tokens", "8",
                             "--rounds", "1", "--draft-len", str(L), "--gpu-memory-utilization", "0.04",
+                            "--target-only-memory-utilization", "0.04",
                             "--max-model-len", "512", "--enforce-eager", "--runs-root", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
