@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
     ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
     ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
+    ap.add_argument("--enqueue", action="append", default=[], metavar="RULE",
+                    help="evaluate these settings first, e.g. dropmatch:k=5,p_drop=0.3,criterion=js "
+                         "(repeatable; knobs not given take the rule's defaults; skipped if already in the study)")
     ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     ap.add_argument("--runs-root", default=None, help="default ./runs (or SPECTUNE_RUNS)")
@@ -100,6 +103,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     lo, hi = (bounds[0], bounds[-1])
     if not (1 <= lo <= hi <= 16):
         raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
+    enqueued = [enqueued_params(text, families, (lo, hi)) for text in args.enqueue]
     check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
                  vllm=vllm_options(args))
     if args.engine == "vllm" and args.cost_ratio is None:
@@ -110,9 +114,28 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")
-    return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi),
+    return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,
             "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
+
+
+def enqueued_params(text: str, families: list[str], draft_len: tuple[int, int]) -> dict[str, Any]:
+    """``--enqueue`` text -> the study's parameter names (``family``, ``<family>.<knob>``, ``draft_len``)."""
+    from policies import get_spec, make_policy
+    from workers.cli import parse_rule
+
+    name, params = parse_rule(text)
+    if name not in families:
+        raise ValueError(f"--enqueue {text!r}: {name!r} is not among the searched --policies {families}")
+    length = params.pop("draft_len", draft_len[0])
+    if not (isinstance(length, int) and draft_len[0] <= length <= draft_len[1]):
+        raise ValueError(f"--enqueue {text!r}: draft_len must be an integer in --draft-len {draft_len[0]},{draft_len[1]}")
+    config = make_policy(name, **params).config.to_dict()  # unknown knobs / bad values fail here
+    out: dict[str, Any] = {"family": name} if len(families) > 1 else {}
+    out.update({f"{name}.{knob}": config[knob] for knob in get_spec(name).config_cls.search_space()})
+    if draft_len[1] > draft_len[0]:
+        out["draft_len"] = length
+    return out
 
 
 def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
@@ -388,6 +411,8 @@ class Sweep:
         self.elapsed: list[float] = []
         self.refs[TARGET_ONLY] = self.reference(DecodeSpec.make(TARGET_ONLY, **self.s["decode"]), "target-only reference")
         self.resume_stale()
+        for params in self.s["enqueue"]:
+            self.study.enqueue_trial(params, skip_if_exists=True)
         if self.finished() >= self.args.trials:
             log(f"study {self.name} already has {self.finished()} finished trials: reporting only")
         while self.finished() < self.args.trials:

@@ -153,3 +153,17 @@ def test_a_resumed_study_does_not_replay_its_first_suggestions():
 
     assert first_suggestions(0) == first_suggestions(0), "seeded: reproducible"
     assert not set(first_suggestions(0)) & set(first_suggestions(2)), "resumed: new suggestions"
+
+
+def test_enqueue_names_the_study_parameters_and_validates():
+    """--enqueue warm-starts a study with known settings (e.g. the Table 6 winners); knobs not given
+    take the rule's defaults, so the trial is exactly make_policy(name, **given)."""
+    from jobs.sweep import enqueued_params
+
+    got = enqueued_params("kl_judge:threshold=0.5", ["dropmatch", "kl_judge"], (3, 8))
+    assert got == {"family": "kl_judge", "kl_judge.threshold": 0.5, "kl_judge.confidence": 0.9, "draft_len": 3}
+    assert enqueued_params("top_k:k=4,draft_len=5", ["top_k"], (5, 5)) == {"top_k.k": 4}
+    for bad, msg in (("kl_judge:thresh=1", "unknown parameter"), ("typical", "not among the searched"),
+                     ("top_k:k=4,draft_len=9", "draft_len")):
+        with pytest.raises(ValueError, match=msg):
+            enqueued_params(bad, ["kl_judge", "top_k"], (3, 8))
