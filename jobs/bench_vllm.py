@@ -18,7 +18,7 @@ import time
 from datetime import datetime
 
 from jobs.records import runs_root
-from workers.cli import one_line_errors, parse_rule
+from workers.cli import one_line_errors, parse_rule, require_positive
 
 NATIVE = "vllm-native"
 
@@ -112,9 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.rule is None:
         args.rule = ["dropmatch:k=5,p_drop=0.3,criterion=js", "kl_judge:threshold=0.5"]
-    for name in ("items", "max_new_tokens", "rounds", "draft_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(args, "items", "max_new_tokens", "rounds", "draft_len")
     print(run(args))
     return 0
 

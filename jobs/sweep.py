@@ -32,6 +32,7 @@ from typing import Any  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import DEFAULT_FAMILIES, check_families, decode_params, suggest  # noqa: E402
 from workers.benchmarks import BENCHMARKS, get_benchmark  # noqa: E402
+from workers.cli import require_positive  # noqa: E402
 from workers.engines import ENGINES, check_engine  # noqa: E402
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
 from workers.metrics import TrialMetrics, aggregate, bootstrap_ci, noise_floor  # noqa: E402
@@ -109,9 +110,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c with `python -m workers.calibrate` or from your serving logs)")
-    for name in ("trials", "min_items_to_prune"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    require_positive(args, "trials", "min_items_to_prune")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")
     return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,

@@ -47,3 +47,10 @@ def parse_rule(text: str) -> tuple[str, dict]:
         return name.strip(), parse_params([p for p in rest.split(",") if p.strip()])
     except ValueError:
         raise ValueError(f"--rule must look like NAME or NAME:KNOB=VALUE,KNOB=VALUE, got {text!r}") from None
+
+
+def require_positive(args: Any, *names: str) -> None:
+    """``--name must be >= 1`` (ValueError naming the flag) for each integer option given."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -19,11 +19,13 @@ all-gathers the target's sharded LM head once per worker (not exercised on this 
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from policies import Policy, make_policy
@@ -131,7 +133,7 @@ class VLLMDecoder:
         self._reference: Any = None
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
-        self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _Config(target_dir)), pair_cache,
+        self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _declared_eos(target_dir)), pair_cache,
                              draft_dir, target_dir)
         self._assert_rule_runs()
 
@@ -266,19 +268,10 @@ class VLLMDecoder:
         return Generation(token_ids=tokens, text=completion.text, finish_reason=finish, stats=stats)
 
 
-class _Config:
-    """The eos ids a model directory declares (config + generation config), for ``eos_token_ids``."""
+def _declared_eos(model_dir: Path) -> SimpleNamespace:
+    """A model directory's config + generation config, as ``eos_token_ids`` reads them (no model load)."""
+    def eos(name: str) -> SimpleNamespace:
+        path = model_dir / name
+        return SimpleNamespace(eos_token_id=json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
 
-    def __init__(self, model_dir: Path) -> None:
-        import json
-
-        cfg = json.loads((model_dir / "config.json").read_text())
-        gen_path = model_dir / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        self.config = _Obj(eos_token_id=cfg.get("eos_token_id"))
-        self.generation_config = _Obj(eos_token_id=gen.get("eos_token_id"))
-
-
-class _Obj:
-    def __init__(self, **kw: Any) -> None:
-        self.__dict__.update(kw)
+    return SimpleNamespace(config=eos("config.json"), generation_config=eos("generation_config.json"))
