@@ -51,7 +51,10 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=not quiet, configure_logging=quiet)
     else:
+        # "local": always a fresh local Ray. Without it ray.init() joins a head already running on
+        # this machine (`make ray-head`) and then refuses the sizing arguments with a traceback.
         ray.init(
+            address="local",
             num_cpus=num_cpus or os.cpu_count(),
             object_store_memory=object_store_bytes or DEFAULT_OBJECT_STORE_BYTES,
             include_dashboard=dashboard,

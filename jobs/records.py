@@ -16,9 +16,41 @@ import polars as pl
 
 from workers.evaluation import DecodeSpec, Record
 
+# Where Ray unpacks a job's ``--working-dir`` (inside the Ray session's temporary directory, garbage
+# collected when Ray likes): nothing meant to last may be written below it.
+RAY_WORKING_DIR_MARK = "runtime_resources/working_dir_files"
+# The runs root of a Ray job that names none: per user and persistent, like Ray Tune's ~/ray_results.
+RAY_JOB_DEFAULT = "~/spectune_runs"
+
+
+def in_ray_working_dir(path: str | os.PathLike[str]) -> bool:
+    return RAY_WORKING_DIR_MARK in Path(path).resolve().as_posix()
+
 
 def runs_root(explicit: str | os.PathLike[str] | None = None) -> Path:
-    return Path(explicit or os.environ.get("SPECTUNE_RUNS") or "runs").resolve()
+    """Where run directories go: ``explicit`` (``--runs-root``), else ``$SPECTUNE_RUNS``, else ``./runs``.
+
+    A Ray job submitted with ``--working-dir`` runs in Ray's unpacked copy of the checkout, a
+    temporary directory: there the default is ``~/spectune_runs`` on the node that runs the driver
+    (``scripts/ray-head`` sets ``SPECTUNE_RUNS`` to the checkout's ``runs/`` for its jobs, the
+    KubeRay manifests to the shared volume), and a relative root that would land inside the copy
+    is refused rather than lost."""
+    given = explicit or os.environ.get("SPECTUNE_RUNS")
+    if given:
+        return persistent_dir(given, "--runs-root" if explicit else "SPECTUNE_RUNS")
+    if in_ray_working_dir(Path.cwd()):
+        return Path(RAY_JOB_DEFAULT).expanduser().resolve()
+    return Path("runs").resolve()
+
+
+def persistent_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` resolved; a ValueError naming ``what`` when that lies in a Ray job's temporary copy."""
+    resolved = Path(path).expanduser().resolve()
+    if in_ray_working_dir(resolved):
+        raise ValueError(f"{what} {str(path)!r} resolves to {resolved}, inside Ray's temporary copy of the job's "
+                         f"working_dir (deleted when Ray likes): give an absolute path (or unset it: a Ray job's "
+                         f"default is $SPECTUNE_RUNS on the head, else {RAY_JOB_DEFAULT})")
+    return resolved
 
 
 def slug(text: str) -> str:
