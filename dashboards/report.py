@@ -120,14 +120,16 @@ def _plot_acceptance(winners_acceptance: Mapping[str, tuple[int, Sequence[int]]]
 def write_report(trials: pl.DataFrame, out_dir: str | Path, *, reference_accuracy: float, budgets: list[float],
                  winners_acceptance: dict[str, tuple[int, list[int]]] | None = None,
                  noise_floor: dict | None = None, title: str = "",
-                 speedup: str = "speedup_vs_ar_modelled") -> dict[str, Path]:
+                 speedup: str = "speedup_vs_ar_modelled", certification: str | None = None) -> dict[str, Path]:
     """Write every artifact into ``out_dir`` and return file name -> path.
 
     Always: trials.parquet, trials.csv, pareto.png, pareto.csv, budget_table.md, budget_winners.csv,
     report.md. With ``winners_acceptance`` (label -> (num_drafts, accepted_per_position)):
     acceptance_hist.png, per_position.png and acceptance.json; with ``noise_floor``: noise_floor.json
     (both JSON files are what the CLI reads to rebuild the report). ``speedup`` picks the column
-    ranked in the tables and plotted on the Pareto x axis.
+    ranked in the tables and plotted on the Pareto x axis. ``certification`` (markdown: the
+    certified-budget table of the confirmation split) goes first in report.md; every other table
+    describes the search items, where the winner's own drop is biased low (winner's curse).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,8 +159,9 @@ def write_report(trials: pl.DataFrame, out_dir: str | Path, *, reference_accurac
     point = to_markdown(budget_table(trials, budgets, speedup=speedup))
     has_ci = trials.filter(pl.col("accuracy_drop_ci_hi").is_not_null()).height > 0
     conservative = to_markdown(budget_table(trials, budgets, speedup=speedup, use_ci=True)) if has_ci else ""
-    tables = (f"### {speedup} under an accuracy-drop budget (point estimate)\n\n{point}"
-              + (f"\n### Conservative: 95% upper bound of the drop within the budget\n\n{conservative}"
+    tables = (f"### {speedup} under an accuracy-drop budget (search split, point estimate: a description)\n\n{point}"
+              + (f"\n### Search split, bootstrap 95% upper bound of the drop within the budget (a description)\n\n"
+                 f"{conservative}"
                  if conservative else ""))
     put("budget_table.md", tables)
 
@@ -177,7 +180,10 @@ def write_report(trials: pl.DataFrame, out_dir: str | Path, *, reference_accurac
     rebuild += ["--acceptance acceptance.json"] if winners_acceptance else []
     rebuild += [f"--title {shlex.quote(title)}"] if title else []
     lines = _headline(trials, ref, front, title)
-    lines += ["## Best speedup within each budget", "", tables, "", "## Noise floor", "",
+    if certification:
+        put("certification.md", certification)
+        lines += ["## Certified budgets (confirmation split: items the search never saw)", "", certification, ""]
+    lines += ["## Best speedup within each budget on the search split (not certificates)", "", tables, "", "## Noise floor", "",
               noise_floor_note(noise_floor, budgets), "", "## Pareto front", "", "![Pareto front](pareto.png)", ""]
     if front.height:
         lines += [to_markdown(_front_table(front, speedup)), ""]

@@ -170,3 +170,57 @@ def to_markdown(df: pl.DataFrame) -> str:
              "| " + " | ".join("---" for _ in df.columns) + " |"]
     lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in df.iter_rows()]
     return "\n".join(lines) + "\n"
+
+
+def _pct_or_dash(v: Any, signed: bool = False) -> str:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        return "—"
+    return f"{100 * v:+.2f}%" if signed else f"{100 * v:.2f}%"
+
+
+def _speed(confirm: dict[str, Any], name: str) -> str:
+    est, lo, hi = (confirm.get(f"speed.{name}{s}") for s in ("", "_lo", "_hi"))
+    if not isinstance(est, (int, float)) or not math.isfinite(est):
+        return "—"
+    if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and math.isfinite(lo) and math.isfinite(hi):
+        return f"{est:.2f}x [{lo:.2f}, {hi:.2f}]"
+    return f"{est:.2f}x"
+
+
+def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[str, Any]] | None = None) -> str:
+    """The certified-budget table (markdown): per budget, certified or not, the rule, the one-sided
+    upper bound of the drop on the confirmation split, the observed drop, n, discordance, the items a
+    certificate would need, and speed on the confirmation items (ratios of sums, with intervals);
+    then the noise floor (lossless vs target-only) as rows of its own."""
+    header = ["budget", "certified", "rule", "drop bound (1-α)", "drop", "n", "discordance", "items needed",
+              "modelled speedup / token", "measured speedup / token", "modelled / answer", "measured / answer"]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    for c in choices:
+        cert = c.get("certification") or {}
+        confirm = c.get("confirm") or {}
+        rule = (f"{c['policy']} ({format_params(c['policy'], json.dumps(c.get('params') or {}), c.get('draft_len'))})"
+                if c.get("policy") else "—")
+        needed = cert.get("items_needed")
+        cells = [budget_label(float(c["budget"])), "**yes**" if c.get("certified") else "no", rule,
+                 _pct_or_dash(cert.get("bound")), _pct_or_dash(cert.get("drop"), True), str(cert.get("n") or "—"),
+                 f"{cert['discordance']:.3f}" if isinstance(cert.get("discordance"), float)
+                 and math.isfinite(cert["discordance"]) else "—",
+                 "—" if c.get("certified") or needed is None else f"{needed:,}",
+                 _speed(confirm, "modelled_per_token"), _speed(confirm, "measured_per_token"),
+                 _speed(confirm, "modelled_per_answer"), _speed(confirm, "measured_per_answer")]
+        lines.append("| " + " | ".join(_markdown_cell(x) for x in cells) + " |")
+    for nf in noise_floors or []:
+        cells = [f"noise floor (lossless L={nf.get('draft_len')})", "—",
+                 f"lossless vs target-only (outputs differ on {_pct_or_dash(nf.get('output_divergence'))})",
+                 _pct_or_dash(nf.get("bound.upper")), _pct_or_dash(nf.get("bound.drop"), True),
+                 str(nf.get("items", "—")),
+                 f"{nf['bound.discordance']:.3f}" if isinstance(nf.get("bound.discordance"), float)
+                 and math.isfinite(nf["bound.discordance"]) else "—",
+                 "—", "—", "—", "—", "—"]
+        lines.append("| " + " | ".join(_markdown_cell(x) for x in cells) + " |")
+    alpha = next((c["certification"]["alpha"] for c in choices if c.get("certification")), 0.05)
+    lines.append("")
+    lines.append(f"Certified = the one-sided {100 * (1 - alpha):g}% upper bound of the paired accuracy drop vs "
+                 "target-only, on confirmation items the search never saw, is within the budget (fixed-sequence "
+                 "confirmation, safest candidate first). Speed intervals are paired bootstrap descriptions.")
+    return "\n".join(lines) + "\n"

@@ -68,7 +68,34 @@ def choice_from_sweep(run_id: str, budget: float, tracking_uri: str | None, runs
                          f"({type(err).__name__}: {str(err).splitlines()[0][:200]})") from None
     return {**choice, "source": {"kind": "sweep", "run_id": run_id, "budget": budget, "tracking_uri": uri,
                                  "trial": choice.get("trial"), "metrics": choice.get("metrics"),
-                                 "sweep": choice.get("sweep")}}
+                                 "sweep": choice.get("sweep"), **_certificate(choice)}}
+
+
+def _certificate(choice: dict[str, Any]) -> dict[str, Any]:
+    """What a sweep's choice says about its certificate (absent: a sweep from before certification)."""
+    if "certified" not in choice:
+        return {}
+    return {"certified": bool(choice["certified"]), "certification": choice.get("certification")}
+
+
+def check_certified(choice: dict[str, Any], what: str, allow_uncertified: bool) -> None:
+    """A sweep's budget is served only when certified on its confirmation split, unless the caller
+    explicitly allows an uncertified one (then /v1/policy shows ``certified: false``)."""
+    if choice.get("policy") is None:
+        cert = choice.get("certification") or {}
+        raise ValueError(f"{what} has no policy to serve: {cert.get('reason') or choice.get('reason') or 'no candidate'}")
+    if choice.get("certified") is True or allow_uncertified:
+        return
+    cert = choice.get("certification")
+    if cert is None:
+        raise ValueError(f"{what} was chosen without certification (a sweep from before confirmation splits); "
+                         "rerun the sweep to certify it, or pass --allow-uncertified")
+    bound, n, needed = cert.get("bound"), cert.get("n"), cert.get("items_needed")
+    missing = (f"its drop bound {100 * bound:.2f}% on n={n} confirmation items is above the budget"
+               if isinstance(bound, (int, float)) else cert.get("reason", "no candidate passed confirmation"))
+    more = f"; a certificate would need ~{needed:,} confirmation items at the observed discordance" if needed else ""
+    raise ValueError(f"{what} is NOT certified: {missing}{more}. Rerun the sweep with more --confirm-items, "
+                     "choose a wider budget, or pass --allow-uncertified to serve it anyway")
 
 
 def choice_from_file(path: str) -> dict[str, Any]:
@@ -81,7 +108,8 @@ def choice_from_file(path: str) -> dict[str, Any]:
         raise ValueError(f"--policy-file {path} is not valid JSON: {err}") from None
     if not isinstance(choice, dict) or "policy" not in choice:
         raise ValueError(f'--policy-file {path} must be a JSON object with "policy" (and "params", "draft_len")')
-    return {**choice, "source": {"kind": "file", "path": str(p.resolve()), "metrics": choice.get("metrics")}}
+    return {**choice, "source": {"kind": "file", "path": str(p.resolve()), "metrics": choice.get("metrics"),
+                                 **_certificate(choice)}}
 
 
 def settings_from(spec: dict[str, Any]) -> ServeSettings:
@@ -93,6 +121,7 @@ def settings_from(spec: dict[str, Any]) -> ServeSettings:
     spec = dict(spec)
     sweep, file = spec.pop("from_sweep", None), spec.pop("policy_file", None)
     runs_root = spec.pop("runs_root", None)
+    allow_uncertified = bool(spec.pop("allow_uncertified", False))
     if sweep and file:
         raise ValueError("give one policy source: a sweep run or a policy file, not both")
     chosen = None
@@ -101,12 +130,15 @@ def settings_from(spec: dict[str, Any]) -> ServeSettings:
             raise ValueError("from_sweep needs run_id and budget")
         chosen = choice_from_sweep(sweep["run_id"], parse_budget(sweep["budget"]), sweep.get("tracking_uri"),
                                    runs_root)
+        what = f"sweep {sweep['run_id']} budget {parse_budget(sweep['budget']):g}"
     elif file:
-        chosen = choice_from_file(file)
+        chosen, what = choice_from_file(file), f"--policy-file {file}"
     if chosen is not None:
         given = [k for k in CHOICE_KEYS if spec.get(k) is not None]
         if given:
             raise ValueError(f"{given[0]} given together with a sweep/file policy: use one source")
+        if sweep or "certified" in chosen or chosen.get("policy") is None:  # hand-written files claim nothing
+            check_certified(chosen, what, allow_uncertified)
         spec.update({k: chosen[k] for k in CHOICE_KEYS if k in chosen}, source=chosen["source"])
         for k in ("pair", "dtype"):
             if spec.get(k) is None and chosen.get(k):
@@ -162,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--tracking-uri", help="with --from-sweep: the sweep's MLflow store (default: found under runs/)")
     src.add_argument("--run-dir", help="with --from-sweep: the sweep's run directory (holds mlflow.db)")
     src.add_argument("--policy-file", help="a chosen-policy JSON file")
+    src.add_argument("--allow-uncertified", action="store_true",
+                     help="serve a sweep's budget that its confirmation did not certify (shown as certified: false)")
     src.add_argument("--policy", help="a registered rule, or 'off' for target-only decoding (default lossless)")
     src.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
     src.add_argument("--draft-len", type=int, help="draft length L (default 5)")
@@ -214,6 +248,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         "limits": {"max_prompt_tokens": args.max_prompt_tokens, "max_tokens": args.max_tokens,
                    "max_body_bytes": args.max_body_bytes},
         "prefix_cache": not args.no_prefix_cache, "runs_root": args.runs_root,
+        "allow_uncertified": args.allow_uncertified,
         "engine": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "num_gpus": args.num_gpus,
         "vllm": {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory_utilization),
                                    ("max_model_len", args.max_model_len)) if v is not None} or None,

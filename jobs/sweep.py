@@ -5,12 +5,14 @@
 
 Optuna (sqlite under the run directory; rerunning the same command resumes it) asks for a rule
 family, its knobs (from the registry's field metadata) and a draft length; long-lived pair actors
-evaluate the trial's items streamed through Ray Data; the driver aggregates the records against
-the cached target-only and lossless references on the same items, stops a trial early once its
-accuracy drop is beyond the largest budget with 95% confidence (recorded as pruned), tells Optuna
-(objectives: speedup, accuracy; constraint: drop <= largest budget) and logs a nested MLflow run.
-The Pareto front, the quality-constrained speedup table, acceptance plots and the chosen policy
-per budget are refreshed as the sweep goes and logged to the parent run.
+evaluate the trial's items — from the benchmark's SEARCH split — streamed through Ray Data; the
+driver aggregates the records against the cached target-only and lossless references on the same
+items, stops a trial early once an anytime-valid bound says its accuracy drop is beyond the largest
+budget (recorded as pruned), tells Optuna (objectives: speedup, accuracy; constraint: drop <=
+largest budget) and logs a nested MLflow run. The Pareto front, the speedup table and acceptance
+plots are refreshed as the sweep goes. At the end each budget is CERTIFIED, or not, on the
+CONFIRMATION split, which the search never saw (``jobs.confirm``, decided by ``workers.certify``):
+the chosen policy per budget says which, with the bound, alpha, n and discordance.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
+from jobs.confirm import ordered_prefix, paired, score_of  # noqa: E402
+from jobs.progress import Progress  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import DEFAULT_FAMILIES, check_families, decode_params, suggest  # noqa: E402
 from workers.benchmarks import BENCHMARKS, get_benchmark  # noqa: E402
 from workers.cli import require_positive  # noqa: E402
 from workers.engines import ENGINES, check_engine  # noqa: E402
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
-from workers.metrics import TrialMetrics, aggregate, bootstrap_ci, noise_floor  # noqa: E402
+from workers.metrics import TrialMetrics, aggregate, noise_floor  # noqa: E402
 
 
 def subset_seed(text: str) -> int | None:
@@ -56,7 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
     ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
-    ap.add_argument("--items", type=int, default=40, help="benchmark items per trial (0 = all)")
+    ap.add_argument("--items", type=int, default=40, help="search-split items per trial (0 = all)")
+    ap.add_argument("--confirm-items", type=int, default=None,
+                    help="confirmation-split items that certify a budget (default: --items; 0 = all)")
+    ap.add_argument("--confirm-candidates", type=int, default=3,
+                    help="candidates per budget confirmed at most (fixed sequence, safest first)")
+    ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
     ap.add_argument("--subset-seed", type=subset_seed, default=0,
                     help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
     ap.add_argument("--draft-len", default="3,8", help="draft length search range LO,HI (or one value)")
@@ -83,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(repeatable; knobs not given take the rule's defaults; skipped if already in the study)")
     ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
-    ap.add_argument("--runs-root", default=None, help="default ./runs (or SPECTUNE_RUNS)")
+    ap.add_argument("--runs-root", default=None,
+                    help="default $SPECTUNE_RUNS, else ./runs; in a Ray job $SPECTUNE_RUNS on the head "
+                         "(scripts/ray-head: the checkout's runs/), else ~/spectune_runs")
     ap.add_argument("--run-dir", default=None, help="default <runs-root>/sweeps/<study name>")
     return ap
 
@@ -110,9 +121,13 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c with `python -m workers.calibrate` or from your serving logs)")
-    require_positive(args, "trials", "min_items_to_prune")
+    require_positive(args, "trials", "min_items_to_prune", "confirm_candidates")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")
+    if args.confirm_items is not None and args.confirm_items < 0:
+        raise ValueError("--confirm-items must be >= 0 (0 = all)")
+    if not 0 < args.alpha < 0.5:
+        raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
     return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,
             "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
@@ -156,7 +171,7 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
 def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
     key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
                       "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
-                      "subset_seed": args.subset_seed,
+                      "subset_seed": args.subset_seed, "split": s["bench"].split_info(),
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
@@ -178,7 +193,10 @@ class Sweep:
         self.name = study_name(args, s)
         self.dir = Path(args.run_dir) if args.run_dir else self.root / "sweeps" / self.name
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.items = self.bench.items(limit=args.items or None, seed=args.subset_seed)
+        self.items = self.bench.items(limit=args.items or None, seed=args.subset_seed, split="search")
+        n_confirm = args.items if args.confirm_items is None else args.confirm_items
+        self.confirm_items = self.bench.items(limit=n_confirm or None, seed=args.subset_seed, split="confirm")
+        self.split = self.bench.split_info()
         init_ray(args.address)
         n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
         log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
@@ -201,6 +219,8 @@ class Sweep:
         state = json.loads(meta.read_text()) if meta.is_file() else {}
         parent = self.tracker.start_parent(
             self.name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(self.items),
+                        "confirm_items": len(self.confirm_items), "alpha": args.alpha,
+                        "split.search": self.split["search"], "split.confirm": self.split["confirm"],
                         "budgets": s["budgets"], "policies": s["families"], "draft_len_range": list(s["draft_len"]),
                         **s["decode"], "objective": args.objective, "cost_ratio": self.cost_ratio, "actors": n},
             {"machine": platform.node(), "python": platform.python_version(), "study": self.name,
@@ -210,30 +230,43 @@ class Sweep:
 
     # -- references ------------------------------------------------------------------------------
 
-    def reference(self, spec: DecodeSpec, label: str) -> dict[str, Record]:
-        from cluster.pair_actor import run_trial
-
+    def reference(self, spec: DecodeSpec, label: str, items: list | None = None) -> dict[str, Record]:
         # references are per engine (same greedy tokens up to bf16 kernels, different timings)
         pair = self.args.pair if self.args.engine == "cpu" else f"{self.args.pair}@{self.args.engine}"
         store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.name, spec))
-        done = store.load()
-        missing = [it for it in self.items if it.id not in done]
-        if missing:
-            log(f"{label}: computing {len(missing)} of {len(self.items)} items")
-            ar = self.refs.get(TARGET_ONLY, {})
-            run = run_trial(self.workers, f"ref-{spec.key()}", self.bench.name, spec, missing,
-                            {k: r.outputs for k, r in ar.items()}, on_record=lambda r: store.append(r) and False,
-                            timeout_s=self.args.trial_timeout)
-            done.update(run.records)
-        records = {it.id: done[it.id] for it in self.items if it.id in done}
-        store.write_parquet(records.values())
-        return records
+        return self.run_items(spec, label, store, self.items if items is None else items)
 
-    def lossless(self, draft_len: int) -> dict[str, Record]:
-        key = f"lossless-{draft_len}"
+    def run_items(self, spec: DecodeSpec, label: str, store: RecordStore, items: list,
+                  stop: Any = None) -> dict[str, Record]:
+        """``spec`` on ``items``, resumable through ``store``; ``stop(records)`` may end it early."""
+        from cluster.pair_actor import run_trial
+
+        done = store.load()
+        missing = [it for it in items if it.id not in done]
+        if missing:
+            ar = self.refs.get(TARGET_ONLY, {}) if spec.policy != TARGET_ONLY else {}
+            refs = {**{k: r.outputs for k, r in ar.items()},
+                    **{k: r.outputs for k, r in self.refs.get("confirm:" + TARGET_ONLY, {}).items()}}
+            bar = Progress(label, len(items), len(items) - len(missing))
+
+            def on_record(rec: Record) -> bool:
+                store.append(rec)
+                done[rec.item_id] = rec
+                bar.update(rec)
+                return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
+
+            run = run_trial(self.workers, f"{label}-{spec.key()}", self.bench.name, spec, missing, refs,
+                            on_record=on_record, timeout_s=self.args.trial_timeout)
+            bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
+        store.write_parquet(done.values())  # the whole store: a shared reference may hold both splits' items
+        return {it.id: done[it.id] for it in items if it.id in done}
+
+    def lossless(self, draft_len: int, split: str = "search") -> dict[str, Record]:
+        key = f"lossless-{draft_len}" if split == "search" else f"confirm:lossless-{draft_len}"
         if key not in self.refs:
             spec = DecodeSpec.make("lossless", {}, draft_len, **self.s["decode"])
-            self.refs[key] = self.reference(spec, f"lossless L={draft_len} reference")
+            items = self.items if split == "search" else self.confirm_items
+            self.refs[key] = self.reference(spec, f"lossless L={draft_len} reference ({split})", items)
         return self.refs[key]
 
     def verify_factor(self, draft_len: int) -> float:
@@ -266,6 +299,7 @@ class Sweep:
         from optuna.trial import TrialState
 
         from cluster.pair_actor import run_trial
+        from workers.certify import drop_bound, prune_test
 
         t_trial = time.perf_counter()
         trial = self.study.ask()
@@ -275,33 +309,54 @@ class Sweep:
         store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
         records = {k: v for k, v in store.load().items() if k in ar}
         budget = max(self.s["budgets"])
-        check_every = max(2, len(self.workers))
+        bar = Progress(f"trial {trial.number} {spec.label()}", len(self.items), len(records), self.best_text())
+        order = [it.id for it in self.items]
 
         def on_record(rec: Record) -> bool:
             store.append(rec)
             records[rec.item_id] = rec
-            n = len(records)
-            if n < self.args.min_items_to_prune or n % check_every:
+            bar.update(rec)
+            ref, got = ordered_prefix(order, ar, records)
+            if len(ref) < self.args.min_items_to_prune:
                 return False
-            diffs = [ar[k].score - r.score for k, r in records.items() if k in ar and not r.failed]
-            return bootstrap_ci(diffs, resamples=500)[0] > budget  # beyond the budget with 95% confidence
+            # anytime-valid: checked after every item with no correction for the repeated looks
+            return prune_test(ref, got, budget, self.args.alpha)
 
         todo = [it for it in self.items if it.id not in records]
         run = run_trial(self.workers, f"trial-{trial.number}", self.bench.name, spec, todo,
                         {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout)
+        bar.close()
         store.write_parquet(records.values())
         m = aggregate(list(records.values()), list(ar.values()), list(ll.values()), self.cost_ratio, self.verify_factor)
-        pruned = run.stopped_early or (len(records) >= self.args.min_items_to_prune and m.accuracy_drop_ci[0] > budget)
+        ref, got = paired(ar, records)
+        bound = drop_bound(ref, got, self.args.alpha)  # on the search items: orders candidates, certifies nothing
+        ref, got = ordered_prefix(order, ar, records)
+        pruned = run.stopped_early or (len(ref) >= self.args.min_items_to_prune
+                                       and prune_test(ref, got, budget, self.args.alpha))
         speed = m.speedup_vs_ar_modelled if self.args.objective == "vs-ar" else m.speedup_vs_lossless_modelled
         for k, v in m.flat().items():
             trial.set_user_attr(k, v)
+        trial.set_user_attr("accuracy_drop_upper", bound.upper)
+        trial.set_user_attr("discordance", bound.discordance)
         trial.set_user_attr("acceptance_per_position", m.acceptance_per_position)
         trial.set_user_attr("actor_failures", run.actor_failures)
         trial.set_user_attr("retried_items", run.retried_items)
         trial.set_user_attr("trial_wall_s", run.wall_s)
         trial.set_user_attr("spec_key", spec.key())
         over = m.accuracy_drop - budget if math.isfinite(m.accuracy_drop) else 1.0
-        trial.set_constraint("accuracy_drop_over_budget", over)  # feasible when <= 0
+        trial.set_constraint("accuracy_drop_over_budget", over)  # feasible when <= 0 (search guidance only)
+        state = "PRUNED" if pruned else "COMPLETE"
+        # search-split metrics as search.<name>; confirmation later logs confirm.<name> on the same run
+        search = {f"search.{k}": v for k, v in m.flat().items()}
+        search.update({"search.accuracy_drop_upper": bound.upper, "search.discordance": bound.discordance,
+                       "search.items_evaluated": len(records)})
+        run_id = self.tracker.log_trial(
+            f"trial-{trial.number:03d} {spec.label()}",
+            {"family": family, **{f"param.{k}": v for k, v in params.items()}, "draft_len": draft_len, "trial": trial.number},
+            {**search, "retried_items": run.retried_items, "actor_failures": len(run.actor_failures),
+             "trial_wall_s": run.wall_s},
+            {"state": state, "family": family, "spec_key": spec.key(), "split": "search"}, [store.parquet])
+        trial.set_user_attr("mlflow_run_id", run_id)
         if pruned:
             self.study.tell(trial, state=TrialState.PRUNED)
         elif math.isnan(speed) or math.isnan(m.accuracy):
@@ -309,12 +364,6 @@ class Sweep:
         else:
             self.study.tell(trial, [speed, m.accuracy])
         state = "PRUNED" if pruned else "COMPLETE"
-        self.tracker.log_trial(
-            f"trial-{trial.number:03d} {spec.label()}",
-            {"family": family, **{f"param.{k}": v for k, v in params.items()}, "draft_len": draft_len, "trial": trial.number},
-            {**m.flat(), "retried_items": run.retried_items, "actor_failures": len(run.actor_failures),
-             "trial_wall_s": run.wall_s, "items_evaluated": len(records)},
-            {"state": state, "family": family, "spec_key": spec.key()}, [store.parquet])
         self.timing(trial.number, run, [records[it.id] for it in todo if it.id in records], time.perf_counter() - t_trial)
         self.progress(trial.number, spec, m, state, run.wall_s)
 
@@ -347,43 +396,54 @@ class Sweep:
                          **{k: float(a.get(k, math.nan)) for k in (
                              "accuracy", "accuracy_drop", "accuracy_drop_ci_lo", "accuracy_drop_ci_hi",
                              "speedup_vs_ar_modelled", "speedup_vs_ar_measured", "speedup_vs_lossless_modelled",
-                             "speedup_vs_lossless_measured", "mean_acceptance_length", "draft_acceptance_rate")}})
-        return pl.DataFrame(rows) if rows else pl.DataFrame()
+                             "speedup_vs_lossless_measured", "mean_acceptance_length", "draft_acceptance_rate",
+                             "accuracy_drop_upper", "discordance")},
+                         "mlflow_run_id": a.get("mlflow_run_id")})
+        frame = pl.DataFrame(rows) if rows else pl.DataFrame()
+        if len(frame):  # the objective's speedup, under one name for the confirmation's candidates
+            objective = "speedup_vs_ar_modelled" if self.args.objective == "vs-ar" else "speedup_vs_lossless_modelled"
+            frame = frame.with_columns(pl.col(objective).alias("speedup"))
+        return frame
 
-    def report(self) -> dict[str, Any]:
+    def report(self, final: bool = False) -> dict[str, Any]:
+        """The search split's report (every few trials); with ``final``, certify each budget on the
+        confirmation split and write the chosen policies (``chosen/budget-<b>.json``)."""
         from dashboards.report import write_report
         from dashboards.tables import chosen_per_budget
 
         frame = self.trials_frame()
         ar = self.refs[TARGET_ONLY]
-        ref_acc = sum(r.score for r in ar.values() if not r.failed) / max(1, sum(not r.failed for r in ar.values()))
+        ref_acc = sum(score_of(r) for r in ar.values()) / max(1, len(ar))
         ll_key = next((k for k in self.refs if k.startswith("lossless")), None)
         floor = noise_floor(list(self.refs[ll_key].values()), list(ar.values())).__dict__ if ll_key else None
         winners = {}
-        chosen: dict[str, Any] = {}
         if len(frame):
             for budget, row in chosen_per_budget(frame, self.s["budgets"]).items():
-                chosen[str(budget)] = self.choice(budget, row)
                 if row is not None:
-                    winners[f"≤{budget * 100:g}%: {row['family']} (trial {row['trial']})"] = self.acceptance(row)
+                    winners[f"search ≤{budget * 100:g}%: {row['family']} (trial {row['trial']})"] = self.acceptance(row)
         out = self.dir / "report"
+        out.mkdir(parents=True, exist_ok=True)
+        chosen: dict[str, Any] = {}
+        table = None
+        if final:
+            from jobs.confirm import certify_sweep
+
+            chosen, table = certify_sweep(self, frame, out)
         write_report(frame, out, reference_accuracy=ref_acc, budgets=self.s["budgets"],
-                     winners_acceptance=winners or None, noise_floor=floor, title=self.name)
-        for budget, choice in chosen.items():
-            (out / f"chosen-budget-{budget}.json").write_text(json.dumps(choice, indent=1, default=str))
+                     winners_acceptance=winners or None, noise_floor=floor, title=self.name, certification=table)
         self.tracker.log_report(out, chosen)
         return chosen
 
-    def choice(self, budget: float, row: dict | None) -> dict[str, Any]:
-        base = {"budget": budget, "pair": self.args.pair, "benchmark": self.bench.name, "dtype": self.args.dtype,
-                "sweep": self.name, "parent_run_id": self.tracker.parent_id, "decode": self.s["decode"]}
-        if row is None:
-            return {**base, "policy": None, "reason": "no finished trial is within this budget"}
-        return {**base, "policy": row["family"], "params": json.loads(row["params"]), "draft_len": row["draft_len"],
-                "trial": row["trial"], "metrics": {k: v for k, v in row.items() if isinstance(v, float)}}
+    def base_choice(self, budget: float) -> dict[str, Any]:
+        return {"budget": budget, "pair": self.args.pair, "benchmark": self.bench.name, "dtype": self.args.dtype,
+                "sweep": self.name, "parent_run_id": self.tracker.parent_id, "decode": self.s["decode"],
+                "split": self.split, "search_items": len(self.items)}
+
+    def spec_of(self, row: dict) -> DecodeSpec:
+        return DecodeSpec.make(row["family"], json.loads(row["params"]), row["draft_len"], **self.s["decode"])
 
     def acceptance(self, row: dict) -> tuple[int, list[int]]:
-        spec = DecodeSpec.make(row["family"], json.loads(row["params"]), row["draft_len"], **self.s["decode"])
+        spec = self.spec_of(row)
         store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
         recs = [r for r in store.load().values() if not r.failed]
         counts = [0] * spec.draft_len
@@ -391,20 +451,25 @@ class Sweep:
             counts = [a + b for a, b in zip(counts, r.accepted_per_position, strict=False)]
         return sum(r.num_drafts for r in recs), counts
 
-    def progress(self, number: int, spec: DecodeSpec, m: TrialMetrics, state: str, wall: float) -> None:
-        done, total = self.finished(), self.args.trials
-        self.elapsed.append(wall)
-        eta = sum(self.elapsed) / len(self.elapsed) * max(0, total - done)
+    def best_text(self) -> str:
+        """The search split's best modelled speedup per budget so far (point estimates: a
+        description of the search, not a certificate)."""
         frame = self.trials_frame()
         best = []
         for b in self.s["budgets"]:
             ok = frame.filter((frame["state"] == "COMPLETE") & (frame["accuracy_drop"] <= b)) if len(frame) else frame
             best.append(f"≤{b * 100:g}%: {ok['speedup_vs_ar_modelled'].max():.2f}x" if len(ok) else f"≤{b * 100:g}%: -")
+        return "search best " + ", ".join(best)
+
+    def progress(self, number: int, spec: DecodeSpec, m: TrialMetrics, state: str, wall: float) -> None:
+        done, total = self.finished(), self.args.trials
+        self.elapsed.append(wall)
+        eta = sum(self.elapsed) / len(self.elapsed) * max(0, total - done)
         log(f"trial {number} [{done}/{total}] {state} {spec.label()}: acc {m.accuracy:.3f} drop {m.accuracy_drop:+.3f} "
             f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x, modelled with the "
             f"c seen in this trial {m.cost_ratio_in_situ:.2f}: {m.speedup_vs_ar_modelled_in_situ:.2f}x) MAL "
-            f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | best {', '.join(best)} | "
-            f"ETA {eta / 60:.1f} min")
+            f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | {self.best_text()} | "
+            f"ETA {eta / 60:.1f} min + confirmation")
 
     def run(self) -> dict[str, Any]:
         self.elapsed: list[float] = []
@@ -418,7 +483,7 @@ class Sweep:
             self.run_one()
             if self.finished() % 4 == 0:
                 self.report()
-        chosen = self.report()
+        chosen = self.report(final=True)
         self.tracker.end()
         from cluster.pair_actor import release
 
@@ -440,13 +505,29 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = parse_settings(args)
+        from jobs.records import persistent_dir
+
+        runs_root(args.runs_root)  # a root inside a Ray job's temporary working_dir copy fails now, not at the end
+        if args.run_dir:
+            persistent_dir(args.run_dir, "--run-dir")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     sweep = Sweep(args, settings)
+    run_dir = Path(sweep.dir).resolve()
+    log(f"run directory: {run_dir}")
     chosen = sweep.run()
-    print(json.dumps({"run_dir": str(sweep.dir), "parent_run_id": sweep.tracker.parent_id, "chosen": chosen},
-                     indent=1, default=str))
+    summary = {b: {k: c.get(k) for k in ("policy", "params", "draft_len", "trial", "certified")}
+               | {k: (c.get("certification") or {}).get(k) for k in ("bound", "n", "discordance", "items_needed")}
+               for b, c in chosen.items()}
+    print(json.dumps({"run_dir": str(run_dir), "parent_run_id": sweep.tracker.parent_id,
+                      "report": str(run_dir / "report" / "report.md"),
+                      "certification": str(run_dir / "report" / "certification.md"), "chosen": summary},
+                     indent=1, default=str), flush=True)
+    import shlex
+
+    log(f"run directory: {run_dir} (rerunning the same command resumes it)")
+    log(f"MLflow UI, from the checkout: .venv/bin/python -m jobs.tracking ui --run-dir {shlex.quote(str(run_dir))}")
     return 0
 
 

@@ -3,6 +3,13 @@ parent run per sweep (reopened when a sweep resumes), one nested run per trial, 
 MLflow UI's compare view lines trials up. The only module that imports mlflow.
 
     python -m jobs.tracking ui --run-dir runs/sweeps/<study>   # MLflow UI on 127.0.0.1
+
+MLflow 3's UI opens experiments in its GenAI view (traces, an empty overview) unless told
+otherwise. The experiment carries ``mlflow.experimentKind = custom_model_development`` (set at
+creation and whenever a sweep reopens an older store), and ``ui`` prints the link to the runs view
+with ``workflowType=machine_learning``: in MLflow 3.17's UI that global GenAI / machine-learning
+switch (default GenAI, kept in the browser) decides the default tab, the tag is read where the
+switch is off.
 """
 
 from __future__ import annotations
@@ -11,12 +18,15 @@ import argparse
 import json
 import math
 import os
-import subprocess
+import sqlite3
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
 EXPERIMENT = "spectune-sweeps"
+# The experiment kind MLflow's UI reads from this tag; the value for classic training-style runs.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def tracking_uri(run_dir: Path) -> str:
@@ -35,7 +45,9 @@ class SweepTracker:
         if exp is None:
             artifacts = (run_dir / "mlartifacts").resolve()
             artifacts.mkdir(parents=True, exist_ok=True)
-            mlflow.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri())
+            mlflow.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri(), tags={KIND_TAG: KIND})
+        elif exp.tags.get(KIND_TAG) != KIND:  # a store from before the tag: the runs view from now on
+            mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         mlflow.set_experiment(EXPERIMENT)
         self.parent_id: str | None = None
 
@@ -67,8 +79,25 @@ class SweepTracker:
         mlflow.log_artifacts(str(report_dir), artifact_path="report")
         for budget, choice in chosen.items():
             mlflow.log_dict(choice, f"chosen/budget-{budget}.json")
+            cert = choice.get("certification") or {}
             mlflow.set_tag(f"chosen.{budget}", json.dumps(
-                {k: choice.get(k) for k in ("policy", "params", "draft_len", "trial")}, default=str)[:5000])
+                {**{k: choice.get(k) for k in ("policy", "params", "draft_len", "trial", "certified")},
+                 **{k: cert.get(k) for k in ("bound", "alpha", "n", "discordance", "items_needed", "confirm_split")}},
+                default=str)[:5000])
+            mlflow.set_tag(f"certified.{budget}", str(bool(choice.get("certified"))).lower())
+            figures = {"bound": cert.get("bound"), "n": cert.get("n"), "discordance": cert.get("discordance"),
+                       "items_needed": cert.get("items_needed")}
+            mlflow.log_metrics({f"confirm.budget_{budget}.{k}": float(v) for k, v in figures.items()
+                                if isinstance(v, (int, float)) and math.isfinite(v)})
+
+    def log_to_run(self, run_id: str, metrics: dict[str, float], tags: dict[str, str] | None = None) -> None:
+        """Add metrics (and tags) to an existing run, e.g. a trial's confirmation figures."""
+        client = self.mlflow.MlflowClient()
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                client.log_metric(run_id, k, float(v))
+        for k, v in (tags or {}).items():
+            client.set_tag(run_id, k, v)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         self.mlflow.log_metrics({k: v for k, v in metrics.items() if math.isfinite(v)}, step=step)
@@ -90,6 +119,23 @@ def load_chosen(run_id: str, budget: float, uri: str) -> dict[str, Any]:
     return mlflow.artifacts.load_dict(f"runs:/{run_id}/chosen/budget-{budget}.json")
 
 
+def experiment_id(run_dir: Path) -> str | None:
+    """The sweeps experiment's id in a run directory's store (read-only, closed before exec)."""
+    uri = f"file:{(run_dir / 'mlflow.db').resolve()}?mode=ro"
+    try:
+        with closing(sqlite3.connect(uri, uri=True)) as db:
+            row = db.execute("SELECT experiment_id FROM experiments WHERE name = ?", (EXPERIMENT,)).fetchone()
+    except sqlite3.Error:
+        return None
+    return None if row is None else str(row[0])
+
+
+def ui_url(host: str, port: int, exp_id: str | None) -> str:
+    """The experiment's runs view (MLflow's machine-learning workflow, not the GenAI overview)."""
+    page = f"experiments/{exp_id}/runs" if exp_id else "experiments"
+    return f"http://{host}:{port}/#/{page}?workflowType=machine_learning"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="MLflow UI for a sweep's tracking store (127.0.0.1).")
     ap.add_argument("command", choices=["ui"])
@@ -104,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", tracking_uri(run_dir),
            "--host", args.host, "--port", str(args.port), "--workers", "1"]
-    print(f"MLflow UI: http://{args.host}:{args.port}  (Ctrl-C to stop)", file=sys.stderr)
-    return subprocess.call(cmd, env=env)
+    print(f"MLflow UI: {ui_url(args.host, args.port, experiment_id(run_dir))}  (pid {os.getpid()}; Ctrl-C or "
+          f"SIGTERM stops it)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # This process becomes the MLflow server (same pid): a signal to it reaches the server, which
+    # forwards it to its uvicorn child, so nothing is left running when either is stopped.
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
 
 
 if __name__ == "__main__":

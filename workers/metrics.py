@@ -2,8 +2,10 @@
 
 Pure Python over records: no models, no storage, no Ray/MLflow. Conventions (DESIGN.md):
 
-- accuracy: the benchmark's own score, mean over scored items, with a bootstrap 95% interval;
-- accuracy_drop = reference accuracy - accuracy, paired on items both runs scored, with a
+- accuracy: the benchmark's own score, mean over attempted items, a failed item counting as 0 in
+  the arm that failed (a rule that crashes items must not look better for it), with a bootstrap
+  95% interval (a description of the search items; certificates come from ``workers.certify``);
+- accuracy_drop = reference accuracy - accuracy, paired on items both runs attempted, with a
   bootstrap interval of the paired differences (positive = worse than target-only);
 - measured speedup: per-item tokens/s ratio, then the mean (Spec-Bench's convention);
 - modelled speedup: tokens / cost, cost = verify_factor(L) * target_forwards + c * draft_forwards in
@@ -105,6 +107,10 @@ def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record])
     return sum(r.draft_time_s for r in records) / drafts / step_s
 
 
+def _score(r: Record) -> float:
+    return 0.0 if r.failed else r.score
+
+
 def _by_item(records: Sequence[Record]) -> dict[str, Record]:
     return {r.item_id: r for r in records if not r.failed}
 
@@ -119,8 +125,11 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
               cost_ratio: float = 0.4, verify_factor: VerifyFactor = _unit) -> TrialMetrics:
     ok, ref = _by_item(records), _by_item(target_only)
     paired = [k for k in ok if k in ref]
-    scores = [ok[k].score for k in ok]
-    diffs = [ref[k].score - ok[k].score for k in paired]
+    attempted = {r.item_id: r for r in records}
+    ref_all = {r.item_id: r for r in target_only}
+    scores = [_score(r) for r in attempted.values()]
+    both = [k for k in attempted if k in ref_all]
+    diffs = [_score(ref_all[k]) - _score(attempted[k]) for k in both]
     drafts = sum(r.num_drafts for r in ok.values())
     draft_tokens = sum(r.num_draft_tokens for r in ok.values())
     tokens = sum(r.tokens for r in ok.values())
@@ -135,7 +144,7 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
     metrics = TrialMetrics(
         items=len(records), failures=len(records) - len(ok),
         accuracy=statistics.mean(scores) if scores else math.nan, accuracy_ci=bootstrap_ci(scores),
-        reference_accuracy=statistics.mean(ref[k].score for k in paired) if paired else math.nan,
+        reference_accuracy=statistics.mean(_score(ref_all[k]) for k in both) if both else math.nan,
         accuracy_drop=statistics.mean(diffs) if diffs else math.nan, accuracy_drop_ci=bootstrap_ci(diffs),
         mean_acceptance_length=tokens / drafts if drafts else math.nan,
         draft_acceptance_rate=sum(r.num_accepted_tokens for r in ok.values()) / draft_tokens if draft_tokens else math.nan,

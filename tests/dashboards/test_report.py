@@ -44,12 +44,34 @@ def test_report_markdown_content(tmp_path):
     assert text.startswith("# gsm8k sweep")
     assert "8 trials: 6 complete, 1 pruned, 1 failed" in text
     assert "| 5% | — | 1.90x (τ=0.5, conf=0.9, L=5) | 1.50x (L=5) | 2.40x (k=8, L=6) | — | 2.40x top_k (k=8, L=6) |" in text
-    assert "Conservative: 95% upper bound" in text
+    assert "Search split, bootstrap 95% upper bound" in text and "(not certificates)" in text
     assert "cannot be told apart from zero: 1%." in text, "the floor (1.5%) covers 1% but not 2%"
     for image in ("pareto.png", "acceptance_hist.png", "per_position.png"):
         assert f"]({image})" in text
     table = (tmp_path / "budget_table.md").read_text()
     assert "| budget | dropmatch | kl_judge | lossless | top_k | typical | best |" in table
+
+
+def test_certified_table_comes_first_and_is_written_beside(tmp_path):
+    from dashboards.tables import certification_table
+
+    choice = {"budget": 0.05, "policy": "top_k", "params": {"k": 8}, "draft_len": 6, "certified": True,
+              "certification": {"alpha": 0.05, "bound": 0.031, "drop": 0.004, "n": 500, "discordance": 0.12,
+                                "items_needed": None},
+              "confirm": {"speed.modelled_per_token": 1.8, "speed.modelled_per_token_lo": 1.7,
+                          "speed.modelled_per_token_hi": 1.9}}
+    floor = {"draft_len": 6, "items": 500, "output_divergence": 0.08, "bound.upper": 0.012, "bound.drop": -0.002,
+             "bound.discordance": 0.03}
+    table = certification_table([choice, {**choice, "budget": 0.01, "certified": False,
+                                          "certification": {**choice["certification"], "items_needed": 5000}}], [floor])
+    assert "| 5% | **yes** | top_k (k=8, L=6) | 3.10% | +0.40% | 500 | 0.120 | — | 1.80x [1.70, 1.90] |" in table
+    assert "| 1% | no |" in table and "5,000" in table, "an uncertified budget says the items a certificate needs"
+    assert "noise floor (lossless L=6)" in table and "outputs differ on 8.00%" in table
+    paths = write_report(frame(trial(0, "top_k", 2.0, 0.6)), tmp_path, reference_accuracy=0.6, budgets=[0.05],
+                         certification=table)
+    text = paths["report.md"].read_text()
+    assert text.index("## Certified budgets") < text.index("on the search split (not certificates)")
+    assert paths["certification.md"].read_text() == table
 
 
 @pytest.mark.parametrize("trials", [

@@ -20,7 +20,7 @@ def swept(tmp_path_factory) -> tuple[Path, dict]:
 
     root = tmp_path_factory.mktemp("serve-sweep")
     base = ["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "4", "--max-new-tokens", "6",
-            "--actors", "1", "--cpus-per-actor", "0.5", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k",
+            "--actors", "1", "--cpus-per-actor", "0.5", "--budgets", "0.05,0.9", "--policies", "kl_judge,top_k",
             "--draft-len", "2,3", "--cost-ratio", "0.4", "--trials", "2", "--runs-root", str(root)]
     assert sweep_job.main(base) == 0
     (meta,) = root.glob("sweeps/*/sweep.json")
@@ -30,16 +30,48 @@ def swept(tmp_path_factory) -> tuple[Path, dict]:
 def test_policy_from_a_sweep_run_id_and_budget(swept):
     root, meta = swept
     run_id = meta["parent_run_id"]
-    settings = serve_job.settings_from({"from_sweep": {"run_id": run_id, "budget": "5%"}, "runs_root": str(root)})
-    chosen = json.loads(next(root.glob("sweeps/*/report/chosen-budget-0.05.json")).read_text())
+    # The tiny pair gets (almost) every GSM8K item wrong in both arms: no discordant items, so 4
+    # confirmation items bound the drop well below 90% but nowhere near 5%.
+    settings = serve_job.settings_from({"from_sweep": {"run_id": run_id, "budget": "90%"}, "runs_root": str(root)})
+    chosen = json.loads(next(root.glob("sweeps/*/report/chosen-budget-0.9.json")).read_text())
+    assert chosen["certified"] is True and settings.source["certified"] is True
     assert (settings.policy, settings.params, settings.draft_len) == (chosen["policy"], chosen["params"], chosen["draft_len"])
     assert (settings.pair, settings.dtype) == ("tiny-random", "fp32")  # the pair the sweep calibrated
     src = settings.source
-    assert src["kind"] == "sweep" and src["run_id"] == run_id and src["budget"] == 0.05 and src["trial"] == chosen["trial"]
+    assert src["kind"] == "sweep" and src["run_id"] == run_id and src["budget"] == 0.9 and src["trial"] == chosen["trial"]
     # the CLI path, through the sweep's run directory
-    args = serve_job.build_parser().parse_args(["--from-sweep", run_id, "--budget", "0.05",
+    args = serve_job.build_parser().parse_args(["--from-sweep", run_id, "--budget", "0.9",
                                                 "--run-dir", str(next(root.glob("sweeps/*")))])
     assert serve_job.settings_from(serve_job.args_to_spec(args)).policy == chosen["policy"]
+
+
+def test_an_uncertified_budget_is_refused_unless_allowed(swept, capsys):
+    root, meta = swept
+    run_id = meta["parent_run_id"]
+    chosen = json.loads(next(root.glob("sweeps/*/report/chosen-budget-0.05.json")).read_text())
+    cert = chosen["certification"]
+    assert chosen["certified"] is False and cert["bound"] > 0.05
+    assert {"alpha", "n", "discordance", "confirm_split", "items_needed", "steps"} <= set(cert)
+    with pytest.raises(ValueError, match=r"NOT certified: its drop bound .* on n=4 confirmation items.*--allow-uncertified"):
+        serve_job.settings_from({"from_sweep": {"run_id": run_id, "budget": 0.05}, "runs_root": str(root)})
+    assert serve_job.main(["--from-sweep", run_id, "--budget", "5%", "--runs-root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "NOT certified" in err and "Traceback" not in err
+    settings = serve_job.settings_from({"from_sweep": {"run_id": run_id, "budget": 0.05}, "runs_root": str(root),
+                                        "allow_uncertified": True})
+    assert settings.policy == chosen["policy"] and settings.source["certified"] is False
+    # the chosen-policy file says the same, so a file source is refused the same way
+    path = next(root.glob("sweeps/*/report/chosen-budget-0.05.json"))
+    with pytest.raises(ValueError, match="NOT certified"):
+        serve_job.settings_from({"policy_file": str(path)})
+    # the MLflow tags carry the certificate
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{next(root.glob('sweeps/*/mlflow.db'))}")
+    tags = mlflow.get_run(run_id).data.tags
+    assert tags["certified.0.05"] == "false" and tags["certified.0.9"] == "true"
+    tag = json.loads(tags["chosen.0.05"])
+    assert tag["certified"] is False and tag["n"] == 4 and tag["alpha"] == 0.05
 
 
 def test_sweep_source_errors_are_clear(swept, capsys):

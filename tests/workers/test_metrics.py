@@ -44,11 +44,16 @@ def test_paired_accuracy_drop_and_speedups():
     assert in_situ_cost_ratio(spec, ar) == pytest.approx(0.1875)
 
 
-def test_failed_items_are_counted_and_left_out():
-    ar = [rec("a", 1.0), rec("b", 0.0)]
+def test_failed_items_count_as_failures_in_the_arm_that_failed():
+    ar = [rec("a", 1.0), rec("b", 1.0)]
     spec = [rec("a", 1.0, draft_len=2, drafts=5, draft_fw=10), rec("b", math.nan, error="boom")]
     m = aggregate(spec, ar)
-    assert m.items == 2 and m.failures == 1 and m.accuracy == 1.0 and m.accuracy_drop == 0.0
+    # a rule that crashes an item the target got right loses that item; dropping it from both arms
+    # would report accuracy 1.0 and no drop
+    assert m.items == 2 and m.failures == 1 and m.accuracy == 0.5 and m.accuracy_drop == 0.5
+    m = aggregate([rec("a", 1.0, draft_len=2, drafts=5, draft_fw=10), rec("b", 1.0, draft_len=2, drafts=5, draft_fw=10)],
+                  [rec("a", 1.0), rec("b", math.nan, error="boom")])
+    assert m.reference_accuracy == 0.5 and m.accuracy_drop == -0.5, "a failed reference item counts against it"
 
 
 def test_noise_floor_counts_diverging_outputs():

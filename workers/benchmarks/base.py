@@ -41,6 +41,8 @@ class Benchmark(Protocol):
 
     ``items``: deterministic file order; ``seed`` gives a seeded order (by hash of the item id),
     then ``limit`` keeps a prefix, then ``shard=(i, n)`` keeps items i::n (shards partition it).
+    ``split`` (``"search"`` or ``"confirm"``) first restricts to one of two disjoint splits: the
+    sweep searches on one and certifies budgets on the other (``split_info`` says how they are made).
     ``messages``: chat messages for ``tokenizer.apply_chat_template(msgs, add_generation_prompt=True)``;
     for turn > 0, ``previous`` holds the earlier (question, the model's answer) pairs.
     ``score``: one output per turn; ``reference_outputs`` (the target-only outputs for the same
@@ -54,7 +56,9 @@ class Benchmark(Protocol):
     default_max_new_tokens: int
 
     def items(self, limit: int | None = None, shard: tuple[int, int] | None = None, seed: int | None = None,
-              cache_dir: str | os.PathLike[str] | None = None) -> list[Item]: ...
+              cache_dir: str | os.PathLike[str] | None = None, split: str | None = None) -> list[Item]: ...
+
+    def split_info(self) -> dict[str, Any]: ...
 
     def messages(self, item: Item, shots: int = 0, turn: int = 0,
                  previous: list[tuple[str, str]] | None = None) -> list[dict]: ...
@@ -79,6 +83,17 @@ def get_benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)}")
     return BENCHMARKS[name]
+
+
+SPLITS = ("search", "confirm")
+# The seed of the default split (a seeded half each). Changing it changes every benchmark's split
+# and so every sweep's identity: it is part of ``split_info``, which the sweep records.
+SPLIT_SEED = 20261130
+
+
+def check_split(split: str | None) -> None:
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {list(SPLITS)} (or None for all items)")
 
 
 def seeded_key(seed: int, item_id: str) -> str:
@@ -125,8 +140,25 @@ class BenchmarkBase:
         raise NotImplementedError
 
     def items(self, limit: int | None = None, shard: tuple[int, int] | None = None, seed: int | None = None,
-              cache_dir: str | os.PathLike[str] | None = None) -> list[Item]:
-        return select(self._load(cache_dir), limit, shard, seed)
+              cache_dir: str | os.PathLike[str] | None = None, split: str | None = None) -> list[Item]:
+        check_split(split)
+        pool = self._load(cache_dir) if split is None else self._split(split, cache_dir)
+        return select(pool, limit, shard, seed)
+
+    def _split(self, split: str, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
+        """Default: a seeded half of the items each (by hash of the id, so adding rows moves no
+        other item), file order kept inside each half. Benchmarks with a train split override it."""
+        from workers.certify import split_ids
+
+        items = self._load(cache_dir)
+        search, _ = split_ids([it.id for it in items], SPLIT_SEED)
+        keep = set(search)
+        return [it for it in items if (it.id in keep) == (split == "search")]
+
+    def split_info(self) -> dict[str, Any]:
+        """How the search and confirmation splits are made (part of a sweep's identity)."""
+        return {"search": f"seeded half of {self.name} (split_ids seed {SPLIT_SEED})",
+                "confirm": f"the other half of {self.name}", "seed": SPLIT_SEED, "method": "sha256 half"}
 
     def _check(self, item: Item, shots: int, turn: int) -> None:
         if not item.id.startswith(f"{self.name}/"):

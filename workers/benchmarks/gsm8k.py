@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from workers.benchmarks.base import BenchmarkBase, Item, Score, assistant, register, user
 from workers.benchmarks.data import DataFile, read_jsonl
@@ -96,6 +97,18 @@ class GSM8K(BenchmarkBase):
         rows = read_jsonl(self.path("test.jsonl", cache_dir))
         return [Item(f"gsm8k/test/{i:04d}", i, (r["question"],), gold_answer(r["answer"]), {"split": "test", "row": i})
                 for i, r in enumerate(rows)]
+
+    def _split(self, split: str, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
+        """search: the train rows after the few-shot exemplars (7,465); confirm: the test set (1,319)."""
+        if split == "confirm":
+            return self._load(cache_dir)
+        rows = read_jsonl(self.path("train.jsonl", cache_dir))
+        return [Item(f"gsm8k/train/{i:04d}", i, (r["question"],), gold_answer(r["answer"]), {"split": "train", "row": i})
+                for i, r in enumerate(rows) if i >= NUM_SHOTS]
+
+    def split_info(self) -> dict[str, Any]:
+        return {"search": f"gsm8k train rows {NUM_SHOTS}.. (after the {NUM_SHOTS} few-shot exemplars)",
+                "confirm": "gsm8k test (1,319 rows)", "method": "file splits"}
 
     def exemplars(self, shots: int, cache_dir: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
         rows = read_jsonl(self.path("train.jsonl", cache_dir))[:shots]

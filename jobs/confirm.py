@@ -1,0 +1,289 @@
+"""The sweep's confirmation phase: certify each budget on items the search never saw.
+
+The search (Optuna, pruning, the Pareto front) runs on the benchmark's search split. Here, per
+budget, the search's feasible Pareto candidates are ordered safest first and confirmed on the
+confirmation split with the fixed-sequence procedure of ``workers.certify`` (each at the full
+alpha, stop at the first failure: family-wise error <= alpha). This module only runs the
+evaluations and assembles what the report, MLflow and Serve read; every decision about what
+counts as certified is ``workers.certify``'s.
+
+Paired scores count a failed item as a failure (score 0) in the arm that failed, so a rule that
+crashes items never looks better for it. A candidate confirmed for one budget is not evaluated
+again for another (records are cached per decoding spec under ``<run dir>/confirm/``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from workers.certify import (
+    Candidate,
+    Certificate,
+    DropBound,
+    drop_bound,
+    fixed_sequence,
+    order_candidates,
+    prune_test,
+)
+from workers.evaluation import Record
+
+
+def score_of(record: Record | None) -> float:
+    """A record's score with a failed item counted as wrong (0)."""
+    return 0.0 if record is None or record.failed else float(record.score)
+
+
+def paired(reference: dict[str, Record], trial: dict[str, Record]) -> tuple[list[float], list[float]]:
+    """Scores of the items both arms attempted, reference order; failures count as 0 in their arm."""
+    keys = [k for k in reference if k in trial]
+    return [score_of(reference[k]) for k in keys], [score_of(trial[k]) for k in keys]
+
+
+def ordered_prefix(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record]
+                   ) -> tuple[list[float], list[float]]:
+    """Paired scores of the longest run of items, in the fixed item ``order``, that are all done.
+
+    The anytime-valid prune test assumes the items arrive in an order fixed before their outcomes
+    are seen; completion order is not (a long, wrong answer finishes late), so looks use only the
+    completed prefix of the item order."""
+    ref, got = [], []
+    for key in order:
+        if key not in trial:
+            break
+        if key in reference:
+            ref.append(score_of(reference[key]))
+            got.append(score_of(trial[key]))
+    return ref, got
+
+
+def bound_between(reference: dict[str, Record], trial: dict[str, Record], alpha: float) -> DropBound:
+    ref, got = paired(reference, trial)
+    return drop_bound(ref, got, alpha)
+
+
+def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
+              ) -> tuple[float, float, float]:
+    """``stat`` over all n items and a paired (item-resampling) 95% bootstrap interval. A description
+    of speed, not a certificate: nothing a quality budget relies on is decided by it."""
+    est = stat(list(range(n)))
+    rng = random.Random(seed)
+    values = sorted(v for v in (stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+                    if math.isfinite(v))
+    if not values:
+        return (est, math.nan, math.nan)
+    return (est, values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))])
+
+
+def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost_ratio: float,
+                  verify_factor: Callable[[int], float]) -> dict[str, float]:
+    """Speed vs the reference on the items both arms finished (a failed item has no time to compare),
+    as ratios of sums, never means of per-item ratios (one short item would swing those):
+
+    - ``measured_per_token``: (Σ tokens / Σ decode s) of the trial over the reference's;
+    - ``measured_per_answer``: Σ reference decode s / Σ trial decode s (time to produce the answers);
+    - ``modelled_per_token`` / ``modelled_per_answer``: the same with the modelled cost (target-step
+      units, c = ``cost_ratio`` per draft forward) in place of seconds.
+    Each with ``_lo``/``_hi``: a paired bootstrap interval over items (descriptive).
+    """
+    keys = [k for k in reference if k in records and not records[k].failed and not reference[k].failed
+            and records[k].decode_time_s > 0 and reference[k].decode_time_s > 0]
+    out: dict[str, float] = {"speed_items": float(len(keys))}
+    if not keys:
+        return out
+
+    def cost(r: Record) -> float:
+        factor = verify_factor(r.draft_len) if r.draft_len else 1.0
+        return factor * r.target_forwards + cost_ratio * r.draft_forwards
+
+    trial, ref = [records[k] for k in keys], [reference[k] for k in keys]
+    units: dict[str, Callable[[Record], float]] = {"measured": lambda r: r.decode_time_s, "modelled": cost}
+    for kind, unit in units.items():
+        t_unit, r_unit = [unit(r) for r in trial], [unit(r) for r in ref]
+        t_tok, r_tok = [r.tokens for r in trial], [r.tokens for r in ref]
+
+        def per_answer(idx: list[int], t_unit=t_unit, r_unit=r_unit) -> float:
+            den = sum(t_unit[i] for i in idx)
+            return sum(r_unit[i] for i in idx) / den if den > 0 else math.nan
+
+        def per_token(idx: list[int], t_unit=t_unit, r_unit=r_unit, t_tok=t_tok, r_tok=r_tok) -> float:
+            t = sum(t_unit[i] for i in idx) * sum(r_tok[i] for i in idx)
+            return sum(r_unit[i] for i in idx) * sum(t_tok[i] for i in idx) / t if t > 0 else math.nan
+
+        for name, stat in (("per_answer", per_answer), ("per_token", per_token)):
+            est, lo, hi = _interval(stat, len(keys))
+            out[f"{kind}_{name}"], out[f"{kind}_{name}_lo"], out[f"{kind}_{name}_hi"] = est, lo, hi
+    return out
+
+
+def candidates_from(frame: Any) -> list[Candidate]:
+    """The search's COMPLETE trials as candidates (speed: the sweep's objective speedup)."""
+    if frame is None or not len(frame):
+        return []
+    out = []
+    for row in frame.iter_rows(named=True):
+        if row.get("state") != "COMPLETE" or not math.isfinite(row.get("speedup") or math.nan):
+            continue
+        out.append(Candidate(key=f"trial-{row['trial']}", speed=float(row["speedup"]),
+                             search_drop=float(row["accuracy_drop"]),
+                             search_upper=float(row.get("accuracy_drop_upper", row["accuracy_drop"])),
+                             payload=dict(row)))
+    return out
+
+
+class Confirmation:
+    """Runs the confirmation evaluations for a sweep and keeps their records.
+
+    ``evaluate(spec, label, items, stop)`` is the sweep's resumable record runner (a RecordStore per
+    spec); ``stop(records)`` lets it end a hopeless candidate early (anytime-valid futility, so
+    declaring failure early only makes the procedure more conservative).
+    """
+
+    def __init__(self, evaluate: Callable[..., dict[str, Record]], reference: dict[str, Record],
+                 alpha: float, limit: int | None, order: Sequence[str] | None = None) -> None:
+        self.evaluate, self.reference, self.alpha, self.limit = evaluate, reference, alpha, limit
+        self.order = list(order) if order is not None else list(reference)  # the confirmation items' fixed order
+        self.records: dict[str, dict[str, Record]] = {}  # candidate key -> confirmation records
+        self.bounds: dict[str, DropBound] = {}
+
+    def records_of(self, candidate: Candidate, budget: float) -> dict[str, Record]:
+        if candidate.key not in self.records:
+            ref = self.reference
+
+            def hopeless(records: dict[str, Record]) -> bool:
+                a, b = ordered_prefix(self.order, ref, records)
+                return bool(a) and prune_test(a, b, budget, self.alpha)
+
+            self.records[candidate.key] = self.evaluate(candidate, hopeless)
+        return self.records[candidate.key]
+
+    def certify(self, candidates: list[Candidate], budget: float) -> Certificate:
+        ordered = order_candidates(candidates, budget, limit=self.limit)
+
+        def bound_of(c: Candidate) -> DropBound:
+            if c.key not in self.bounds:
+                self.bounds[c.key] = bound_between(self.reference, self.records_of(c, budget), self.alpha)
+            return self.bounds[c.key]
+
+        return fixed_sequence(ordered, bound_of, budget, self.alpha)
+
+
+def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int) -> dict[str, Any]:
+    """What ``chosen/budget-<b>.json`` and the MLflow tags say about a budget's certificate."""
+    bound = cert.bound
+    return {
+        "certified": bool(cert.certified), "alpha": cert.alpha, "reason": cert.reason,
+        "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
+        "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
+        "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
+        "confirm_split": split.get("confirm"), "confirm_items": n_items,
+        "steps": [{"candidate": key, "passed": passed, **b.to_dict()} for key, b, passed in cert.steps],
+    }
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write via a temporary file and rename: a reader never sees half a file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def _confirm_metrics(bound: DropBound, speed: dict[str, float], records: dict[str, Record]) -> dict[str, float]:
+    """One candidate's confirmation figures, under the same names as the search's (``confirm.<name>``
+    next to ``search.<name>`` in MLflow, so the compare view lines them up)."""
+    scores = [score_of(r) for r in records.values()]
+    out = {"accuracy": sum(scores) / len(scores) if scores else math.nan, "accuracy_drop": bound.drop,
+           "accuracy_drop_upper": bound.upper, "discordance": bound.discordance, "items": float(bound.n),
+           "failures": float(sum(r.failed for r in records.values())),
+           "speedup_vs_ar_modelled": speed.get("modelled_per_token", math.nan),
+           "speedup_vs_ar_measured": speed.get("measured_per_token", math.nan)}
+    out.update({f"speed.{k}": v for k, v in speed.items()})
+    return out
+
+
+def noise_floor_row(reference: dict[str, Record], lossless: dict[str, Record], alpha: float, draft_len: int
+                    ) -> dict[str, Any]:
+    """Lossless vs target-only on the confirmation items at ``draft_len``: its own row, never folded
+    into another number. A budget below its bound cannot be told apart from numerical noise."""
+    bound = bound_between(reference, lossless, alpha)
+    keys = [k for k in reference if k in lossless]
+    differ = sum(reference[k].output_token_ids != lossless[k].output_token_ids for k in keys)
+    return {"draft_len": draft_len, "items": len(keys), "output_divergence": differ / len(keys) if keys else math.nan,
+            **{f"bound.{k}": v for k, v in bound.to_dict().items()}}
+
+
+def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], str]:
+    """Confirm every budget of ``sweep`` (a ``jobs.sweep.Sweep``) and write what was decided:
+    ``<out>/chosen-budget-<b>.json`` and ``certification.json``. Returns the chosen policies by
+    budget (as text), each carrying ``certified`` and its evidence, and the markdown table."""
+    from dashboards.tables import certification_table
+    from jobs.records import RecordStore, slug
+    from workers.evaluation import TARGET_ONLY, DecodeSpec
+
+    args, decode = sweep.args, sweep.s["decode"]
+    key = "confirm:" + TARGET_ONLY
+    if key not in sweep.refs:
+        sweep.refs[key] = sweep.reference(DecodeSpec.make(TARGET_ONLY, **decode), "target-only reference (confirm)",
+                                          sweep.confirm_items)
+    reference = sweep.refs[key]
+    specs: dict[str, DecodeSpec] = {}
+
+    def evaluate(c: Candidate, stop: Callable[[dict[str, Record]], bool]) -> dict[str, Record]:
+        spec = specs[c.key] = sweep.spec_of(c.payload)
+        store = RecordStore(sweep.dir / "confirm" / f"{slug(spec.label())}-{spec.key()}")
+        return sweep.run_items(spec, f"confirm {c.key} {spec.label()}", store, sweep.confirm_items, stop)
+
+    confirmation = Confirmation(evaluate, reference, args.alpha, args.confirm_candidates,
+                                [it.id for it in sweep.confirm_items])
+    candidates = candidates_from(frame)
+    chosen: dict[str, Any] = {}
+    logged: set[str] = set()
+    floors: dict[int, dict[str, Any]] = {}
+    for budget in sweep.s["budgets"]:
+        cert = confirmation.certify(candidates, budget)
+        pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
+        choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
+                  "certification": certificate_fields(cert, sweep.split, len(sweep.confirm_items))}
+        if pick is None:
+            choice.update(policy=None)
+        else:
+            row, records = pick.payload, confirmation.records.get(pick.key, {})
+            spec = sweep.spec_of(row)
+            speed = speed_figures(records, reference, sweep.cost_ratio, sweep.verify_factor)
+            bound = confirmation.bounds.get(pick.key)
+            confirm = _confirm_metrics(bound, speed, records) if bound is not None else {}
+            if spec.draft_len not in floors:
+                floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm"),
+                                                         args.alpha, spec.draft_len)
+            choice.update(policy=row["family"], params=json.loads(row["params"]), draft_len=row["draft_len"],
+                          trial=row["trial"], search={k: v for k, v in row.items() if isinstance(v, float)},
+                          confirm=confirm, noise_floor=floors[spec.draft_len])
+            if not cert.certified:
+                choice["note"] = ("NOT certified: this is the safest search candidate, served only with "
+                                  "--allow-uncertified")
+        for key_, bound, _ in cert.steps:  # every confirmed candidate's figures on its own trial run
+            c = next(c for c in candidates if c.key == key_)
+            run_id = c.payload.get("mlflow_run_id")
+            if run_id and key_ not in logged:
+                recs = confirmation.records.get(key_, {})
+                figures = _confirm_metrics(bound, speed_figures(recs, reference, sweep.cost_ratio, sweep.verify_factor),
+                                           recs)
+                sweep.tracker.log_to_run(run_id, {f"confirm.{k}": v for k, v in figures.items()},
+                                         {"confirmed": "true"})
+                logged.add(key_)
+        chosen[str(budget)] = choice
+        write_json(out / f"chosen-budget-{budget}.json", choice)
+        state = "CERTIFIED" if cert.certified else "not certified"
+        what = f"{choice['policy']} (trial {choice.get('trial')})" if choice.get("policy") else "no candidate"
+        bound = cert.bound
+        print(f"[sweep] budget {budget * 100:g}%: {state}: {what}; "
+              + (f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
+                 f"discordance {bound.discordance:.3f}, alpha {cert.alpha})" if bound is not None else cert.reason)
+              + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"),
+              flush=True)
+    write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values())})
+    return chosen, certification_table(list(chosen.values()), list(floors.values()))

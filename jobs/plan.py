@@ -1,0 +1,128 @@
+"""Sample-size planner: how many paired items a certificate of an accuracy budget needs.
+
+    python -m jobs.plan --discordance 0.1 --budget 0.02
+    python -m jobs.plan --records runs/.../trial --reference runs/.../target-only --budget 0.01,0.02,0.05
+
+From numbers, or from a pilot: two record directories (a trial run and its reference, as written
+by ``jobs.records.RecordStore``), paired by item id; a failed item scores 0 in its arm. The plan is
+``workers.certify.items_needed``: a normal approximation of the score test (about
+6.2 d / (b - drop)^2 at alpha = .05 and 80% power); for bounded scores the betting bound used to
+certify needs more (roughly twice). Knows nothing about models, Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from workers.certify import ALPHA, drop_bound, items_needed
+from workers.cli import one_line_errors
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="Items a certified accuracy-drop budget needs (normal-approximation plan).")
+    ap.add_argument("--discordance", type=float, default=None,
+                    help="share of items whose correctness differs between the arms (bounded scores: mean squared difference)")
+    ap.add_argument("--drop", type=float, default=0.0, help="assumed true drop with --discordance (default 0)")
+    ap.add_argument("--records", default=None, help="pilot: the trial's record directory")
+    ap.add_argument("--reference", default=None, help="pilot: the reference (target-only) record directory")
+    ap.add_argument("--budget", required=True, help="budget(s) as fractions, comma-separated: 0.01,0.02,0.05")
+    ap.add_argument("--alpha", type=float, default=ALPHA, help="one-sided error of the certificate (default 0.05)")
+    ap.add_argument("--power", type=float, default=0.8, help="wanted probability of certifying (default 0.8)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return ap
+
+
+def parse_budgets(text: str) -> list[float]:
+    try:
+        budgets = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--budget must be numbers separated by commas, got {text!r}") from None
+    if not budgets or any(not 0.0 < b <= 1.0 for b in budgets):
+        raise ValueError(f"--budget values must be fractions in (0, 1] (2% is 0.02), got {text!r}")
+    return budgets
+
+
+def load_scores(directory: str, flag: str) -> dict[str, float]:
+    from jobs.records import RecordStore  # polars and the engine's imports: only for a pilot
+
+    records = RecordStore(directory).load()
+    if not records:
+        raise ValueError(f"{flag} {directory} holds no records (expected records.jsonl from a run)")
+    return {item: 0.0 if rec.failed else float(rec.score) for item, rec in records.items()}
+
+
+def pilot(args: argparse.Namespace) -> dict[str, Any]:
+    trial = load_scores(args.records, "--records")
+    reference = load_scores(args.reference, "--reference")
+    items = sorted(trial.keys() & reference.keys())
+    if not items:
+        raise ValueError("--records and --reference share no item ids: they are not runs of the same items")
+    bound = drop_bound([reference[i] for i in items], [trial[i] for i in items], args.alpha)
+    return {"items": len(items), "only_in_records": len(trial.keys() - reference.keys()),
+            "only_in_reference": len(reference.keys() - trial.keys()), "bound": bound.to_dict(),
+            "discordance": bound.discordance, "drop": bound.drop, "plan_d": bound.mean_sq}
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    budgets = parse_budgets(args.budget)
+    for flag, value in (("--alpha", args.alpha), ("--power", args.power)):
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"{flag} must be in (0, 1), got {value}")
+    from_pilot = args.records is not None or args.reference is not None
+    if from_pilot == (args.discordance is not None):
+        raise ValueError("give either --discordance D, or --records DIR with --reference DIR")
+    if from_pilot:
+        if args.records is None or args.reference is None:
+            raise ValueError("a pilot needs both --records DIR and --reference DIR")
+        observed = pilot(args)
+        d, drop = observed["plan_d"], observed["drop"]
+    else:
+        if not 0.0 <= args.discordance <= 1.0:
+            raise ValueError(f"--discordance must be in [0, 1], got {args.discordance}")
+        if not abs(args.drop) <= args.discordance:
+            raise ValueError(f"--drop must be within +-discordance ({args.discordance}), got {args.drop}")
+        observed, d, drop = None, args.discordance, args.drop
+    rows = []
+    for b in budgets:
+        row: dict[str, Any] = {"budget": b, "items_needed": items_needed(d, b, drop, args.alpha, args.power)}
+        if observed is not None:
+            row["certified_by_pilot"] = observed["bound"]["upper"] <= b
+        rows.append(row)
+    out = {"alpha": args.alpha, "power": args.power, "discordance": d if observed is None else observed["discordance"],
+           "drop": drop, "pilot": observed, "budgets": rows}
+    print(json.dumps(out, indent=2) if args.json else render(out))
+    return 0
+
+
+def render(out: dict[str, Any]) -> str:
+    lines = []
+    p = out["pilot"]
+    if p is not None:
+        b = p["bound"]
+        extra = f" ({p['only_in_records']} only in --records, {p['only_in_reference']} only in --reference, ignored)" \
+            if p["only_in_records"] or p["only_in_reference"] else ""
+        lines.append(f"pilot: {p['items']} paired items{extra}: drop {b['drop']:.4f}, discordance {b['discordance']:.3f}, "
+                     f"upper bound {b['upper']:.4f} ({b['method']}, alpha {out['alpha']:g})")
+    rows = out["budgets"]
+    if p is None and len(rows) == 1:
+        need = rows[0]["items_needed"]
+        lines.append(f"{'never' if need is None else need} items needed for budget {rows[0]['budget']:g}")
+    else:
+        lines.append(f"{'budget':>8}  {'items needed':>12}" + ("  certified by the pilot" if p else ""))
+        for row in rows:
+            need = "never" if row["items_needed"] is None else f"{row['items_needed']:,}"
+            lines.append(f"{row['budget']:>8g}  {need:>12}"
+                         + (f"  {'yes' if row['certified_by_pilot'] else 'no'}" if p else ""))
+    drop = out["drop"]
+    lines.append(f"Paired items for a one-sided {1 - out['alpha']:.0%} upper bound <= budget with {out['power']:.0%} power "
+                 f"at true drop {drop:.4f} (normal approximation, about 6.2 d / (b - drop)^2); "
+                 f"'never' where the drop is at or above the budget.")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(None))

@@ -1,0 +1,89 @@
+"""`python -m jobs.plan`: items a certificate needs, from numbers or from a pilot's record dirs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from jobs.plan import main
+from jobs.records import RecordStore
+from workers.certify import drop_bound, items_needed
+from workers.evaluation import Record
+
+
+def rec(item: str, score: float, error: str | None = None) -> Record:
+    return Record(item_id=item, index=0, benchmark="b", spec_key="k", policy="p", params="{}", draft_len=0,
+                  outputs=["x"], score=score, extracted=None, reason="", tokens=10, num_drafts=10,
+                  num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[], target_forwards=10,
+                  draft_forwards=0, prefill_time_s=0.0, draft_time_s=0.0, verify_time_s=1.0, policy_time_s=0.0,
+                  wall_time_s=1.0, finish_reasons=["length"], output_token_ids=[[1]], error=error)
+
+
+def store(path, scores: dict[str, float], failed: tuple[str, ...] = ()) -> str:
+    s = RecordStore(path)
+    for item, score in scores.items():
+        s.append(rec(item, math.nan if item in failed else score, "boom" if item in failed else None))
+    return str(path)
+
+
+def test_numbers_give_the_normal_plan_with_one_line_of_explanation(capsys):
+    assert main(["--discordance", "0.1", "--budget", "0.02"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"{items_needed(0.1, 0.02)} items needed for budget 0.02" and len(lines) == 2
+    assert "80% power" in lines[1]
+
+
+def test_json_lists_every_budget_and_never_for_a_drop_at_the_budget(capsys):
+    assert main(["--discordance", "0.15", "--budget", "0.01,0.05", "--drop", "0.01", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["items_needed"] for r in out["budgets"]] == [None, items_needed(0.15, 0.05, 0.01)]
+
+
+def test_pilot_pairs_items_counts_failures_as_zero_and_plans_at_the_observed_discordance(tmp_path, capsys):
+    ref_scores = {f"q{i}": 1.0 for i in range(40)}
+    trial_scores = dict(ref_scores, q0=0.0, q1=0.0, q2=0.0, extra=1.0)
+    trial_scores["q3"] = 1.0  # failed below: counts as a loss, not a dropped item
+    ref_scores["q39"] = 0.0  # a win for the trial
+    ref_dir = store(tmp_path / "ref", ref_scores)
+    trial_dir = store(tmp_path / "trial", trial_scores, failed=("q3",))
+    assert main(["--records", trial_dir, "--reference", ref_dir, "--budget", "0.05,0.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pilot = out["pilot"]
+    assert pilot["items"] == 40 and pilot["only_in_records"] == 1 and pilot["only_in_reference"] == 0
+    expected = drop_bound([ref_scores[f"q{i}"] for i in range(40)],
+                          [0.0 if i < 4 else 1.0 for i in range(40)])
+    assert pilot["bound"] == expected.to_dict() and expected.losses == 4 and expected.wins == 1
+    assert out["budgets"][0]["items_needed"] == items_needed(5 / 40, 0.05, 3 / 40)
+    assert [r["certified_by_pilot"] for r in out["budgets"]] == [False, True]
+    assert main(["--records", trial_dir, "--reference", ref_dir, "--budget", "0.05"]) == 0
+    text = capsys.readouterr().out
+    assert "pilot: 40 paired items (1 only in --records" in text and "tango-score" in text
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "0.02"], "--discordance"),
+    (["--discordance", "0.1", "--budget", "2"], "--budget"),
+    (["--discordance", "0.1", "--budget", "x"], "--budget"),
+    (["--discordance", "1.5", "--budget", "0.02"], "--discordance"),
+    (["--discordance", "0.1", "--drop", "0.3", "--budget", "0.02"], "--drop"),
+    (["--discordance", "0.1", "--budget", "0.02", "--alpha", "1"], "--alpha"),
+    (["--discordance", "0.1", "--budget", "0.02", "--power", "0"], "--power"),
+    (["--records", "somewhere", "--budget", "0.02"], "--reference"),
+])
+def test_bad_input_is_one_line_naming_the_flag(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_empty_or_unrelated_record_dirs_are_one_line_errors(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a = store(tmp_path / "a", {"q1": 1.0})
+    b = store(tmp_path / "b", {"q2": 1.0})
+    assert main(["--records", str(empty), "--reference", a, "--budget", "0.02"]) == 2
+    assert "--records" in capsys.readouterr().err
+    assert main(["--records", a, "--reference", b, "--budget", "0.02"]) == 2
+    assert "share no item ids" in capsys.readouterr().err
