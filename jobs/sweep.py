@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
     ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT_DIR+TARGET_DIR")
-    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--dtype", default="auto",
+                    help="bf16, fp32 or auto (bf16 where the CPU has bf16 instructions or on a GPU, else fp32)")
     ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
     ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
@@ -101,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     bench = get_benchmark(args.benchmark)
-    from workers.pair import check_pair_name
+    from workers.pair import check_pair_name, native_dtype
+
+    if args.dtype == "auto":
+        args.dtype = native_dtype()  # resolved once: the dtype is part of the study's and references' identity
+        log(f"--dtype auto: {args.dtype} on this machine")
 
     check_pair_name(args.pair)  # fail here, not inside every actor
     try:
@@ -256,10 +261,17 @@ class Sweep:
                 return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
 
             run = run_trial(self.workers, f"{label}-{spec.key()}", self.bench.name, spec, missing, refs,
-                            on_record=on_record, timeout_s=self.args.trial_timeout)
+                            on_record=on_record, timeout_s=self.args.trial_timeout, shard_size=self.shard_size(missing))
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
         store.write_parquet(done.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}
+
+    def shard_size(self, items: list) -> int | None:
+        """vLLM batches a shard in one ``generate`` (continuous batching): one shard per actor. The
+        CPU engine decodes one item at a time, so small shards (the default) balance the actors."""
+        if self.args.engine != "vllm" or not items:
+            return None
+        return math.ceil(len(items) / max(1, len(self.workers)))
 
     def lossless(self, draft_len: int, split: str = "search") -> dict[str, Record]:
         key = f"lossless-{draft_len}" if split == "search" else f"confirm:lossless-{draft_len}"
@@ -324,7 +336,8 @@ class Sweep:
 
         todo = [it for it in self.items if it.id not in records]
         run = run_trial(self.workers, f"trial-{trial.number}", self.bench.name, spec, todo,
-                        {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout)
+                        {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout,
+                        shard_size=self.shard_size(todo))
         bar.close()
         store.write_parquet(records.values())
         m = aggregate(list(records.values()), list(ar.values()), list(ll.values()), self.cost_ratio, self.verify_factor)

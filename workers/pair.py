@@ -46,6 +46,24 @@ class ModelPair:
     cache_dir: Path | None  # pair-level metadata (e.g. measured cost ratio); None for tiny-random
 
 
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def native_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
+    """``"bf16"`` where bf16 matmuls run natively (a GPU, or a CPU with avx512_bf16 / AMX), else
+    ``"fp32"``: without those instructions bf16 is emulated, and an 8-shot prefill of the real pair
+    took 13 s per 100 tokens in bf16 against 3.2 s in fp32 on an AVX2-only EPYC (2 threads)."""
+    if torch.cuda.is_available() if cuda is None else cuda:
+        return "bf16"
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bf16"  # not Linux: trust the default
+    flags = set(cpuinfo.split())
+    return "bf16" if any(f in flags for f in BF16_CPU_FLAGS) else "fp32"
+
+
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -162,3 +162,12 @@ def test_real_pair_loads_with_shared_tokenizer_and_untied_heads():
     with torch.no_grad():
         assert real.draft(ids).logits.shape == real.target(ids).logits.shape == (1, ids.shape[1], 151936)
     print(f"real pair load {load_s:.1f}s")
+
+
+def test_native_dtype_is_bf16_only_where_the_cpu_has_bf16_instructions():
+    from workers.pair import native_dtype
+
+    assert native_dtype("flags : fpu sse avx2 avx512f avx512_bf16", cuda=False) == "bf16"
+    assert native_dtype("flags : fpu sse avx2 amx_bf16 amx_tile", cuda=False) == "bf16"
+    assert native_dtype("flags : fpu sse avx2 fma", cuda=False) == "fp32", "emulated bf16 is ~4x slower than fp32 here"
+    assert native_dtype("flags : fpu sse avx2 fma", cuda=True) == "bf16"
