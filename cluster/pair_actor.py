@@ -75,7 +75,13 @@ class PairWorker:
 
     def consume(self, tag: str, benchmark: str, spec: DecodeSpec, shard: Any, references: dict[str, list[str]]
                 ) -> list[Record]:
-        """Evaluate one shard (a small Ray Data dataset of items); stop early if asked."""
+        """Evaluate one shard (a small Ray Data dataset of items); stop early if asked. On the vLLM
+        engine the whole shard is one batched ``generate`` (continuous batching), per-item records."""
+        if self.engine_kind == "vllm":
+            if tag in self._stop:
+                return []
+            return self.evaluate_list(benchmark, spec, [item_from_json(row["item"]) for row in shard.iter_rows()],
+                                      references)
         records = []
         for row in shard.iter_rows():
             if tag in self._stop:
@@ -85,6 +91,10 @@ class PairWorker:
 
     def evaluate_list(self, benchmark: str, spec: DecodeSpec, items: list[Item], references: dict[str, list[str]]
                       ) -> list[Record]:
+        if self.engine_kind == "vllm":
+            records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references)
+            self.items_done += len(records)
+            return records
         return [self.evaluate(benchmark, spec, item, references) for item in items]
 
 
@@ -113,8 +123,15 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
                  cache_dir: str | None = None, tensor_parallel_size: int = 1, engine: str = "cpu",
                  draft_len: int = 5, vllm: dict[str, Any] | None = None) -> list[Any]:
     threads = max(1, int(cpus_per_actor))
+
+    def engine_options(i: int) -> dict[str, Any] | None:
+        if engine != "vllm":
+            return vllm
+        # vLLM-CPU binds its threads to this actor's share of the node's CPUs (ignored on GPU builds)
+        return {"num_cpus": threads, "cpu_offset": i * threads, **(vllm or {})}
+
     workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor).remote(
-        pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, vllm) for _ in range(n)]
+        pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, engine_options(i)) for i in range(n)]
     ray.get([w.info.remote() for w in workers])  # surface load errors now, not mid-trial
     return workers
 

@@ -32,7 +32,7 @@ def check_engine(kind: str, *, draft_lens: tuple[int, int] | None = None, tensor
 
 
 def vllm_settings(options: dict[str, Any], *, dtype: str, draft_len: int, tensor_parallel_size: int) -> Any:
-    from workers.vllm_engine import VLLMSettings
+    from workers.vllm_settings import VLLMSettings
 
     known = {f.name for f in dataclasses.fields(VLLMSettings)} - {"dtype", "draft_len", "tensor_parallel_size"}
     unknown = sorted(set(options) - known)

@@ -99,6 +99,7 @@ class Record:
     finish_reasons: list[str]
     output_token_ids: list[list[int]] = field(default_factory=list)
     error: str | None = None
+    lossless_fallback_steps: int = 0  # verify rounds decided by the lossless rule instead (vLLM engine)
 
     @property
     def decode_time_s(self) -> float:
@@ -122,7 +123,8 @@ class Record:
 
 def _sum_stats(total: GenerationStats, part: GenerationStats) -> None:
     for name in ("num_generated", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
-                 "draft_forwards", "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s"):
+                 "draft_forwards", "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s",
+                 "lossless_fallback_steps"):
         setattr(total, name, getattr(total, name) + getattr(part, name))
     if part.accepted_per_position:
         if not total.accepted_per_position:
@@ -170,5 +172,5 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         target_forwards=total.target_forwards, draft_forwards=total.draft_forwards,
         prefill_time_s=total.prefill_time_s, draft_time_s=total.draft_time_s, verify_time_s=total.verify_time_s,
         policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
-        output_token_ids=token_ids, error=error,
+        output_token_ids=token_ids, error=error, lossless_fallback_steps=total.lossless_fallback_steps,
     )

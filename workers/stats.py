@@ -28,6 +28,9 @@ class GenerationStats:
     verify_time_s: float = 0.0
     policy_time_s: float = 0.0
     wall_time_s: float = 0.0
+    # verify rounds the rule could not decide (an input missing, or it failed) and that the lossless
+    # rule decided instead (vLLM engine; the CPU engine never falls back)
+    lossless_fallback_steps: int = 0
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -7,8 +7,18 @@ that length. The rule can change between generations: the engine writes the rule
 this rule — not vLLM's own — decided the generation. Target-only decoding (the references) runs a
 second vLLM engine without speculation, started on first use.
 
-Stats come from vLLM's ``spec_decode`` counters (``LLM.get_metrics()``, differenced around each
-generation) mapped onto spectune's names; times from vLLM's request timestamps.
+Stats are per request: vLLM's own per-request speculative-decoding metrics
+(``per_request_spec_decode_metrics="summary"``: the histogram of accepted drafts per verify step, the
+same accounting as its engine-wide ``spec_decode`` counters) mapped onto spectune's names, times from
+vLLM's request timestamps, and the plugin's lossless-fallback count per request (read from the worker
+with ``collective_rpc``). So a batch of requests in one ``generate`` (:meth:`VLLMDecoder.generate_batch`,
+:meth:`VLLMDecoder.evaluate_items`: continuous batching) gets every request's own statistics.
+
+On vLLM-CPU the engine binds vLLM's OpenMP threads to the CPUs this process may use
+(``VLLM_CPU_OMP_THREADS_BIND`` from ``os.sched_getaffinity``, or ``num_cpus`` of them from
+``cpu_offset`` on: a Ray actor's share), unless the user set the variable: vLLM's own default
+("auto") reserves a core for its scheduler, which on a 2-core machine halves the model's threads.
+The settings, that binding and the metric mapping live in :mod:`workers.vllm_settings` (no vLLM needed).
 
 What vLLM cannot do here, the engine refuses with a message: ``trace`` (per-round logits), draft
 lengths other than the one it started with. ``on_tokens`` is called once, with all tokens (the offline
@@ -23,15 +33,32 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from policies import Policy, make_policy
 from workers.engine import check_request
 from workers.stats import Generation, GenerationStats
-from workers.vllm_plugin import ENTRY_POINT, NATIVE, RULE_FILE_ENV, rule_digest, seen_rules, write_rule
+from workers.vllm_plugin import (
+    ENTRY_POINT,
+    NATIVE,
+    RULE_ARG,
+    RULE_FILE_ENV,
+    rule_digest,
+    seen_rules,
+    write_rule,
+)
+from workers.vllm_settings import (
+    VLLMPair,
+    VLLMSettings,
+    _declared_eos,
+    _on_cpu,
+    set_cpu_thread_binding,
+    spec_stats,
+)
+
+WORKER_EXTENSION = "workers.vllm_plugin.WorkerExtension"
 
 _METRICS = {  # vLLM counter -> GenerationStats field
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -45,46 +72,6 @@ class VLLMUnavailable(RuntimeError):
     """vLLM or spectune's plugin is missing, or vLLM is not running the rule spectune asked for."""
 
 
-@dataclass(frozen=True)
-class VLLMSettings:
-    draft_len: int = 5
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85  # on CPU builds: the fraction of RAM for the KV cache
-    target_only_memory_utilization: float | None = None  # the reference engine; default: same
-    max_model_len: int = 4096
-    dtype: str = "bfloat16"
-    enforce_eager: bool = False
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):
-            raise ValueError(f"draft_len must be an integer in [1, 32], got {self.draft_len!r}")
-        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        for name in ("gpu_memory_utilization", "target_only_memory_utilization"):
-            value = getattr(self, name)
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-        if self.max_model_len < 16:
-            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
-            raise ValueError(f"dtype must be bfloat16, float16, float32 or auto, got {self.dtype!r}")
-
-
-@dataclass
-class VLLMPair:
-    """What callers read from ``engine.pair`` (no torch modules: vLLM holds the models)."""
-
-    name: str
-    tokenizer: Any
-    dtype: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    cache_dir: Path | None
-    draft_dir: Path
-    target_dir: Path
-
-
 def check_plugin_installed() -> None:
     """The entry point must be declared by an installed distribution and not filtered out."""
     found = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT]
@@ -96,6 +83,27 @@ def check_plugin_installed() -> None:
     if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
         raise VLLMUnavailable(f"VLLM_PLUGINS={allowed!r} does not include {ENTRY_POINT!r}: vLLM would run its own "
                               "acceptance rule instead of spectune's")
+
+
+class _Replay:
+    """An engine that hands back generations already made (batched), in call order, so
+    :func:`workers.evaluation.evaluate_item` builds and scores every record exactly as per item."""
+
+    def __init__(self, pair: Any, results: list[Any]) -> None:
+        self.pair = pair
+        self._results = list(results)
+
+    def _next(self) -> Generation:
+        result = self._results.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def generate(self, *args: Any, **kwargs: Any) -> Generation:
+        return self._next()
+
+    def autoregressive(self, *args: Any, **kwargs: Any) -> Generation:
+        return self._next()
 
 
 class VLLMDecoder:
@@ -112,7 +120,13 @@ class VLLMDecoder:
         except ImportError as err:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # draft_model speculation runs on V1
+        # draft_model speculation runs on the V1 model runner (the one the plugin patches; vLLM's V2
+        # runner does not support draft_model in 0.32/0.33): explicit, not left to vLLM's default
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        if os.environ["VLLM_USE_V2_MODEL_RUNNER"].strip() != "0":
+            raise VLLMUnavailable("VLLM_USE_V2_MODEL_RUNNER is set: spectune's plugin patches vLLM's V1 model runner, "
+                                  "which draft_model speculation needs; unset it or set it to 0")
+        self.cpu_binding = set_cpu_thread_binding(self.settings) if _on_cpu() else None
         self._rule_dir = tempfile.TemporaryDirectory(prefix="spectune-vllm-")
         self.rule_file = Path(self._rule_dir.name) / "rule.json"
         self._digest = write_rule(self.rule_file, "lossless", {}, self.settings.seed)
@@ -122,7 +136,9 @@ class VLLMDecoder:
         self.llm = LLM(
             model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
             tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
+            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
             max_model_len=s.max_model_len, enforce_eager=s.enforce_eager, disable_log_stats=False,
+            per_request_spec_decode_metrics="summary", worker_extension_cls=WORKER_EXTENSION,
             # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
             distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
             speculative_config={"method": "draft_model", "model": str(draft_dir),
@@ -131,6 +147,7 @@ class VLLMDecoder:
                                 "draft_sample_method": "probabilistic"},
         )
         self._reference: Any = None
+        self.fallback_totals: dict[str, Any] = {}
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _declared_eos(target_dir)), pair_cache,
@@ -144,43 +161,112 @@ class VLLMDecoder:
                  stop: list[str] | tuple[str, ...] | None = None, trace: bool = False,
                  on_tokens: Any = None) -> Generation:
         """``policy="vllm-native"`` verifies with vLLM's own rejection sampler (A/B measurements)."""
-        if isinstance(policy, str) and policy != NATIVE:
-            policy = make_policy(policy)
+        if trace:
+            raise ValueError("trace=True (per-round target logits) is a CPU-engine feature; vLLM does not expose them")
+        (result,) = self.generate_batch([prompt_ids], policy, draft_len, max_new_tokens, temperature, [seed], stop,
+                                        errors="raise")
+        assert isinstance(result, Generation)
+        if on_tokens is not None and result.token_ids:
+            on_tokens(result.token_ids)  # once, at the end: the offline LLM API does not stream
+        return result
+
+    def generate_batch(self, prompts: Sequence[Any], policy: Any = "lossless", draft_len: int = 5,
+                       max_new_tokens: int = 256, temperature: float = 0.0, seeds: Sequence[int] | int = 0,
+                       stop: list[str] | tuple[str, ...] | None = None, errors: str = "return"
+                       ) -> list[Generation | Exception]:
+        """Every prompt in one vLLM ``generate`` (continuous batching), each with its own statistics.
+
+        ``policy``: one rule for every request (the engine's rule file: a Policy, a name, or
+        ``"vllm-native"``), or a list with one rule per request (a Policy, a name, or
+        ``{"policy", "params", "seed"}``; the seed defaults to the engine's): each request then carries
+        its own rule in ``SamplingParams.extra_args`` and the plugin groups the step's requests by rule.
+        A request that cannot run (bad ids, longer than ``max_model_len``) gets its exception in its
+        slot (``errors="return"``) instead of failing the others; ``errors="raise"`` raises the first."""
         if draft_len != self.settings.draft_len:
             raise ValueError(f"this vLLM engine was started with draft length {self.settings.draft_len}; "
                              f"got {draft_len} (vLLM fixes num_speculative_tokens at start)")
+        if isinstance(policy, (list, tuple)):
+            if len(policy) != len(prompts):
+                raise ValueError(f"got {len(policy)} rules for {len(prompts)} prompts")
+            rules = [self._rule_spec(p) for p in policy]
+            if self._rule_name == NATIVE:  # per-request rules need spectune's plugin active in the step
+                self._set_rule(make_policy("lossless"))
+            return self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
+                                  speculative=True, rules=rules)
+        if isinstance(policy, str) and policy != NATIVE:
+            policy = make_policy(policy)
         self._set_rule(policy)
-        before = self._counters()
-        gen = self._run(self.llm, prompt_ids, max_new_tokens, temperature, seed, stop, trace, on_tokens)
-        after = self._counters()
-        st = gen.stats
-        st.draft_len = draft_len
-        for field in _METRICS.values():
-            setattr(st, field, int(after[field] - before[field]))
-        per_pos = [int(a - b) for a, b in zip(after["per_pos"], before["per_pos"], strict=False)]
-        st.accepted_per_position = (per_pos + [0] * draft_len)[:draft_len]
-        st.target_forwards = st.num_drafts
-        st.draft_forwards = st.num_draft_tokens
-        if st.num_drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
-            raise VLLMUnavailable(f"vLLM verified {st.num_drafts} drafts but spectune's rule {self._rule_name} never "
+        results = self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
+                                 speculative=True)
+        gens = [g for g in results if isinstance(g, Generation)]
+        drafts = sum(g.stats.num_drafts for g in gens)
+        if drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
+            raise VLLMUnavailable(f"vLLM verified {drafts} drafts but spectune's rule {self._rule_name} never "
                                   "ran: the plugin is not active in vLLM's worker processes")
-        return gen
+        return results
 
     def autoregressive(self, prompt_ids: Any, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                        stop: list[str] | tuple[str, ...] | None = None, trace: bool = False,
                        on_tokens: Any = None) -> Generation:
         """Target-only decoding on a second vLLM engine without speculation (started on first use)."""
-        if self._reference is None:
-            from vllm import LLM
+        if trace:
+            raise ValueError("trace=True (per-round target logits) is a CPU-engine feature; vLLM does not expose them")
+        (result,) = self.autoregressive_batch([prompt_ids], max_new_tokens, temperature, [seed], stop, errors="raise")
+        assert isinstance(result, Generation)
+        if on_tokens is not None and result.token_ids:
+            on_tokens(result.token_ids)
+        return result
 
-            s = self.settings
-            self._reference = LLM(
-                model=str(self.pair.target_dir), dtype=s.dtype, seed=s.seed, tensor_parallel_size=s.tensor_parallel_size,
-                gpu_memory_utilization=s.target_only_memory_utilization or s.gpu_memory_utilization,
-                max_model_len=s.max_model_len, enforce_eager=s.enforce_eager)
-        gen = self._run(self._reference, prompt_ids, max_new_tokens, temperature, seed, stop, trace, on_tokens)
-        gen.stats.num_drafts = gen.stats.target_forwards = gen.stats.num_generated
-        return gen
+    def autoregressive_batch(self, prompts: Sequence[Any], max_new_tokens: int = 256, temperature: float = 0.0,
+                             seeds: Sequence[int] | int = 0, stop: list[str] | tuple[str, ...] | None = None,
+                             errors: str = "return") -> list[Generation | Exception]:
+        """Target-only decoding of every prompt in one ``generate`` on the reference engine."""
+        results = self._run_many(self._reference_llm(), prompts, max_new_tokens, temperature, seeds, stop,
+                                 errors=errors, speculative=False)
+        for g in results:
+            if isinstance(g, Generation):
+                g.stats.num_drafts = g.stats.target_forwards = g.stats.num_generated
+        return results
+
+    def evaluate_items(self, bench: Any, items: Sequence[Any], spec: Any,
+                       references: dict[str, list[str]] | None = None) -> list[Any]:
+        """:func:`workers.evaluation.evaluate_item` for a whole list of items, each turn of every item in
+        one batched ``generate``; the same records (scores, per-item statistics, errors) as item by item."""
+        from workers.evaluation import TARGET_ONLY, evaluate_item
+        from workers.prompts import encode_chat
+
+        references = references or {}
+        policy = None if spec.policy == TARGET_ONLY else make_policy(spec.policy, **spec.params_dict)
+        results: list[list[Any]] = [[] for _ in items]
+        previous: list[list[tuple[str, str]]] = [[] for _ in items]
+        for turn in range(max((len(item.turns) for item in items), default=0)):
+            idx, prompts = [], []
+            for i, item in enumerate(items):
+                if turn >= len(item.turns) or any(isinstance(r, BaseException) for r in results[i]):
+                    continue
+                try:
+                    prompts.append(encode_chat(self.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn,
+                                                                                 previous=previous[i])))
+                    idx.append(i)
+                except Exception as err:  # noqa: BLE001 - recorded on the item by evaluate_item
+                    results[i].append(err)
+            if not idx:
+                continue
+            common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, seeds=spec.seed + turn,
+                          stop=list(bench.stop) or None)
+            try:
+                if policy is None:
+                    gens = self.autoregressive_batch(prompts, **common)
+                else:
+                    gens = self.generate_batch(prompts, policy, draft_len=spec.draft_len, **common)
+            except Exception as err:  # noqa: BLE001 - the whole batch failed: every item records it
+                gens = [err] * len(idx)
+            for i, gen in zip(idx, gens, strict=True):
+                results[i].append(gen)
+                if isinstance(gen, Generation):
+                    previous[i].append((items[i].turns[turn], gen.text or ""))
+        return [evaluate_item(_Replay(self.pair, results[i]), bench, item, spec, references.get(item.id))
+                for i, item in enumerate(items)]
 
     def close(self) -> None:
         """Stop vLLM's engine-core processes now (rather than at interpreter exit)."""
@@ -194,15 +280,48 @@ class VLLMDecoder:
         """vLLM does not expose draft/target step times separately: c must come from the caller."""
         return {"pair": self.pair.name, "cost_ratio": None, "verify_s": {}, "engine": "vllm"}
 
+    def worker_env(self) -> list[dict[str, Any]]:
+        """What each vLLM worker process runs with (thread binding, CPUs, OpenMP threads)."""
+        return list(self.llm.collective_rpc("spectune_env"))
+
     # -- the pieces -----------------------------------------------------------------------------
 
-    def _set_rule(self, policy: Policy | str) -> None:
+    def _reference_llm(self) -> Any:
+        if self._reference is None:
+            from vllm import LLM
+
+            s = self.settings
+            self._reference = LLM(
+                model=str(self.pair.target_dir), dtype=s.dtype, seed=s.seed, tensor_parallel_size=s.tensor_parallel_size,
+                gpu_memory_utilization=s.target_only_memory_utilization or s.gpu_memory_utilization,
+                kv_cache_memory_bytes=s.kv_cache_memory_bytes, disable_log_stats=False,
+                max_model_len=s.max_model_len, enforce_eager=s.enforce_eager,
+                distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None)
+        return self._reference
+
+    @staticmethod
+    def _describe(policy: Policy | str) -> dict[str, Any]:
         if policy == NATIVE:
-            described: dict[str, Any] = {"policy": NATIVE, "params": {}}
-        elif hasattr(policy, "describe"):
-            described = policy.describe()
+            return {"policy": NATIVE, "params": {}}
+        if hasattr(policy, "describe"):
+            return policy.describe()
+        return {"policy": policy.name, "params": policy.config.to_dict()}
+
+    def _rule_spec(self, rule: Any) -> dict[str, Any]:
+        """One request's rule as the plugin reads it from ``extra_args``: validated here, where the error
+        reaches the caller; JSON-able (it travels to vLLM's engine-core process)."""
+        if isinstance(rule, dict):
+            policy = make_policy(rule["policy"], **dict(rule.get("params") or {}))
+            seed = int(rule.get("seed", self.settings.seed))
+        elif rule == NATIVE:
+            raise ValueError(f"{NATIVE!r} cannot be a per-request rule: vLLM's own sampler decides whole steps")
         else:
-            described = {"policy": policy.name, "params": policy.config.to_dict()}
+            policy, seed = (make_policy(rule) if isinstance(rule, str) else rule), self.settings.seed
+        described = self._describe(policy)
+        return json.loads(json.dumps({"policy": described["policy"], "params": described["params"], "seed": seed}))
+
+    def _set_rule(self, policy: Policy | str) -> None:
+        described = self._describe(policy)
         spec = {"policy": described["policy"], "params": described["params"], "seed": self.settings.seed}
         if rule_digest(spec) != self._digest:
             self._digest = write_rule(self.rule_file, spec["policy"], spec["params"], self.settings.seed)
@@ -212,9 +331,9 @@ class VLLMDecoder:
         """Start-up check: one short greedy generation must be decided by spectune's rule."""
         self._rule_name = "lossless"
         n = 2 * self.settings.draft_len + 2
-        before = self._counters()
-        self._run(self.llm, [1, 2, 3, 4], n, 0.0, 0, None, False, None, stop_on_eos=False)
-        drafts = self._counters()["num_drafts"] - before["num_drafts"]
+        (gen,) = self._run_many(self.llm, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="raise", speculative=True,
+                                stop_on_eos=False)
+        drafts = gen.stats.num_drafts
         if drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
             raise VLLMUnavailable(f"vLLM verified {drafts} drafts at start-up but spectune's rule never ran: the "
                                   "plugin did not load in vLLM's worker processes (see VLLM_PLUGINS and the log)")
@@ -222,8 +341,22 @@ class VLLMDecoder:
             raise VLLMUnavailable("vLLM ran no speculative step in the start-up check: speculation is not active")
 
     def _counters(self) -> dict[str, Any]:
+        """This engine's spec-decode counters (cumulative, vLLM's engine-wide accounting) under spectune's
+        names, read from its own Prometheus logger: ``LLM.get_metrics()`` reads the process-global registry,
+        from which every later vLLM engine started with stats on (the reference, another pair) removes them."""
         out: dict[str, Any] = {f: 0 for f in _METRICS.values()}
         out["per_pos"] = []
+        manager = getattr(self.llm.llm_engine, "logger_manager", None)
+        for logger in getattr(manager, "stat_loggers", []):
+            prom = getattr(logger, "spec_decoding_prom", None)
+            if prom is None or not getattr(prom, "spec_decoding_enabled", False):
+                continue
+            value = (lambda c: float(c._value.get()))  # noqa: E731 - prometheus_client child counters
+            out["num_drafts"] = value(prom.counter_spec_decode_num_drafts[0])
+            out["num_draft_tokens"] = value(prom.counter_spec_decode_num_draft_tokens[0])
+            out["num_accepted_tokens"] = value(prom.counter_spec_decode_num_accepted_tokens[0])
+            out["per_pos"] = [value(c) for c in prom.counter_spec_decode_num_accepted_tokens_per_pos.get(0, [])]
+            return out
         for m in self.llm.get_metrics():
             if m.name in _METRICS:
                 out[_METRICS[m.name]] = getattr(m, "value", 0)
@@ -231,22 +364,98 @@ class VLLMDecoder:
                 out["per_pos"] = list(getattr(m, "values", []))
         return out
 
-    def _run(self, llm: Any, prompt_ids: Any, max_new_tokens: int, temperature: float, seed: int,
-             stop: Any, trace: bool, on_tokens: Any, stop_on_eos: bool = True) -> Generation:
+    def _take_ledger(self) -> dict[str, dict[str, Any]]:
+        """The plugin's per-request records from the worker(s) since the last call (then cleared), keyed
+        by vLLM's internal request id *and* by the external id it was made from ("<external>-<8 random
+        chars>"): verify steps, lossless-fallback steps, the digests of the rules that decided. Ranks of
+        a TP group decide the same steps: counts are merged by max, rules by union. The worker's
+        running totals land in ``self.fallback_totals``."""
+        merged: dict[str, dict[str, Any]] = {}
+        for rank in self.llm.collective_rpc("spectune_take_fallbacks"):
+            for req_id, entry in rank.get("requests", {}).items():
+                for key in {req_id, req_id.rsplit("-", 1)[0]}:
+                    m = merged.setdefault(key, {"steps": 0, "lossless_fallback_steps": 0, "rules": set()})
+                    m["steps"] = max(m["steps"], int(entry.get("steps", 0)))
+                    m["lossless_fallback_steps"] = max(m["lossless_fallback_steps"],
+                                                       int(entry.get("lossless_fallback_steps", 0)))
+                    m["rules"] |= set(entry.get("rules", {}))
+            self.fallback_totals = rank.get("totals", self.fallback_totals)
+        return merged
+
+    def _run_many(self, llm: Any, prompts: Sequence[Any], max_new_tokens: int, temperature: float,
+                  seeds: Sequence[int] | int, stop: Any, *, errors: str, speculative: bool,
+                  stop_on_eos: bool = True, rules: Sequence[dict[str, Any]] | None = None
+                  ) -> list[Generation | Exception]:
+        """``rules``: per-request rule specs, carried in ``SamplingParams.extra_args``; each request's
+        record must then show that its own rule decided it."""
         from vllm import SamplingParams
 
-        if trace:
-            raise ValueError("trace=True (per-round target logits) is a CPU-engine feature; vLLM does not expose them")
-        prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
+        n = len(prompts)
+        seed_list = [int(seeds)] * n if isinstance(seeds, int) else [int(x) for x in seeds]
+        if len(seed_list) != n:
+            raise ValueError(f"got {len(seed_list)} seeds for {n} prompts")
         eos = list(self.pair.eos_token_ids) if stop_on_eos else []
-        params = SamplingParams(
-            temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 else None,
+        results: list[Generation | Exception] = [ValueError("not run")] * n
+        checked: dict[int, list[int]] = {}
+        for i, prompt_ids in enumerate(prompts):
+            try:
+                prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
+                if len(prompt) >= self.settings.max_model_len:
+                    raise ValueError(f"the prompt has {len(prompt)} tokens; this vLLM engine's max_model_len is "
+                                     f"{self.settings.max_model_len}")
+                checked[i] = prompt
+            except ValueError as err:
+                if errors == "raise":
+                    raise
+                results[i] = err
+        if not checked:
+            return results
+        order = sorted(checked)
+        params = [SamplingParams(
+            temperature=float(temperature), max_tokens=max_new_tokens,
+            seed=seed_list[i] if temperature > 0 else None,
             stop=[s for s in (stop or ()) if s] or None, stop_token_ids=eos or None,
             ignore_eos=not eos, skip_special_tokens=True,
-        )
+            extra_args=None if rules is None else {RULE_ARG: rules[i]}) for i in order]
+        if speculative:
+            self._take_ledger()  # start clean: what follows belongs to these requests
         t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        try:
+            outs = llm.generate([{"prompt_token_ids": checked[i]} for i in order], params, use_tqdm=False)
+        except Exception:
+            if errors == "raise" or len(order) == 1:
+                raise
+            # vLLM refused the batch (a request it rejects that the checks above let through): one by
+            # one, so only the bad request fails
+            for i in order:
+                try:
+                    (results[i],) = self._run_many(llm, [checked[i]], max_new_tokens, temperature, [seed_list[i]],
+                                                   stop, errors="return", speculative=speculative,
+                                                   stop_on_eos=stop_on_eos,
+                                                   rules=None if rules is None else [rules[i]])
+                except Exception as err:  # noqa: BLE001
+                    results[i] = err
+            return results
         wall = time.perf_counter() - t0
+        ledger = self._take_ledger() if speculative else {}
+        for i, out in zip(order, outs, strict=True):
+            entry = ledger.get(str(out.request_id), {})
+            gen = self._generation(out, checked[i], eos, wall if len(order) == 1 else None,
+                                   int(entry.get("lossless_fallback_steps", 0)), speculative)
+            if rules is not None and gen.stats.num_drafts:
+                want = rule_digest(rules[i])
+                if want not in entry.get("rules", set()):
+                    err = VLLMUnavailable(f"request {i}: vLLM verified {gen.stats.num_drafts} drafts but its own rule "
+                                          f"{rules[i]['policy']} never decided one (plugin inactive in vLLM's workers?)")
+                    if errors == "raise":
+                        raise err
+                    results[i] = err
+                    continue
+            results[i] = gen
+        return results
+
+    def _generation(self, out: Any, prompt: list[int], eos: list[int], call_wall: float | None, fallback_steps: int,
+                    speculative: bool) -> Generation:
         completion = out.outputs[0]
         tokens = list(completion.token_ids)
         finish = completion.finish_reason or "length"
@@ -257,21 +466,25 @@ class VLLMDecoder:
                 finish = "eos"
                 if tokens and tokens[-1] in eos:
                     tokens = tokens[:-1]  # SpecDecoder's token_ids exclude the EOS token
-        stats = GenerationStats(num_generated=len(tokens), prompt_tokens=len(prompt), wall_time_s=wall)
+        stats = GenerationStats(num_generated=len(tokens), prompt_tokens=len(prompt))
         m = getattr(out, "metrics", None)
-        if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
-            stats.prefill_time_s = max(0.0, min(wall, m.first_token_ts - m.scheduled_ts))
+        scheduled = getattr(m, "scheduled_ts", 0.0) or 0.0
+        first, last = getattr(m, "first_token_ts", 0.0) or 0.0, getattr(m, "last_token_ts", 0.0) or 0.0
+        if call_wall is not None:  # one request: the call's wall time, as before
+            stats.wall_time_s = call_wall
+        elif scheduled and last >= scheduled:  # a batch: this request's own time in the engine
+            stats.wall_time_s = last - scheduled
+        if first and scheduled:
+            stats.prefill_time_s = max(0.0, min(stats.wall_time_s, first - scheduled))
         stats.cached_prompt_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
         stats.verify_time_s = stats.decode_time_s  # target passes dominate; vLLM does not split them
-        if on_tokens is not None and tokens:
-            on_tokens(tokens)  # once, at the end: the offline LLM API does not stream
+        if speculative:
+            st = stats
+            st.draft_len = self.settings.draft_len
+            counts = spec_stats(getattr(completion, "spec_decode_metrics", None), st.draft_len)
+            st.num_drafts, st.num_draft_tokens = counts["num_drafts"], counts["num_draft_tokens"]
+            st.num_accepted_tokens = counts["num_accepted_tokens"]
+            st.accepted_per_position = counts["accepted_per_position"]
+            st.target_forwards, st.draft_forwards = st.num_drafts, st.num_draft_tokens
+            st.lossless_fallback_steps = fallback_steps
         return Generation(token_ids=tokens, text=completion.text, finish_reason=finish, stats=stats)
-
-
-def _declared_eos(model_dir: Path) -> SimpleNamespace:
-    """A model directory's config + generation config, as ``eos_token_ids`` reads them (no model load)."""
-    def eos(name: str) -> SimpleNamespace:
-        path = model_dir / name
-        return SimpleNamespace(eos_token_id=json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
-
-    return SimpleNamespace(config=eos("config.json"), generation_config=eos("generation_config.json"))

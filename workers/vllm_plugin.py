@@ -23,6 +23,19 @@ is the runner vLLM-CPU subclasses):
   rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
   forward.
 
+- ``GPUModelRunner._get_spec_decode_draft_probs`` -> unchanged unless ``SPECTUNE_VLLM_TEST_FAULTS``
+  (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
+  probabilities" path.
+
+A request may carry its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (read once per step;
+requests are grouped by rule; random draws keyed by rule seed, request seed and position); the
+others use the rule file's. Nothing here raises inside a worker: a step the rule cannot decide (its
+draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
+requests concerned, counted per request in a ledger the front end reads through
+:class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
+fallbacks, the ledger) is :mod:`workers.vllm_step`, which imports no vLLM; this module is the glue
+that patches vLLM and hands it a step's inputs. See docs/vllm-engine.md.
+
 Each process that applies a rule writes ``<rule file>.seen.<pid>.json`` (rule digest and call count)
 so the engine can assert that the rule it asked for is the one running — a plugin that did not
 load is an error there, never a silent fallback to vLLM's rule. ``SPECTUNE_VLLM_TRACE_DIR`` (tests)
@@ -35,15 +48,28 @@ import hashlib
 import json
 import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.vllm_step import (
+    LEDGER,
+    _InvalidRule,
+    _lossless_everywhere,
+    _needs_hidden,
+    _warn_once,
+    decide_step,
+    keyed_seed,
+)
+
 RULE_FILE_ENV = "SPECTUNE_VLLM_RULE_FILE"
 NATIVE = "vllm-native"  # a rule file naming this hands verification back to vLLM's own sampler (A/B runs)
 TRACE_DIR_ENV = "SPECTUNE_VLLM_TRACE_DIR"
+RULE_ARG = "spectune_rule"  # SamplingParams.extra_args key: {"policy", "params", "seed"} for one request
+FAULTS_ENV = "SPECTUNE_VLLM_TEST_FAULTS"  # tests only: see _Faults
 ENTRY_POINT = "spectune_rules"
 
 _lock = threading.Lock()
@@ -96,20 +122,24 @@ class _RuleState:
         self.active: _Active | None = None
 
     def current(self) -> _Active | None:
+        """The rule to apply; never raises inside a worker. A rule file that cannot be read keeps the
+        last good rule (none: vLLM's own), with one warning; the front end's check then sees that the
+        rule it asked for did not run."""
         path = os.environ.get(RULE_FILE_ENV)
         if not path:
             return None
         try:
             st = os.stat(path)
-        except FileNotFoundError:
-            raise RuntimeError(f"spectune vLLM plugin: {RULE_FILE_ENV}={path} does not exist") from None
-        stamp = (st.st_mtime_ns, st.st_size)
-        if self.active is None or self.active.stamp != stamp:
-            from policies import make_policy
+            stamp = (st.st_mtime_ns, st.st_size)
+            if self.active is None or self.active.stamp != stamp:
+                from policies import make_policy
 
-            spec = json.loads(Path(path).read_text())
-            policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
-            self.active = _Active(policy, spec, rule_digest(spec), stamp)
+                spec = json.loads(Path(path).read_text())
+                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
+                self.active = _Active(policy, spec, rule_digest(spec), stamp)
+        except Exception as err:  # noqa: BLE001
+            _warn_once(f"rule file {path} unreadable ({type(err).__name__}); keeping the previous rule", str(err),
+                       fallback=False)
         return self.active
 
     def report(self, active: _Active) -> None:
@@ -132,6 +162,10 @@ class _Step(threading.local):
     hidden: torch.Tensor | None = None  # [num_logits, d] final hidden states, rows aligned with logits
     target_indices: torch.Tensor | None = None  # rows of ``hidden`` at the draft positions
     model: Any = None
+    req_ids: list[str] | None = None  # vLLM's request ids in batch order (the rows' order)
+    rules: list[Any] | None = None  # per request: its own rule (extra_args), or None for the rule file's
+    request_seeds: list[int] | None = None  # per request: SamplingParams.seed (0 if unset)
+    positions: list[int] | None = None  # per request: tokens computed before this step
     draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
 
 
@@ -163,85 +197,197 @@ def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]
     model._spectune_lm_head = result
     return result
 
-
-def _needs_hidden(policy: Any) -> bool:
-    from policies.any_of import AnyOfConfig
-
-    cfg = policy.config
-    if isinstance(cfg, AnyOfConfig):
-        return any(member.name == "dropmatch" for member in cfg.members)
-    return policy.name == "dropmatch"
-
-
 def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
-               sampling_metadata: Any) -> torch.Tensor:
-    """vLLM's ``rejection_sample`` contract, decided by a spectune rule: [B, max_spec_len + 1] int32."""
-    from policies.ragged import verify_flat
-
-    device = target_logits.device
+               sampling_metadata: Any, policy: Any = None) -> torch.Tensor:
+    """vLLM's ``rejection_sample`` contract, decided by spectune's rules: [B, max_spec_len + 1] int32.
+    Requests that carry their own rule (``SamplingParams.extra_args[RULE_ARG]``, read once per step in
+    ``sample_tokens``) use it; the others use the rule file's. ``policy`` overrides the rule file's
+    (fault injection)."""
+    policy = active.policy if policy is None else policy
     b = len(num_draft_tokens)
-    num = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
-    if draft_probs is None:
-        draft_logits = None
-    elif STEP.draft_logprobs:
-        draft_logits = draft_probs  # T = 1 log-probs from the proposer patch
-    else:  # vLLM's own probabilistic drafts: q at the request temperature; rules renormalize logs
-        draft_logits = torch.log(draft_probs.float())
-    hidden = weight = bias = None
-    if _needs_hidden(active.policy):
-        if STEP.hidden is None or STEP.model is None or STEP.target_indices is None:
-            raise RuntimeError("spectune vLLM plugin: DropMatch needs the target's hidden states, but "
-                               "GPUModelRunner.sample_tokens did not hand them over (unsupported runner?)")
+    req_ids = STEP.req_ids
+    own = STEP.rules if STEP.rules is not None and len(STEP.rules) >= b else None
+    policies = keys = request_seeds = None
+    if own is not None:
+        policies = [None if r is None else r.policy for r in own[:b]]
+        keys = [None if r is None else r.digest for r in own[:b]]
+        request_seeds = [None if r is None else keyed_seed(int(r.spec.get("seed", 0)), STEP.request_seeds[i],
+                                                          STEP.positions[i]) for i, r in enumerate(own[:b])]
+    draft_logits = hidden = None
+    if draft_probs is not None:
+        # T = 1 log-probs from the proposer patch; else vLLM's own q (rules renormalize logs)
+        draft_logits = draft_probs if STEP.draft_logprobs else torch.log(draft_probs.float())
+    if STEP.hidden is not None and STEP.target_indices is not None and (
+            _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
         hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
-        weight, bias = _lm_head(STEP.model, target_logits.shape[1])
-    bonus = bonus_token_ids.reshape(b, -1)[:, 0]
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        temps = torch.zeros(b, device=device)
+        temps = [0.0] * b
     else:
-        temps = sampling_metadata.temperature.float().clamp(min=0.0)[:b]
-    seed = int(active.spec.get("seed", 0))
-    out = torch.full((b, max_spec_len + 1), -1, dtype=torch.int32, device=device)
-    start = torch.cumsum(num, 0) - num
-    for t in sorted(set(temps.tolist())):  # one vectorised call per distinct temperature
-        req = (temps == t).nonzero().squeeze(1)
-        n_req = num.index_select(0, req)
-        rows = (start.index_select(0, req).unsqueeze(1) + torch.arange(max(max_spec_len, 1), device=device))
-        rows = rows[torch.arange(rows.shape[1], device=device).unsqueeze(0) < n_req.unsqueeze(1)]
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + active.calls)
-        result = verify_flat(
-            active.policy,
-            draft_token_ids=draft_token_ids.index_select(0, rows).long(),
-            num_draft_tokens=n_req,
-            target_logits=target_logits.index_select(0, rows),
-            bonus_token_ids=bonus.index_select(0, req),
-            draft_logits=None if draft_logits is None else draft_logits.index_select(0, rows),
-            target_hidden=None if hidden is None else hidden.index_select(0, rows),
-            lm_head_weight=weight, lm_head_bias=bias, temperature=float(t), generator=gen,
-        )
-        width = result.output_token_ids.shape[1]
-        out[req, :width] = result.output_token_ids.to(torch.int32)
-        _trace(active, t, draft_token_ids, rows, n_req, target_logits, draft_logits, hidden, weight, bias,
-               bonus.index_select(0, req), result.output_token_ids)
-    RULE.report(active)
-    return out
+        temps = sampling_metadata.temperature.float().clamp(min=0.0)[:b].tolist()
+    model, vocab = STEP.model, target_logits.shape[1]
+    tracer = None
+    if os.environ.get(TRACE_DIR_ENV):
+        units = [0]
+
+        def tracer(used, reason, t, gen_seed, rows, req, n_req, group_draft, group_hidden, weight, bias, tokens):
+            units[0] += 1
+            members = req.tolist()
+            spec = own[members[0]].spec if own is not None and own[members[0]] is not None else active.spec
+            _trace(active, spec, units[0], used, reason, t, gen_seed, draft_token_ids, rows, n_req, target_logits,
+                   group_draft, group_hidden, weight, bias, bonus_token_ids.reshape(b, -1)[:, 0].index_select(0, req),
+                   tokens, None if req_ids is None else [req_ids[i] for i in members])
+    outcome = decide_step(
+        policy, draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, max_spec_len=max_spec_len,
+        target_logits=target_logits, bonus_token_ids=bonus_token_ids, temperatures=temps, draft_logits=draft_logits,
+        target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab)),
+        seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
+        request_seeds=request_seeds)
+    try:
+        digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
+        LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
+        RULE.report(active)
+    except Exception as err:  # noqa: BLE001 - bookkeeping must not take the engine down either
+        _warn_once(f"bookkeeping failed ({type(err).__name__})", str(err))
+    return outcome.output_token_ids
 
 
-def _trace(active: _Active, t: float, draft_ids, rows, n_req, target_logits, draft_logits, hidden, weight, bias,
-           bonus, output) -> None:
+def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: str | None, t: float, gen_seed: int,
+           draft_ids, rows, n_req, target_logits, group_draft, group_hidden, weight, bias, bonus, output,
+           req_ids) -> None:
     trace_dir = os.environ.get(TRACE_DIR_ENV)
     if not trace_dir:
         return
     sel = (lambda x: None if x is None else x.index_select(0, rows).cpu())  # noqa: E731
-    record = {"spec": active.spec, "call": active.calls, "temperature": t,
-              "generator_seed": int(active.spec.get("seed", 0)) * 1_000_003 + active.calls,
+    record = {"spec": spec, "call": active.calls, "temperature": t, "generator_seed": gen_seed,
+              "decided_by": used.name, "fallback": reason, "req_ids": req_ids,
               "draft_token_ids": sel(draft_ids), "num_draft_tokens": n_req.cpu(), "target_logits": sel(target_logits),
-              "draft_logits": sel(draft_logits), "target_hidden": sel(hidden),
+              "draft_logits": None if group_draft is None else group_draft.cpu(),
+              "target_hidden": None if group_hidden is None else group_hidden.cpu(),
               "lm_head_weight": None if weight is None else weight.cpu(),
               "lm_head_bias": None if bias is None else bias.cpu(),
               "bonus_token_ids": bonus.cpu(), "output_token_ids": output.cpu()}
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
-    torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}.pt")
+    torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
+
+
+class _RequestRules:
+    """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule."""
+
+    CAP = 256
+
+    def __init__(self) -> None:
+        self.cache: OrderedDict[str, _Active] = OrderedDict()
+
+    def get(self, spec: Any) -> _Active:
+        from policies import make_policy
+
+        key = json.dumps(spec, sort_keys=True, default=str)
+        hit = self.cache.get(key)
+        if hit is None:
+            try:
+                if not isinstance(spec, dict) or "policy" not in spec or spec["policy"] == NATIVE:
+                    raise ValueError(f"{RULE_ARG} must be {{'policy', 'params', 'seed'}} naming a spectune rule, "
+                                     f"got {spec!r}")
+                norm = {"policy": spec["policy"], "params": dict(spec.get("params") or {}),
+                        "seed": int(spec.get("seed", 0))}
+                hit = _Active(make_policy(norm["policy"], **norm["params"]), norm, rule_digest(norm), (0, 0))
+            except Exception as err:  # noqa: BLE001
+                hit = _Active(_InvalidRule(f"{type(err).__name__}: {err}"), {"policy": "invalid", "params": {},
+                                                                               "seed": 0}, "invalid", (0, 0))
+            self.cache[key] = hit
+            while len(self.cache) > self.CAP:
+                self.cache.popitem(last=False)
+        return hit
+
+
+REQUEST_RULES = _RequestRules()
+
+
+def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
+    """Once per step: each request's own rule, seed and position (``STEP.rules`` None when no request
+    of the step carries a rule: the common case costs one dict lookup per request)."""
+    rules: list[Any] = []
+    seeds: list[int] = []
+    positions: list[int] = []
+    any_rule = False
+    for rid in req_ids:
+        state = runner.requests.get(rid)
+        sp = getattr(state, "sampling_params", None)
+        args = getattr(sp, "extra_args", None)
+        spec = args.get(RULE_ARG) if isinstance(args, dict) else None
+        rules.append(None if spec is None else REQUEST_RULES.get(spec))
+        any_rule = any_rule or spec is not None
+        seeds.append(int(getattr(sp, "seed", None) or 0))
+        positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
+    STEP.rules, STEP.request_seeds, STEP.positions = (rules, seeds, positions) if any_rule else (None, None, None)
+
+
+class _Faults:
+    """Test-only fault injection (``SPECTUNE_VLLM_TEST_FAULTS`` names a JSON file, re-read when it
+    changes): ``{"drop_draft_probs_every": n}`` makes vLLM itself lose a request's cached draft
+    probabilities on every n-th step with drafts (vLLM then logs "Missing cached draft probabilities
+    ... falling back to legacy speculative rejection behavior" and passes ``draft_probs=None``, as it
+    does in batched runs); ``drop_hidden_every`` withholds DropMatch's hidden states;
+    ``raise_every`` makes the rule raise. Unset (always, outside tests): no cost beyond one env read."""
+
+    def __init__(self) -> None:
+        self.stamp: tuple[int, int] | None = None
+        self.spec: dict[str, int] = {}
+        self.steps = 0
+
+    def current(self) -> dict[str, int]:
+        path = os.environ.get(FAULTS_ENV)
+        if not path:
+            return {}
+        try:
+            st = os.stat(path)
+        except OSError:
+            self.stamp, self.spec = None, {}
+            return {}
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self.stamp:
+            try:
+                self.spec = {k: int(v) for k, v in json.loads(Path(path).read_text()).items()}
+            except (OSError, ValueError, AttributeError):
+                self.spec = {}
+            self.stamp, self.steps = stamp, 0
+        return self.spec
+
+    def hit(self, name: str) -> bool:
+        every = self.current().get(name, 0)
+        return every > 0 and self.steps % every == every - 1
+
+
+FAULTS = _Faults()
+
+
+class _FaultyRule:
+    """A rule that raises (fault injection for the guard)."""
+
+    name = "faulty"
+
+    def __init__(self, policy: Any) -> None:
+        self.config = policy.config
+
+    def decide(self, batch: Any) -> Any:
+        raise RuntimeError("injected fault (SPECTUNE_VLLM_TEST_FAULTS raise_every)")
+
+
+class WorkerExtension:
+    """Methods vLLM adds to its worker class (``LLM(worker_extension_cls=...)``), reached from the front
+    end with ``llm.collective_rpc(name)``: the plugin's per-request records live in the worker process."""
+
+    def spectune_take_fallbacks(self) -> dict[str, Any]:
+        """Per-request lossless-fallback counts since the last call (then cleared), and the totals."""
+        return LEDGER.take()
+
+    def spectune_env(self) -> dict[str, Any]:
+        """What the worker process runs with: its thread binding, CPUs and OpenMP threads."""
+        return {"pid": os.getpid(), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "torch_threads": torch.get_num_threads()}
 
 
 def register() -> None:
@@ -258,6 +404,7 @@ def register() -> None:
         orig_constraints = rs.apply_sampling_constraints
         orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
         orig_sample_tokens = GPUModelRunner.sample_tokens
+        orig_draft_probs = GPUModelRunner._get_spec_decode_draft_probs
 
         def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                              target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
@@ -267,8 +414,14 @@ def register() -> None:
                     RULE.report(active)
                 return orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                    draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
-            return apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
-                              target_logits, bonus_token_ids, sampling_metadata)
+            try:
+                policy = _FaultyRule(active.policy) if FAULTS.hit("raise_every") else None
+                return apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
+                                  target_logits, bonus_token_ids, sampling_metadata, policy=policy)
+            except Exception as err:  # noqa: BLE001 - never a dead engine
+                return _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
+                                            list(num_draft_tokens), int(max_spec_len), target_logits,
+                                            bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
 
         def apply_sampling_constraints(logits, *args, **kwargs):
             active = RULE.current()
@@ -293,21 +446,45 @@ def register() -> None:
             STEP.draft_logprobs = True
             return tokens, logprobs
 
+        def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+            cached = self._draft_prob_req_ids
+            if (FAULTS.hit("drop_draft_probs_every") and cached is not None
+                    and any(spec_decode_metadata.num_draft_tokens)):
+                # vLLM's own "missing cached draft probabilities" path: hide one drafted request's row
+                victim = next(r for r, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens,
+                                                strict=False) if n)
+                self._draft_prob_req_ids = [None if r == victim else r for r in cached]
+                try:
+                    return orig_draft_probs(self, spec_decode_metadata)
+                finally:
+                    self._draft_prob_req_ids = cached
+            return orig_draft_probs(self, spec_decode_metadata)
+
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
             active = RULE.current()
             if state is not None and active is not None and active.policy is not None:
                 meta = state.spec_decode_metadata
-                STEP.hidden = state.sample_hidden_states
+                STEP.hidden = None if FAULTS.hit("drop_hidden_every") else state.sample_hidden_states
                 STEP.target_indices = None if meta is None else meta.target_logits_indices
                 STEP.model = self.model
+                STEP.req_ids = list(self.input_batch.req_ids)
+                try:
+                    _read_request_rules(self, STEP.req_ids)
+                except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
+                    STEP.rules = None
+                    _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
             try:
                 return orig_sample_tokens(self, grammar_output)
             finally:
-                STEP.hidden = STEP.target_indices = STEP.model = None
+                STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
+                STEP.rules = STEP.request_seeds = STEP.positions = None
+                if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
+                    FAULTS.steps += 1
 
         rs.rejection_sample = rejection_sample
         rs.apply_sampling_constraints = apply_sampling_constraints
         SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+        GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
         GPUModelRunner.sample_tokens = sample_tokens
         _patched = True

@@ -14,7 +14,7 @@ from workers.pair import save_tiny_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-VLLM = dict(gpu_memory_utilization=0.04, max_model_len=1024, enforce_eager=True)
+VLLM = dict(kv_cache_memory_bytes=128 << 20, max_model_len=1024, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def test_a_trial_runs_on_a_vllm_pair_actor(worker):
         assert rec.error is None, rec.error
         assert rec.outputs == ref.records[item_id].outputs, "greedy lossless = target-only"
         assert rec.num_drafts > 0 and rec.num_draft_tokens == 3 * rec.num_drafts
+        assert sum(rec.accepted_per_position) == rec.num_accepted_tokens and rec.lossless_fallback_steps == 0
+    # the shard went through vLLM as one batch: every item has its own statistics
+    assert len({(r.num_drafts, r.num_accepted_tokens, r.wall_time_s) for r in run.records.values()}) == 3
     profile = ray.get(worker[0].profile.remote())
     assert profile["engine"] == "vllm" and profile["cost_ratio"] is None  # the sweep asks for --cost-ratio
 

