@@ -24,7 +24,6 @@ if __package__ in (None, ""):  # `python jobs/sweep.py` (as `ray job submit` run
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse  # noqa: E402
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import platform  # noqa: E402
@@ -34,152 +33,18 @@ from typing import Any  # noqa: E402
 from jobs.confirm import ordered_prefix, paired, score_of  # noqa: E402
 from jobs.progress import Progress  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
-from jobs.search_space import DEFAULT_FAMILIES, check_families, decode_params, suggest  # noqa: E402
-from workers.benchmarks import BENCHMARKS, get_benchmark  # noqa: E402
-from workers.cli import require_positive  # noqa: E402
-from workers.engines import ENGINES, check_engine  # noqa: E402
+from jobs.search_space import decode_params, suggest  # noqa: E402
+from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_params: the sweep's CLI, imported from here too)
+    build_parser,
+    enqueued_params,
+    log,
+    make_sampler,
+    parse_settings,
+    study_name,
+    vllm_options,
+)
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
 from workers.metrics import TrialMetrics, aggregate, noise_floor  # noqa: E402
-
-
-def subset_seed(text: str) -> int | None:
-    """``--subset-seed``: an integer seed (seeded item order) or ``file`` (the benchmark file's order)."""
-    if text.strip().lower() == "file":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed or 'file', got {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
-    ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}")
-    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT_DIR+TARGET_DIR")
-    ap.add_argument("--dtype", default="auto",
-                    help="bf16, fp32 or auto (bf16 where the CPU has bf16 instructions or on a GPU, else fp32)")
-    ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
-    ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
-    ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
-    ap.add_argument("--items", type=int, default=40, help="search-split items per trial (0 = all)")
-    ap.add_argument("--confirm-items", type=int, default=None,
-                    help="confirmation-split items that certify a budget (default: --items; 0 = all)")
-    ap.add_argument("--confirm-candidates", type=int, default=3,
-                    help="candidates per budget confirmed at most (fixed sequence, safest first)")
-    ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
-    ap.add_argument("--subset-seed", type=subset_seed, default=0,
-                    help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
-    ap.add_argument("--draft-len", default="3,8", help="draft length search range LO,HI (or one value)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
-    ap.add_argument("--shots", type=int, default=0)
-    ap.add_argument("--objective", choices=("vs-ar", "vs-lossless"), default="vs-ar", help="which modelled speedup to maximize")
-    ap.add_argument("--cost-ratio", type=float, default=None, help="deployment c for modelled speedup (default: measured)")
-    ap.add_argument("--actors", type=int, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
-    ap.add_argument("--cpus-per-actor", type=float, default=1)
-    ap.add_argument("--gpus-per-actor", type=float, default=0)
-    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
-    ap.add_argument("--engine", choices=ENGINES, default="cpu",
-                    help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
-                    help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for (default 4096)")
-    ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
-    ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
-    ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
-    ap.add_argument("--enqueue", action="append", default=[], metavar="RULE",
-                    help="evaluate these settings first, e.g. dropmatch:k=5,p_drop=0.3,criterion=js "
-                         "(repeatable; knobs not given take the rule's defaults; skipped if already in the study)")
-    ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
-    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
-    ap.add_argument("--runs-root", default=None,
-                    help="default $SPECTUNE_RUNS, else ./runs; in a Ray job $SPECTUNE_RUNS on the head "
-                         "(scripts/ray-head: the checkout's runs/), else ~/spectune_runs")
-    ap.add_argument("--run-dir", default=None, help="default <runs-root>/sweeps/<study name>")
-    return ap
-
-
-def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
-    bench = get_benchmark(args.benchmark)
-    from workers.pair import check_pair_name, native_dtype
-
-    if args.dtype == "auto":
-        args.dtype = native_dtype()  # resolved once: the dtype is part of the study's and references' identity
-        log(f"--dtype auto: {args.dtype} on this machine")
-
-    check_pair_name(args.pair)  # fail here, not inside every actor
-    try:
-        budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
-    except ValueError:
-        raise ValueError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
-    if not budgets or any(not (0 < b < 1) for b in budgets):
-        raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
-    families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
-    bounds = [int(x) for x in args.draft_len.split(",")]
-    lo, hi = (bounds[0], bounds[-1])
-    if not (1 <= lo <= hi <= 16):
-        raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
-    enqueued = [enqueued_params(text, families, (lo, hi)) for text in args.enqueue]
-    check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
-                 vllm=vllm_options(args))
-    if args.engine == "vllm" and args.cost_ratio is None:
-        raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
-                         "(measure c with `python -m workers.calibrate` or from your serving logs)")
-    require_positive(args, "trials", "min_items_to_prune", "confirm_candidates")
-    if args.items < 0:
-        raise ValueError("--items must be >= 0 (0 = all)")
-    if args.confirm_items is not None and args.confirm_items < 0:
-        raise ValueError("--confirm-items must be >= 0 (0 = all)")
-    if not 0 < args.alpha < 0.5:
-        raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
-    return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,
-            "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
-                           max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
-
-
-def enqueued_params(text: str, families: list[str], draft_len: tuple[int, int]) -> dict[str, Any]:
-    """``--enqueue`` text -> the study's parameter names (``family``, ``<family>.<knob>``, ``draft_len``)."""
-    from policies import get_spec, make_policy
-    from workers.cli import parse_rule
-
-    name, params = parse_rule(text)
-    if name not in families:
-        raise ValueError(f"--enqueue {text!r}: {name!r} is not among the searched --policies {families}")
-    length = params.pop("draft_len", draft_len[0])
-    if not (isinstance(length, int) and draft_len[0] <= length <= draft_len[1]):
-        raise ValueError(f"--enqueue {text!r}: draft_len must be an integer in --draft-len {draft_len[0]},{draft_len[1]}")
-    config = make_policy(name, **params).config.to_dict()  # unknown knobs / bad values fail here
-    out: dict[str, Any] = {"family": name} if len(families) > 1 else {}
-    out.update({f"{name}.{knob}": config[knob] for knob in get_spec(name).config_cls.search_space()})
-    if draft_len[1] > draft_len[0]:
-        out["draft_len"] = length
-    return out
-
-
-def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
-    """TPE over the families' knobs. A resumed study gets its seed offset by the trials it holds: the
-    same seed would replay the first random suggestions (seen: two duplicate trials after a restart)."""
-    import optuna
-
-    return optuna.samplers.TPESampler(seed=seed + existing_trials, multivariate=True, group=True,
-                                      n_startup_trials=max(4, min(10, trials // 2)))
-
-
-def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
-    given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-             "enforce_eager": args.enforce_eager or None}
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
-    key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
-                      "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
-                      "subset_seed": args.subset_seed, "split": s["bench"].split_info(),
-                      **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
-    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
-    return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
 
 
 class Sweep:
@@ -508,10 +373,6 @@ def _versions() -> dict[str, str]:
     import importlib.metadata as md
 
     return {f"version.{p}": md.version(p) for p in ("torch", "transformers", "ray", "optuna", "mlflow")}
-
-
-def log(msg: str) -> None:
-    print(f"[sweep {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
