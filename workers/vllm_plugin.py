@@ -435,7 +435,12 @@ def register() -> None:
                 STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
             if getattr(self, "use_heterogeneous_vocab", False):
-                raise RuntimeError("spectune rules need a draft and target that share one vocabulary")
+                # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
+                # draft distribution, so rules that need one fall back to lossless (counted per step)
+                _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
+                           "use_heterogeneous_vocab", fallback=False)
+                STEP.draft_logprobs = False
+                return orig_draft(self, hidden_states, sampling_metadata)
             logits = self.model.compute_logits(hidden_states)
             # T = 1 log-probs first: vLLM's draft sampler divides the logits by T in place
             logprobs = torch.log_softmax(logits.float(), dim=-1)
