@@ -31,11 +31,7 @@ from workers.certify import (
     prune_test,
 )
 from workers.evaluation import Record
-
-
-def score_of(record: Record | None) -> float:
-    """A record's score with a failed item counted as wrong (0)."""
-    return 0.0 if record is None or record.failed else float(record.score)
+from workers.metrics import score_of
 
 
 def paired(reference: dict[str, Record], trial: dict[str, Record]) -> tuple[list[float], list[float]]:
@@ -241,8 +237,21 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                 [it.id for it in sweep.confirm_items])
     candidates = candidates_from(frame)
     chosen: dict[str, Any] = {}
-    logged: set[str] = set()
+    figures: dict[str, dict[str, float]] = {}  # candidate key -> its confirmation figures (bootstrap once)
     floors: dict[int, dict[str, Any]] = {}
+
+    def figures_of(key: str) -> dict[str, float]:
+        bound = confirmation.bounds.get(key)
+        if key not in figures and bound is not None:
+            recs = confirmation.records.get(key, {})
+            figures[key] = _confirm_metrics(bound, speed_figures(recs, reference, sweep.cost_ratio,
+                                                                 sweep.verify_factor), recs)
+            run_id = next(c for c in candidates if c.key == key).payload.get("mlflow_run_id")
+            if run_id:  # the figures on the candidate's own trial run, next to its search.<m>
+                sweep.tracker.log_to_run(run_id, {f"confirm.{k}": v for k, v in figures[key].items()},
+                                         {"confirmed": "true"})
+        return figures.get(key, {})
+
     for budget in sweep.s["budgets"]:
         cert = confirmation.certify(candidates, budget)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
@@ -251,11 +260,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         if pick is None:
             choice.update(policy=None)
         else:
-            row, records = pick.payload, confirmation.records.get(pick.key, {})
+            row = pick.payload
             spec = sweep.spec_of(row)
-            speed = speed_figures(records, reference, sweep.cost_ratio, sweep.verify_factor)
-            bound = confirmation.bounds.get(pick.key)
-            confirm = _confirm_metrics(bound, speed, records) if bound is not None else {}
+            confirm = figures_of(pick.key)
             if spec.draft_len not in floors:
                 floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm"),
                                                          args.alpha, spec.draft_len)
@@ -265,16 +272,8 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             if not cert.certified:
                 choice["note"] = ("NOT certified: this is the safest search candidate, served only with "
                                   "--allow-uncertified")
-        for key_, bound, _ in cert.steps:  # every confirmed candidate's figures on its own trial run
-            c = next(c for c in candidates if c.key == key_)
-            run_id = c.payload.get("mlflow_run_id")
-            if run_id and key_ not in logged:
-                recs = confirmation.records.get(key_, {})
-                figures = _confirm_metrics(bound, speed_figures(recs, reference, sweep.cost_ratio, sweep.verify_factor),
-                                           recs)
-                sweep.tracker.log_to_run(run_id, {f"confirm.{k}": v for k, v in figures.items()},
-                                         {"confirmed": "true"})
-                logged.add(key_)
+        for key_, _, _ in cert.steps:  # every confirmed candidate, chosen or not
+            figures_of(key_)
         chosen[str(budget)] = choice
         write_json(out / f"chosen-budget-{budget}.json", choice)
         state = "CERTIFIED" if cert.certified else "not certified"

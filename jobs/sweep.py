@@ -30,7 +30,7 @@ import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from jobs.confirm import ordered_prefix, paired, score_of  # noqa: E402
+from jobs.confirm import ordered_prefix, paired  # noqa: E402
 from jobs.progress import Progress  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import decode_params, suggest  # noqa: E402
@@ -44,7 +44,7 @@ from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_param
     vllm_options,
 )
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
-from workers.metrics import TrialMetrics, aggregate, noise_floor  # noqa: E402
+from workers.metrics import TrialMetrics, aggregate, noise_floor, score_of  # noqa: E402
 
 
 class Sweep:

@@ -107,8 +107,9 @@ def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record])
     return sum(r.draft_time_s for r in records) / drafts / step_s
 
 
-def _score(r: Record) -> float:
-    return 0.0 if r.failed else r.score
+def score_of(r: Record | None) -> float:
+    """A record's score with a failed (or missing) item counted as wrong (0) in its arm."""
+    return 0.0 if r is None or r.failed else float(r.score)
 
 
 def _by_item(records: Sequence[Record]) -> dict[str, Record]:
@@ -127,9 +128,9 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
     paired = [k for k in ok if k in ref]
     attempted = {r.item_id: r for r in records}
     ref_all = {r.item_id: r for r in target_only}
-    scores = [_score(r) for r in attempted.values()]
+    scores = [score_of(r) for r in attempted.values()]
     both = [k for k in attempted if k in ref_all]
-    diffs = [_score(ref_all[k]) - _score(attempted[k]) for k in both]
+    diffs = [score_of(ref_all[k]) - score_of(attempted[k]) for k in both]
     drafts = sum(r.num_drafts for r in ok.values())
     draft_tokens = sum(r.num_draft_tokens for r in ok.values())
     tokens = sum(r.tokens for r in ok.values())
@@ -144,7 +145,7 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
     metrics = TrialMetrics(
         items=len(records), failures=len(records) - len(ok),
         accuracy=statistics.mean(scores) if scores else math.nan, accuracy_ci=bootstrap_ci(scores),
-        reference_accuracy=statistics.mean(_score(ref_all[k]) for k in both) if both else math.nan,
+        reference_accuracy=statistics.mean(score_of(ref_all[k]) for k in both) if both else math.nan,
         accuracy_drop=statistics.mean(diffs) if diffs else math.nan, accuracy_drop_ci=bootstrap_ci(diffs),
         mean_acceptance_length=tokens / drafts if drafts else math.nan,
         draft_acceptance_rate=sum(r.num_accepted_tokens for r in ok.values()) / draft_tokens if draft_tokens else math.nan,
