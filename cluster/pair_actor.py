@@ -121,7 +121,9 @@ class TrialRun:
 
 def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
                  cache_dir: str | None = None, tensor_parallel_size: int = 1, engine: str = "cpu",
-                 draft_len: int = 5, vllm: dict[str, Any] | None = None) -> list[Any]:
+                 draft_len: int = 5, vllm: dict[str, Any] | None = None, python: str | None = None) -> list[Any]:
+    """``n`` loaded pair actors. ``python``: the interpreter they run in (the vLLM engine's own
+    environment, see ``workers.engines.vllm_python``); None = the driver's."""
     threads = max(1, int(cpus_per_actor))
 
     def engine_options(i: int) -> dict[str, Any] | None:
@@ -130,7 +132,8 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
         # vLLM-CPU binds its threads to this actor's share of the node's CPUs (ignored on GPU builds)
         return {"num_cpus": threads, "cpu_offset": i * threads, **(vllm or {})}
 
-    workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor).remote(
+    runtime_env = {"py_executable": python} if python else None
+    workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor, runtime_env=runtime_env).remote(
         pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, engine_options(i)) for i in range(n)]
     ray.get([w.info.remote() for w in workers])  # surface load errors now, not mid-trial
     return workers

@@ -174,9 +174,20 @@ class SpecDecodeServer:
         self.s = ServeSettings.from_dict(settings)
         torch.set_num_threads(max(1, round(self.s.num_cpus)))
         t0 = time.perf_counter()
-        self.engine = make_engine(self.s.engine, self.s.pair, self.s.dtype, prefix_cache=self.s.prefix_cache,
-                                  draft_len=self.s.draft_len, tensor_parallel_size=self.s.tensor_parallel_size,
-                                  vllm=self.s.vllm)
+        # vLLM: its async engine (continuous batching, per-request rules, token streaming); CPU: SpecDecoder
+        self.streaming = self.s.engine == "vllm"
+        if self.streaming:
+            from workers.engines import vllm_settings
+            from workers.vllm_async import AsyncVLLMDecoder
+
+            self.engine = AsyncVLLMDecoder(self.s.pair, vllm_settings(
+                self.s.vllm, dtype=self.s.dtype, draft_len=self.s.draft_len,
+                tensor_parallel_size=self.s.tensor_parallel_size))
+        else:
+            self.engine = make_engine(self.s.engine, self.s.pair, self.s.dtype, prefix_cache=self.s.prefix_cache,
+                                      draft_len=self.s.draft_len, tensor_parallel_size=self.s.tensor_parallel_size,
+                                      vllm=self.s.vllm)
+        self._checked: asyncio.Lock | None = None
         self.pair = self.engine.pair
         self.load_s = time.perf_counter() - t0
         self.limits = self.s.limits_obj()
@@ -232,13 +243,76 @@ class SpecDecodeServer:
         return ids
 
     def _check_engine_can(self, req: GenRequest) -> None:
-        """The vLLM engine runs one draft length (fixed when it starts)."""
+        """The vLLM engine runs one draft length (fixed when it starts), and speculation off only where it
+        may start a second, target-only engine."""
         if self.s.engine == "vllm" and req.spec.policy is not None and req.spec.draft_len != self.s.draft_len:
             raise ApiError(400, f"spec_decode.draft_len: this server's vLLM engine runs draft length "
                                 f"{self.s.draft_len}, got {req.spec.draft_len}", param="spec_decode.draft_len")
+        if self.streaming and req.spec.policy is None and self.engine.exclusive:
+            raise ApiError(400, "spec_decode: speculation off needs a second, target-only vLLM engine and this "
+                                "server runs one engine at a time (vLLM-CPU default; start it with "
+                                "one_engine_at_a_time=false for both): send a rule", param="spec_decode")
+
+    async def _ready(self) -> None:
+        """The async engine's start-up check (spectune's rule decides), once, in the serving loop."""
+        if self._checked is None:
+            self._checked = asyncio.Lock()
+        async with self._checked:
+            if not self.engine.checked:
+                await self.engine.check()
+
+    def _fails(self, req: GenRequest) -> bool:
+        return bool(self.s.fail_marker) and self.s.fail_marker in json.dumps([req.prompt, req.messages])
+
+    async def _parts(self, req: GenRequest, ids: list[int]) -> Any:
+        """("tokens", new ids) as they come, then ("done", Generation); raises what the engine raised.
+        vLLM: its async stream (this request decoded with the others in flight); CPU: the engine on the
+        replica's worker thread, told to stop when the consumer goes away."""
+        if self.streaming:
+            await self._ready()
+            rule = None if req.spec.policy is None else req.spec.build()
+            fail = self._fails(req)
+            stream = self.engine.stream(ids, rule, max_new_tokens=req.max_tokens, temperature=req.temperature,
+                                        seed=req.seed, stop=list(req.stop) or None)
+            try:
+                async for part in stream:
+                    if not isinstance(part, list):
+                        yield "done", part
+                        return
+                    yield "tokens", part
+                    if fail:
+                        raise RuntimeError("injected failure (fail_marker) after the first round")
+            finally:
+                await stream.aclose()  # a request left unfinished is aborted in vLLM
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        gone = threading.Event()
+
+        def on_tokens(new: list[int]) -> bool:
+            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", new))
+            return not gone.is_set()
+
+        def work() -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ("done", self._generate(req, ids, on_tokens)))
+            except Exception as err:
+                loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
+
+        loop.run_in_executor(self.pool, work)
+        try:
+            while True:
+                kind, payload = await queue.get()
+                if kind == "error":
+                    raise payload
+                yield kind, payload
+                if kind == "done":
+                    return
+        finally:
+            gone.set()  # client disconnected or stream done: the engine stops at its next round
 
     def _generate(self, req: GenRequest, ids: list[int], on_tokens: Any = None) -> Any:
-        if self.s.fail_marker and self.s.fail_marker in json.dumps([req.prompt, req.messages]):
+        if self._fails(req):
             def on_tokens(_: list[int]) -> bool:
                 raise RuntimeError("injected failure (fail_marker) after the first round")
         common = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
@@ -266,9 +340,10 @@ class SpecDecodeServer:
         if req.stream:
             return StreamingResponse(self._events(req, ids, resp, route, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        loop = asyncio.get_running_loop()
+        gen = None
         try:
-            gen = await loop.run_in_executor(self.pool, self._generate, req, ids)
+            async for kind, payload in self._parts(req, ids):
+                gen = payload if kind == "done" else gen
         except Exception as err:  # the engine dropped its caches; this replica serves the next request
             return self._error(route, ApiError(500, f"generation failed: {type(err).__name__}: {err}",
                                                type="server_error"), t0)
@@ -278,29 +353,13 @@ class SpecDecodeServer:
                          spec_metrics(gen.stats, req.spec))
 
     async def _events(self, req: GenRequest, ids: list[int], resp: Response, route: str, t0: float):
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        gone = threading.Event()
-
-        def on_tokens(new: list[int]) -> bool:
-            loop.call_soon_threadsafe(queue.put_nowait, ("tokens", new))
-            return not gone.is_set()
-
-        def work() -> None:
-            try:
-                gen = self._generate(req, ids, on_tokens)
-                loop.call_soon_threadsafe(queue.put_nowait, ("done", gen))
-            except Exception as err:
-                loop.call_soon_threadsafe(queue.put_nowait, ("error", err))
-
-        loop.run_in_executor(self.pool, work)
         text = TextStream(self.pair.tokenizer, req.stop)
         first_token = True
+        parts = self._parts(req, ids)
         try:
             if req.kind == "chat":
                 yield sse(resp.chunk("", first=True))
-            while True:
-                kind, payload = await queue.get()
+            async for kind, payload in parts:
                 if kind == "tokens":
                     if first_token:
                         self.metrics.ttft.observe(time.perf_counter() - t0, tags={"route": route})
@@ -308,26 +367,25 @@ class SpecDecodeServer:
                     delta = text.push(payload)
                     if delta:
                         yield sse(resp.chunk(delta))
-                elif kind == "done":
-                    gen = payload
-                    rest = text.finish(gen.text or "")
-                    if rest:
-                        yield sse(resp.chunk(rest))
-                    yield sse(resp.chunk(None, gen.finish_reason, spec=spec_metrics(gen.stats, req.spec)))
-                    if req.include_usage:
-                        yield sse(resp.usage_chunk(usage(len(ids), len(gen.token_ids))))
-                    yield sse("[DONE]")
-                    self.metrics.generation(req.spec, gen)
-                    self.metrics.answered(route, 200, time.perf_counter() - t0)
-                    return
-                else:
-                    err = ApiError(500, f"generation failed: {type(payload).__name__}: {payload}", type="server_error")
-                    yield sse(err.body())
-                    yield sse("[DONE]")
-                    self.metrics.answered(route, 500)
-                    return
+                    continue
+                gen = payload
+                rest = text.finish(gen.text or "")
+                if rest:
+                    yield sse(resp.chunk(rest))
+                yield sse(resp.chunk(None, gen.finish_reason, spec=spec_metrics(gen.stats, req.spec)))
+                if req.include_usage:
+                    yield sse(resp.usage_chunk(usage(len(ids), len(gen.token_ids))))
+                yield sse("[DONE]")
+                self.metrics.generation(req.spec, gen)
+                self.metrics.answered(route, 200, time.perf_counter() - t0)
+                return
+        except Exception as err:
+            body = ApiError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error").body()
+            yield sse(body)
+            yield sse("[DONE]")
+            self.metrics.answered(route, 500)
         finally:
-            gone.set()  # client disconnected or stream done: the engine stops at its next round
+            await parts.aclose()  # client gone: the engine stops this request (vLLM: aborted)
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -353,8 +411,12 @@ class SpecDecodeServer:
 
     @api.get("/healthz")
     async def healthz(self) -> dict[str, Any]:
+        batching = {}
+        if self.streaming:
+            await self._ready()  # the first probe runs the rule check; a failure is a 500 (unhealthy)
+            batching = {"in_flight": self.engine.in_flight, "peak_in_flight": self.engine.peak_in_flight}
         return {"status": "ok", "model": self.s.model, "policy": self.default.policy or "off",
-                "pid": os.getpid(), "load_s": round(self.load_s, 2)}
+                "pid": os.getpid(), "load_s": round(self.load_s, 2), **batching}
 
 
 Server = serve.ingress(api)(SpecDecodeServer)

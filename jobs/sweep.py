@@ -72,7 +72,8 @@ class Sweep:
         log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
         self.workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
                                     gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
-                                    engine=args.engine, draft_len=s["draft_len"][0], vllm=vllm_options(args))
+                                    engine=args.engine, draft_len=s["draft_len"][0], vllm=vllm_options(args),
+                                    python=getattr(args, "vllm_python", None))
         import ray
 
         self.profile = ray.get(self.workers[0].profile.remote())
@@ -343,9 +344,10 @@ class Sweep:
         done, total = self.finished(), self.args.trials
         self.elapsed.append(wall)
         eta = sum(self.elapsed) / len(self.elapsed) * max(0, total - done)
+        in_situ = (f", modelled with the c seen in this trial {m.cost_ratio_in_situ:.2f}: "
+                   f"{m.speedup_vs_ar_modelled_in_situ:.2f}x" if m.cost_ratio_in_situ > 0 else "")  # vLLM: not timed
         log(f"trial {number} [{done}/{total}] {state} {spec.label()}: acc {m.accuracy:.3f} drop {m.accuracy_drop:+.3f} "
-            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x, modelled with the "
-            f"c seen in this trial {m.cost_ratio_in_situ:.2f}: {m.speedup_vs_ar_modelled_in_situ:.2f}x) MAL "
+            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x{in_situ}) MAL "
             f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | {self.best_text()} | "
             f"ETA {eta / 60:.1f} min + confirmation")
 

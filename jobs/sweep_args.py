@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
     ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for (default 4096)")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
+    ap.add_argument("--kv-cache-gb", type=float, default=None,
+                    help="vLLM: KV cache per engine in GiB (overrides the memory fraction; vLLM-CPU: size it, "
+                         "the fraction counts the worker's own memory)")
+    ap.add_argument("--vllm-python", default=None,
+                    help="vLLM: the interpreter of the pair actors (default $SPECTUNE_VLLM_PYTHON, this one if it "
+                         "imports vllm, else the checkout's .vllm-venv)")
     ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
     ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
     ap.add_argument("--enqueue", action="append", default=[], metavar="RULE",
@@ -101,8 +107,14 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not (1 <= lo <= hi <= 16):
         raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
     enqueued = [enqueued_params(text, families, (lo, hi)) for text in args.enqueue]
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
                  vllm=vllm_options(args))
+    if args.engine == "vllm":
+        from workers.engines import vllm_python
+
+        args.vllm_python = vllm_python(args.vllm_python)
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c with `python -m workers.calibrate` or from your serving logs)")
@@ -149,7 +161,8 @@ def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
     given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-             "enforce_eager": args.enforce_eager or None}
+             "enforce_eager": args.enforce_eager or None,
+             "kv_cache_memory_bytes": None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)}
     return {k: v for k, v in given.items() if v is not None}
 
 

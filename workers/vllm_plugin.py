@@ -378,9 +378,10 @@ class WorkerExtension:
     """Methods vLLM adds to its worker class (``LLM(worker_extension_cls=...)``), reached from the front
     end with ``llm.collective_rpc(name)``: the plugin's per-request records live in the worker process."""
 
-    def spectune_take_fallbacks(self) -> dict[str, Any]:
-        """Per-request lossless-fallback counts since the last call (then cleared), and the totals."""
-        return LEDGER.take()
+    def spectune_take_fallbacks(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+        """Per-request lossless-fallback counts since the last call (then cleared; only ``request_ids``'
+        when given), and the totals."""
+        return LEDGER.take(request_ids)
 
     def spectune_env(self) -> dict[str, Any]:
         """What the worker process runs with: its thread binding, CPUs and OpenMP threads."""

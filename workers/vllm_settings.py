@@ -40,6 +40,9 @@ class VLLMSettings:
     # VLLM_CPU_OMP_THREADS_BIND, and on GPU builds.
     num_cpus: int | None = None
     cpu_offset: int = 0
+    # Run the speculative and the target-only engine one at a time (switching costs a restart);
+    # None = on vLLM-CPU (RAM holds one fp32 real pair's engines, not two), not on GPUs.
+    one_engine_at_a_time: bool | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):

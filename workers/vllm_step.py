@@ -74,10 +74,18 @@ class _Ledger:
         while len(self.requests) > self.CAP:
             self.requests.popitem(last=False)
 
-    def take(self) -> dict[str, Any]:
-        out = {"pid": os.getpid(), "requests": dict(self.requests), "totals": json.loads(json.dumps(self.totals))}
-        self.requests.clear()
-        return out
+    def take(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+        """The per-request records (then forgotten) and the totals. ``request_ids``: only these
+        requests' records (external ids; vLLM's internal "<external>-<suffix>" ids match them), the
+        others stay for their own callers (a server's concurrent requests each take their own)."""
+        if request_ids is None:
+            taken = dict(self.requests)
+            self.requests.clear()
+        else:
+            wanted = set(request_ids)
+            taken = {k: self.requests.pop(k) for k in list(self.requests)
+                     if k in wanted or k.rsplit("-", 1)[0] in wanted}
+        return {"pid": os.getpid(), "requests": taken, "totals": json.loads(json.dumps(self.totals))}
 
 
 LEDGER = _Ledger()

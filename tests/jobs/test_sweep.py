@@ -120,7 +120,10 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
     for bad, msg in ((["--policies", "kl_jduge"], "unknown policy"), (["--budgets", "2"], "--budgets"),
                      (["--draft-len", "5,2"], "--draft-len"), (["--benchmark", "nope"], "unknown benchmark"),
                      (["--pair", "nope"], "unknown pair"), (["--alpha", "0.7"], "--alpha"),
-                     (["--confirm-items", "-1"], "--confirm-items"), (["--confirm-candidates", "0"], "--confirm")):
+                     (["--confirm-items", "-1"], "--confirm-items"), (["--confirm-candidates", "0"], "--confirm"),
+                     (["--engine", "vllm", "--draft-len", "3", "--kv-cache-gb", "0"], "--kv-cache-gb"),
+                     (["--engine", "vllm", "--draft-len", "3", "--vllm-python", "/nonexistent/python"],
+                      "not an executable")):
         assert sweep_job.main([*BASE, "--runs-root", str(tmp_path), *bad]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
@@ -165,3 +168,29 @@ def test_enqueue_names_the_study_parameters_and_validates():
                      ("top_k:k=4,draft_len=9", "draft_len")):
         with pytest.raises(ValueError, match=msg):
             enqueued_params(bad, ["kl_judge", "top_k"], (3, 8))
+
+
+def test_the_vllm_actors_python_is_found_and_checked(tmp_path, monkeypatch):
+    """vLLM pins its own transformers, so on CPU it lives in .vllm-venv and the sweep's actors run there
+    (Ray's py_executable); a Python without vllm, or with another Ray, is refused by name."""
+    import sys
+
+    from workers.engines import VLLM_PYTHON_ENV, vllm_python
+
+    monkeypatch.delenv(VLLM_PYTHON_ENV, raising=False)
+    with pytest.raises(ValueError, match="does not import ray and vllm"):
+        vllm_python(sys.executable)  # the main environment has no vllm
+    local = Path(__file__).resolve().parents[2] / ".vllm-venv" / "bin" / "python"
+    if local.is_file():  # `make test` builds it first
+        assert vllm_python() == str(local)
+        monkeypatch.setenv(VLLM_PYTHON_ENV, sys.executable)
+        with pytest.raises(ValueError, match=sys.executable):
+            vllm_python()
+    else:
+        with pytest.raises(ValueError, match="make vllm-env"):
+            vllm_python()
+    script = tmp_path / "python"
+    script.write_text("#!/bin/sh\nexit 3\n")
+    script.chmod(0o755)
+    with pytest.raises(ValueError, match="does not import"):
+        vllm_python(str(script))

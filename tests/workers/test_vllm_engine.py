@@ -30,7 +30,9 @@ L = 4
 PROMPTS = [[10, 20, 30, 40, 50], [72, 101, 108, 108, 111, 32], [257, 115, 121, 115, 10, 258, 10, 257]]
 # An explicit KV size: on vLLM-CPU a memory fraction also has to cover the worker's own resident memory
 # (~0.75 GiB), so a small fraction fails to start on a machine with less RAM.
-SETTINGS = dict(draft_len=L, dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, enforce_eager=True)
+# Both engines up at once (tiny models fit; the switching default on CPU is tested on its own below).
+SETTINGS = dict(draft_len=L, dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, enforce_eager=True,
+                one_engine_at_a_time=False)
 
 
 @pytest.fixture(scope="module")
@@ -457,3 +459,23 @@ def test_keyed_draws_make_a_random_rule_reproducible_in_any_batch(engine):
     for got in (again, mixed[0]):
         assert got.token_ids == alone.token_ids
         assert got.stats.accepted_per_position == alone.stats.accepted_per_position
+
+
+def test_one_engine_at_a_time_switches_and_decodes_the_same(tiny_dirs, engine, cpu_engine):
+    """vLLM-CPU's default: the reference engine starts only after the speculative one stopped, and back;
+    outputs are those of the engine that keeps both up."""
+    assert VLLMSettings().one_engine_at_a_time is None and engine.exclusive is False
+    eng = VLLMDecoder(tiny_dirs, VLLMSettings(**{**SETTINGS, "one_engine_at_a_time": None}))
+    try:
+        assert eng.exclusive is True  # auto on vLLM-CPU
+        prompt = PROMPTS[0]
+        ar = eng.autoregressive(prompt, max_new_tokens=12)
+        assert eng._llm is None and eng._reference is not None and eng.engine_switches == 1
+        spec = eng.generate(prompt, "lossless", draft_len=L, max_new_tokens=12)
+        assert eng._reference is None and eng._llm is not None and eng.engine_switches == 2
+        assert spec.token_ids == ar.token_ids == cpu_engine.autoregressive(prompt, max_new_tokens=12).token_ids
+        assert spec.stats.num_drafts > 0
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate(PROMPTS[0], "lossless", draft_len=L, max_new_tokens=4)

@@ -1,0 +1,133 @@
+"""What both vLLM engines share (the offline :mod:`workers.vllm_engine` for evaluation, the async
+:mod:`workers.vllm_async` for serving): the engine arguments, the plugin check, a request's rule as it
+travels in ``SamplingParams.extra_args``, and a finished ``RequestOutput`` as spectune's Generation.
+Imports vllm only inside functions."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from policies import make_policy
+from workers.stats import Generation, GenerationStats
+from workers.vllm_plugin import ENTRY_POINT, NATIVE
+from workers.vllm_settings import VLLMSettings, spec_stats
+
+WORKER_EXTENSION = "workers.vllm_plugin.WorkerExtension"
+
+
+def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None) -> dict[str, Any]:
+    """vLLM engine arguments (``LLM(**...)`` or ``AsyncEngineArgs(**...)``) for the speculative engine
+    (``draft_dir`` given) or the target-only reference engine (None)."""
+    kwargs: dict[str, Any] = dict(
+        model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
+        tensor_parallel_size=s.tensor_parallel_size, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
+        max_model_len=s.max_model_len, enforce_eager=s.enforce_eager, disable_log_stats=False,
+        # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
+        distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None)
+    if draft_dir is None:
+        kwargs["gpu_memory_utilization"] = s.target_only_memory_utilization or s.gpu_memory_utilization
+        return kwargs
+    kwargs.update(
+        gpu_memory_utilization=s.gpu_memory_utilization, per_request_spec_decode_metrics="summary",
+        worker_extension_cls=WORKER_EXTENSION,
+        speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": s.draft_len,
+                            "draft_tensor_parallel_size": s.tensor_parallel_size,
+                            "draft_sample_method": "probabilistic"})
+    return kwargs
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM or spectune's plugin is missing, or vLLM is not running the rule spectune asked for."""
+
+
+def check_plugin_installed() -> None:
+    """The entry point must be declared by an installed distribution and not filtered out."""
+    found = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT]
+    if not found:
+        raise VLLMUnavailable(
+            f"spectune's vLLM plugin (entry point {ENTRY_POINT!r} in group vllm.general_plugins) is not installed "
+            "in this environment: install spectune into it (`pip install --no-deps -e .`)")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
+        raise VLLMUnavailable(f"VLLM_PLUGINS={allowed!r} does not include {ENTRY_POINT!r}: vLLM would run its own "
+                              "acceptance rule instead of spectune's")
+
+
+def describe_rule(policy: Any) -> dict[str, Any]:
+    """A Policy (or a rule name such as ``"vllm-native"``) as ``{"policy", "params"}``."""
+    if policy == NATIVE:
+        return {"policy": NATIVE, "params": {}}
+    if hasattr(policy, "describe"):
+        return policy.describe()
+    return {"policy": policy.name, "params": policy.config.to_dict()}
+
+
+def rule_spec(rule: Any, default_seed: int) -> dict[str, Any]:
+    """One request's rule as the plugin reads it from ``extra_args``: validated here, where the error
+    reaches the caller; JSON-able (it travels to vLLM's engine-core process). ``rule``: a Policy, a
+    name, or ``{"policy", "params", "seed"}`` (the seed defaults to ``default_seed``)."""
+    if isinstance(rule, dict):
+        policy = make_policy(rule["policy"], **dict(rule.get("params") or {}))
+        seed = int(rule.get("seed", default_seed))
+    elif rule == NATIVE:
+        raise ValueError(f"{NATIVE!r} cannot be a per-request rule: vLLM's own sampler decides whole steps")
+    else:
+        policy, seed = (make_policy(rule) if isinstance(rule, str) else rule), default_seed
+    described = describe_rule(policy)
+    return json.loads(json.dumps({"policy": described["policy"], "params": described["params"], "seed": seed}))
+
+
+def shutdown_engine(llm: Any) -> None:
+    """Stop an engine's engine-core (and worker) processes now (offline ``LLM`` or ``AsyncLLM``); their
+    memory goes with them."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    elif hasattr(llm, "shutdown"):
+        llm.shutdown()
+    import gc
+
+    gc.collect()
+
+
+def to_generation(out: Any, prompt: list[int], eos: list[int], call_wall: float | None, fallback_steps: int,
+                  draft_len: int | None) -> Generation:
+    """A finished vLLM ``RequestOutput`` as spectune's Generation (SpecDecoder's conventions: no EOS token
+    in ``token_ids``; ``finish_reason`` eos/stop/length). ``call_wall``: the call's wall time for a lone
+    request, else the request's own time in the engine; ``draft_len``: None for target-only."""
+    completion = out.outputs[0]
+    tokens = list(completion.token_ids)
+    finish = completion.finish_reason or "length"
+    if finish == "stop":
+        if isinstance(completion.stop_reason, str):
+            finish = "stop"
+        else:
+            finish = "eos"
+            if tokens and tokens[-1] in eos:
+                tokens = tokens[:-1]  # SpecDecoder's token_ids exclude the EOS token
+    stats = GenerationStats(num_generated=len(tokens), prompt_tokens=len(prompt))
+    m = getattr(out, "metrics", None)
+    scheduled = getattr(m, "scheduled_ts", 0.0) or 0.0
+    first, last = getattr(m, "first_token_ts", 0.0) or 0.0, getattr(m, "last_token_ts", 0.0) or 0.0
+    if call_wall is not None:  # one request: the call's wall time, as before
+        stats.wall_time_s = call_wall
+    elif scheduled and last >= scheduled:  # a batch: this request's own time in the engine
+        stats.wall_time_s = last - scheduled
+    if first and scheduled:
+        stats.prefill_time_s = max(0.0, min(stats.wall_time_s, first - scheduled))
+    stats.cached_prompt_tokens = int(getattr(out, "num_cached_tokens", 0) or 0)
+    stats.verify_time_s = stats.decode_time_s  # target passes dominate; vLLM does not split them
+    if draft_len is not None:
+        st = stats
+        st.draft_len = draft_len
+        counts = spec_stats(getattr(completion, "spec_decode_metrics", None), st.draft_len)
+        st.num_drafts, st.num_draft_tokens = counts["num_drafts"], counts["num_draft_tokens"]
+        st.num_accepted_tokens = counts["num_accepted_tokens"]
+        st.accepted_per_position = counts["accepted_per_position"]
+        st.target_forwards, st.draft_forwards = st.num_drafts, st.num_draft_tokens
+        st.lossless_fallback_steps = fallback_steps
+    return Generation(token_ids=tokens, text=completion.text, finish_reason=finish, stats=stats)
