@@ -52,9 +52,17 @@ class PairWorker:
         self._stop: set[str] = set()
 
     def info(self) -> dict[str, Any]:
+        engine_pids = [w["pid"] for w in self.engine.worker_env()] if hasattr(self.engine, "worker_env") else []
         return {"pair": self.pair_name, "engine": self.engine_kind, "pid": os.getpid(), "load_s": self.load_s,
-                "items_done": self.items_done,
+                "items_done": self.items_done, "engine_pids": engine_pids,
                 "node": ray.get_runtime_context().get_node_id()}
+
+    def close(self) -> None:
+        """Stop the engine's own processes (vLLM's engine core and workers) before the actor goes: a
+        killed actor leaves them running, holding the pair's memory."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def stop(self, tag: str) -> None:
         """Ask a running ``consume`` for trial ``tag`` to stop after its current item."""
@@ -139,8 +147,14 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
     return workers
 
 
-def release(workers: list[Any]) -> None:
-    """End the actors now (rather than whenever their handles are collected)."""
+def release(workers: list[Any], timeout_s: float = 60) -> None:
+    """End the actors now (rather than whenever their handles are collected), each after its engine
+    stopped its own processes (a dead or stuck actor is killed all the same)."""
+    closing = [w.close.remote() for w in workers]
+    try:
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - best effort: the kill below is what must happen
+        pass
     for w in workers:
         ray.kill(w)
 

@@ -359,15 +359,17 @@ class Sweep:
             self.study.enqueue_trial(params, skip_if_exists=True)
         if self.finished() >= self.args.trials:
             log(f"study {self.name} already has {self.finished()} finished trials: reporting only")
-        while self.finished() < self.args.trials:
-            self.run_one()
-            if self.finished() % 4 == 0:
-                self.report()
-        chosen = self.report(final=True)
-        self.tracker.end()
         from cluster.pair_actor import release
 
-        release(self.workers)
+        try:
+            while self.finished() < self.args.trials:
+                self.run_one()
+                if self.finished() % 4 == 0:
+                    self.report()
+            chosen = self.report(final=True)
+            self.tracker.end()
+        finally:  # Ctrl-C or SIGTERM too: the engines' processes go with the actors
+            release(self.workers)
         return chosen
 
 
@@ -377,8 +379,18 @@ def _versions() -> dict[str, str]:
     return {f"version.{p}": md.version(p) for p in ("torch", "transformers", "ray", "optuna", "mlflow")}
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM (``kill``, ``ray job stop``) unwinds like Ctrl-C, so the actors release their engines."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _exit_on_sigterm()
     try:
         settings = parse_settings(args)
         from jobs.records import persistent_dir

@@ -27,13 +27,13 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None) -> 
         tensor_parallel_size=s.tensor_parallel_size, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
         max_model_len=s.max_model_len, enforce_eager=s.enforce_eager, disable_log_stats=False,
         # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
-        distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None)
+        distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
+        worker_extension_cls=WORKER_EXTENSION)  # both engines: spectune_env reports their processes
     if draft_dir is None:
         kwargs["gpu_memory_utilization"] = s.target_only_memory_utilization or s.gpu_memory_utilization
         return kwargs
     kwargs.update(
         gpu_memory_utilization=s.gpu_memory_utilization, per_request_spec_decode_metrics="summary",
-        worker_extension_cls=WORKER_EXTENSION,
         speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": s.draft_len,
                             "draft_tensor_parallel_size": s.tensor_parallel_size,
                             "draft_sample_method": "probabilistic"})

@@ -261,8 +261,10 @@ class VLLMDecoder:
         return {"pair": self.pair.name, "cost_ratio": None, "verify_s": {}, "engine": "vllm"}
 
     def worker_env(self) -> list[dict[str, Any]]:
-        """What each vLLM worker process runs with (thread binding, CPUs, OpenMP threads)."""
-        return list(self.llm.collective_rpc("spectune_env"))
+        """What each vLLM worker process of the engine that is up runs with (pid, thread binding, CPUs,
+        OpenMP threads); never starts one."""
+        live = self._llm if self._llm is not None else self._reference
+        return [] if live is None else list(live.collective_rpc("spectune_env"))
 
     # -- the pieces -----------------------------------------------------------------------------
 

@@ -53,3 +53,32 @@ def test_a_rule_the_engine_cannot_run_fails_the_item_not_the_actor(worker):
     run = run_trial(worker, "bad-len", "gsm8k", spec, items, {})
     (rec,) = run.records.values()
     assert "started with draft length 3" in (rec.error or "")
+
+
+def test_release_stops_vllms_own_processes(tmp_path):
+    """A killed actor used to leave vLLM's worker process running with the pair in memory (13 GB for
+    the real pair in fp32); release() closes the engine first."""
+    import time
+
+    draft, target = save_tiny_pair(tmp_path, head_dim=64)
+    (w,) = make_workers(1, f"{draft}+{target}", "fp32", cpus_per_actor=1, engine="vllm", draft_len=3, vllm=VLLM)
+    pids = ray.get(w.info.remote())["engine_pids"]
+    assert pids and all(p != ray.get(w.info.remote())["pid"] for p in pids)
+    release([w])
+    deadline = time.time() + 30
+    alive = list(pids)
+    while alive and time.time() < deadline:
+        time.sleep(0.5)
+        alive = [p for p in alive if _alive(p)]
+    assert not alive, f"vLLM processes {alive} outlived their actor"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().split()[2] != "Z"
