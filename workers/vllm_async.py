@@ -19,24 +19,22 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import tempfile
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 from workers.engine import check_request
 from workers.stats import Generation
 from workers.vllm_common import (
+    VLLMProcessSetup,
     VLLMUnavailable,
-    check_plugin_installed,
     engine_kwargs,
     rule_spec,
     shutdown_engine,
     to_generation,
 )
-from workers.vllm_plugin import RULE_ARG, RULE_FILE_ENV, rule_digest, write_rule
-from workers.vllm_settings import VLLMPair, VLLMSettings, _declared_eos, _on_cpu, set_cpu_thread_binding
+from workers.vllm_plugin import RULE_ARG, rule_digest
+from workers.vllm_settings import VLLMPair, VLLMSettings, _declared_eos
 
 
 class AsyncVLLMDecoder:
@@ -48,25 +46,15 @@ class AsyncVLLMDecoder:
         from workers.pair import eos_token_ids, pair_dirs
 
         self.settings = s = settings or VLLMSettings()
-        check_plugin_installed()
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as err:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if os.environ["VLLM_USE_V2_MODEL_RUNNER"].strip() != "0":
-            raise VLLMUnavailable("VLLM_USE_V2_MODEL_RUNNER is set: spectune's plugin patches vLLM's V1 model runner, "
-                                  "which draft_model speculation needs; unset it or set it to 0")
-        self.cpu_binding = set_cpu_thread_binding(s) if _on_cpu() else None
-        self.exclusive = _on_cpu() if s.one_engine_at_a_time is None else s.one_engine_at_a_time
-        # The plugin acts where a rule file is named; every request here carries its own rule, the
-        # file (lossless) only decides a request that somehow arrives without one.
-        self._rule_dir = tempfile.TemporaryDirectory(prefix="spectune-vllm-async-")
-        rule_file = Path(self._rule_dir.name) / "rule.json"
-        write_rule(rule_file, "lossless", {}, s.seed)
-        os.environ[RULE_FILE_ENV] = str(rule_file)
+        # every request here carries its own rule; the setup's lossless rule file only makes the plugin act
+        self._setup = setup = VLLMProcessSetup(s, prefix="spectune-vllm-async-")
+        self.cpu_binding, self.exclusive = setup.cpu_binding, setup.exclusive
         self._args = AsyncEngineArgs
         self._async_llm = AsyncLLM
         self._target_dir = target_dir

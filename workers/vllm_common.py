@@ -40,6 +40,34 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None) -> 
     return kwargs
 
 
+class VLLMProcessSetup:
+    """What this process sets before it starts a vLLM engine (its engine-core and worker processes
+    inherit the environment): the V1 model runner (the one the plugin patches; vLLM's V2 runner does
+    not support draft_model in 0.32/0.33 — explicit, not left to vLLM's default), vLLM-CPU's thread
+    binding, whether the two engines run one at a time, and the rule file (lossless) that makes the
+    plugin act; a request's own rule overrides it."""
+
+    def __init__(self, settings: VLLMSettings, prefix: str = "spectune-vllm-") -> None:
+        import tempfile
+
+        from workers.vllm_plugin import RULE_FILE_ENV, write_rule
+        from workers.vllm_settings import _on_cpu, set_cpu_thread_binding
+
+        check_plugin_installed()
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        if os.environ["VLLM_USE_V2_MODEL_RUNNER"].strip() != "0":
+            raise VLLMUnavailable("VLLM_USE_V2_MODEL_RUNNER is set: spectune's plugin patches vLLM's V1 model runner, "
+                                  "which draft_model speculation needs; unset it or set it to 0")
+        on_cpu = _on_cpu()
+        self.cpu_binding = set_cpu_thread_binding(settings) if on_cpu else None
+        # One engine at a time on vLLM-CPU: RAM holds one fp32 real pair's engines, not two
+        self.exclusive = on_cpu if settings.one_engine_at_a_time is None else settings.one_engine_at_a_time
+        self.rule_dir = tempfile.TemporaryDirectory(prefix=prefix)
+        self.rule_file = Path(self.rule_dir.name) / "rule.json"
+        self.digest = write_rule(self.rule_file, "lossless", {}, settings.seed)
+        os.environ[RULE_FILE_ENV] = str(self.rule_file)
+
+
 class VLLMUnavailable(RuntimeError):
     """vLLM or spectune's plugin is missing, or vLLM is not running the rule spectune asked for."""
 

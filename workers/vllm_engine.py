@@ -29,10 +29,8 @@ all-gathers the target's sharded LM head once per worker (not exercised on this 
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from policies import Policy, make_policy
@@ -40,6 +38,7 @@ from workers.engine import check_request
 from workers.stats import Generation
 from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_installed: public here too
     WORKER_EXTENSION,
+    VLLMProcessSetup,
     VLLMUnavailable,
     check_plugin_installed,
     describe_rule,
@@ -51,7 +50,6 @@ from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
 from workers.vllm_plugin import (
     NATIVE,
     RULE_ARG,
-    RULE_FILE_ENV,
     rule_digest,
     seen_rules,
     write_rule,
@@ -60,8 +58,6 @@ from workers.vllm_settings import (
     VLLMPair,
     VLLMSettings,
     _declared_eos,
-    _on_cpu,
-    set_cpu_thread_binding,
 )
 
 _METRICS = {  # vLLM counter -> GenerationStats field
@@ -101,30 +97,19 @@ class VLLMDecoder:
         from workers.pair import eos_token_ids, pair_dirs
 
         self.settings = settings or VLLMSettings()
-        check_plugin_installed()
         try:
             from vllm import LLM
         except ImportError as err:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
-        # draft_model speculation runs on the V1 model runner (the one the plugin patches; vLLM's V2
-        # runner does not support draft_model in 0.32/0.33): explicit, not left to vLLM's default
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-        if os.environ["VLLM_USE_V2_MODEL_RUNNER"].strip() != "0":
-            raise VLLMUnavailable("VLLM_USE_V2_MODEL_RUNNER is set: spectune's plugin patches vLLM's V1 model runner, "
-                                  "which draft_model speculation needs; unset it or set it to 0")
-        self.cpu_binding = set_cpu_thread_binding(self.settings) if _on_cpu() else None
-        self._rule_dir = tempfile.TemporaryDirectory(prefix="spectune-vllm-")
-        self.rule_file = Path(self._rule_dir.name) / "rule.json"
-        self._digest = write_rule(self.rule_file, "lossless", {}, self.settings.seed)
-        # Set before vLLM starts: the engine-core and worker processes inherit it.
-        os.environ[RULE_FILE_ENV] = str(self.rule_file)
+        self._setup = setup = VLLMProcessSetup(self.settings)
+        self.cpu_binding, self.rule_file, self._digest = setup.cpu_binding, setup.rule_file, setup.digest
         s = self.settings
         self._dirs = (target_dir, draft_dir)
         self._reference: Any = None
         # One engine at a time (the reference started only after the speculative one stopped, and back):
         # on vLLM-CPU the two fp32 engines of the real pair need ~28 GB together; on a GPU both stay up.
-        self.exclusive = _on_cpu() if s.one_engine_at_a_time is None else s.one_engine_at_a_time
+        self.exclusive = setup.exclusive
         self.engine_switches = 0
         self._closed = False
         self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir))
