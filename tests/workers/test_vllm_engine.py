@@ -199,8 +199,9 @@ def test_plugin_that_does_not_run_fails_loudly(tiny_dirs):
     """Entry-point check bypassed, plugins disabled in vLLM: vLLM would silently run its own rule.
     The start-up assertion must catch it (fresh process: this one is already patched)."""
     code = (
+        "import workers.vllm_common as c\n"
         "import workers.vllm_engine as e\n"
-        "e.check_plugin_installed = lambda: None\n"
+        "c.check_plugin_installed = lambda: None\n"
         f"e.VLLMDecoder({tiny_dirs!r}, e.VLLMSettings(**{SETTINGS!r}))\n"
     )
     env = {**os.environ, "VLLM_PLUGINS": ""}
