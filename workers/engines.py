@@ -98,9 +98,10 @@ def vllm_python(given: str | None = None) -> str | None:
     if got.returncode != 0:
         last = (got.stderr.strip().splitlines() or ["no output"])[-1]
         raise ValueError(f"--vllm-python {path}: does not import ray and vllm ({last})")
-    import ray
+    import importlib.metadata
 
-    want = f"{tuple(sys.version_info[:2])} {ray.__version__}"
+    # workers/ never imports ray (DESIGN.md layering): the installed distribution's version is the same
+    want = f"{tuple(sys.version_info[:2])} {importlib.metadata.version('ray')}"
     if got.stdout.strip() != want:
         raise ValueError(f"--vllm-python {path}: Python/Ray {got.stdout.strip()} differ from the driver's {want} "
                          "(Ray needs the same versions on both sides)")
