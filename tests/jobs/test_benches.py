@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import bench_engine, bench_quality
+from jobs import bench_batch, bench_engine, bench_quality, load_serve
 from workers import calibrate
 
 
@@ -15,6 +15,10 @@ from workers import calibrate
     (bench_quality.main, ["--pair", "nope"], "unknown pair 'nope'"),
     (bench_engine.main, ["--dtype", "fp8"], "unknown dtype 'fp8'"),
     (calibrate.main, ["--pair", "nope"], "unknown pair 'nope'"),
+    (bench_batch.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
+    (bench_batch.main, ["--items", "8", "--b1-items", "9"], "--b1-items must be between 0 and --items (8)"),
+    (bench_batch.main, ["--kv-cache-gb", "0"], "--kv-cache-gb > 0"),
+    (bench_batch.main, ["--rule", "dropmatch:p_drop=2"], "p_drop"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
@@ -33,3 +37,20 @@ def test_bench_quality_tabulates_every_config_and_resumes(tmp_path, capsys):
     assert bench_quality.main(argv) == 0  # everything cached: nothing recomputed
     out2, err2 = capsys.readouterr()
     assert "[1/" not in err2 and "all cached" in out2
+
+
+def test_load_serve_tabulates_each_concurrency_against_the_fewest_clients():
+    def samples(phase, n, tokens, drafts):
+        return [load_serve.Sample(phase, 200, 2.0 + i, 0.5, tokens, drafts) for i in range(n)]
+
+    phases = {f"{p}@{c}": {"samples": samples(p, c * 2, 60, 20 if p == "lossless" else 30), "wall_s": 10.0,
+                           "load": 1.0, "label": p, "phase": p, "clients": c}
+              for c in (1, 4) for p in ("served", "lossless")}
+    table = load_serve.summarize(phases).splitlines()
+    assert len(table) == 2 + 4
+    four_served = next(line for line in table if line.startswith("| 4 | served |"))
+    cells = [c.strip() for c in four_served.split("|")]
+    assert cells[10] == "48.00" and cells[11] == "4.00x"  # 8 x 60 tokens in 10 s; 4x the 1-client phase
+    assert cells[12] == "2.00" and cells[14] == "1.00x"  # mean acceptance 60/30; vs lossless at 4 clients
+    one_served = next(line for line in table if line.startswith("| 1 | served |"))
+    assert [c.strip() for c in one_served.split("|")][11] == "—"

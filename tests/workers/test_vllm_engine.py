@@ -297,6 +297,32 @@ def test_bench_vllm_prints_the_side_by_side_table(tiny_dirs, tmp_path, capsys):
     assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
+def test_bench_batch_tabulates_cpu_b1_vllm_b1_and_batched(tiny_dirs, tmp_path, capsys):
+    """jobs.bench_batch: the CPU engine (a child process) and vLLM at batch 1 and batched, per rule; every
+    item decoded and scored in each mode, and the raw rows written."""
+    import json
+
+    from jobs import bench_batch
+
+    code = bench_batch.main(["--pair", tiny_dirs, "--dtype", "fp32", "--items", "3", "--b1-items", "1", "--shots", "0",
+                             "--max-new-tokens", "8", "--draft-len", str(L), "--kv-cache-gb", "0.125",
+                             "--max-model-len", "512", "--enforce-eager", "--runs-root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines() if line.startswith("| ")]
+    summary = {c[0]: c for c in cells if len(c) == 7 and c[0] != "config"}
+    assert list(summary) == ["target-only", "lossless (vLLM's rule)", "lossless (spectune's)",
+                             'dropmatch {"criterion": "js", "k": 5, "p_drop": 0.3}', 'kl_judge {"threshold": 0.5}']
+    for label, row in summary.items():
+        assert float(row[2]) > 0 and float(row[3]) > 0, row  # vLLM batch 1 and batched
+        assert (row[1] == "—") == (label == "lossless (vLLM's rule)"), row  # the CPU engine has no vLLM rule
+    detail = [c for c in cells if len(c) == 12 and c[0] != "engine"]
+    assert len(detail) == 4 + 5 + 5
+    assert all(c[3] == ("3 (0)" if c[1] == "batched 3" else "1 (0)") and int(c[4]) > 0 for c in detail), detail
+    (raw,) = (tmp_path / "bench").glob("batch-*.json")
+    assert len(json.loads(raw.read_text())["rows"]) == 14
+
+
 # -- never a dead engine -------------------------------------------------------------------------------
 
 @pytest.fixture
