@@ -66,13 +66,17 @@ def verify_flat(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
+    lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
 ) -> FlatVerification:
+    """``lengths`` spares the two device-to-host reads (the sum check and the longest draft) that a GPU
+    would wait for; vLLM hands its caller the draft counts as a host list anyway."""
     b = int(num_draft_tokens.shape[0])
     n_flat = int(draft_token_ids.shape[0])
-    if int(num_draft_tokens.sum()) != n_flat or target_logits.shape[0] != n_flat:
+    total = sum(lengths) if lengths is not None else int(num_draft_tokens.sum())
+    if (lengths is not None and len(lengths) != b) or total != n_flat or target_logits.shape[0] != n_flat:
         raise ValueError(f"ragged batch mismatch: {n_flat} draft tokens, num_draft_tokens sums to "
-                         f"{int(num_draft_tokens.sum())}, target_logits has {target_logits.shape[0]} rows")
-    max_len = int(num_draft_tokens.max()) if b else 0
+                         f"{total}, target_logits has {target_logits.shape[0]} rows")
+    max_len = (max(lengths, default=0) if lengths is not None else int(num_draft_tokens.max())) if b else 0
     device = draft_token_ids.device
     out = torch.full((b, max_len + 1), -1, dtype=torch.long, device=device)
     num_accepted = torch.zeros(b, dtype=torch.long, device=device)

@@ -180,7 +180,9 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     bonus = bonus_token_ids.reshape(b, -1)[:, 0] if b else bonus_token_ids.reshape(0)
     out = torch.full((b, max_spec_len + 1), -1, dtype=torch.int32, device=device)
     fallback: list[str | None] = [None] * b
-    start = torch.cumsum(num, 0) - num
+    starts = [0] * b
+    for i in range(1, b):
+        starts[i] = starts[i - 1] + int(num_draft_tokens[i - 1])
     temps = [float(t) for t in temperatures[:b]]
     own = [policies is not None and policies[i] is not None for i in range(b)]
     groups: dict[tuple[str, float], list[int]] = {}
@@ -191,11 +193,13 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     def decide(pol: Any, members: list[int], t: float, gen_seed: int) -> None:
         req = torch.tensor(members, dtype=torch.long, device=device)
         n_req = num.index_select(0, req)
-        rows = (start.index_select(0, req).unsqueeze(1) + torch.arange(max(max_spec_len, 1), device=device))
-        rows = rows[torch.arange(rows.shape[1], device=device).unsqueeze(0) < n_req.unsqueeze(1)]
+        # the group's flat rows from the host-side draft counts: no device read (a GPU would wait for one)
+        lengths = [int(num_draft_tokens[i]) for i in members]
+        rows = torch.tensor([starts[i] + k for i in members for k in range(int(num_draft_tokens[i]))],
+                            dtype=torch.long, device=device)
         inputs = dict(draft_token_ids=draft_token_ids.index_select(0, rows).long(), num_draft_tokens=n_req,
                       target_logits=target_logits.index_select(0, rows), bonus_token_ids=bonus.index_select(0, req),
-                      temperature=t)
+                      temperature=t, lengths=lengths)
         group_draft = None if draft_logits is None else draft_logits.index_select(0, rows)
         reason = detail = None
         hidden = weight = bias = None
@@ -223,7 +227,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
                 fallback[i] = reason
         if result is None:
             tokens = _greedy_rows(inputs["draft_token_ids"], n_req, inputs["target_logits"],
-                                  inputs["bonus_token_ids"], int(n_req.max()) if n_req.numel() else 0)
+                                  inputs["bonus_token_ids"], max(lengths, default=0))
         else:
             tokens = result.output_token_ids
         out[req, :tokens.shape[1]] = tokens.to(torch.int32)
