@@ -29,11 +29,14 @@ from workers.vllm_common import (
     VLLMProcessSetup,
     VLLMUnavailable,
     engine_kwargs,
+    merge_rank_ledgers,
+    rule_missing,
     rule_spec,
+    sampling_params,
     shutdown_engine,
     to_generation,
 )
-from workers.vllm_plugin import RULE_ARG, rule_digest
+from workers.vllm_plugin import rule_digest
 from workers.vllm_settings import VLLMPair, VLLMSettings, _declared_eos
 
 
@@ -58,7 +61,8 @@ class AsyncVLLMDecoder:
         self._args = AsyncEngineArgs
         self._async_llm = AsyncLLM
         self._target_dir = target_dir
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(s, target_dir, draft_dir)))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(s, target_dir, draft_dir,
+                                                                                shared=not self.exclusive)))
         self._reference: Any = None
         self._reference_lock: asyncio.Lock | None = None
         self._ids = itertools.count()
@@ -88,8 +92,6 @@ class AsyncVLLMDecoder:
         """Yield lists of new token ids (EOS excluded), then the finished Generation. ``rule``: a Policy,
         a name or ``{"policy", "params", "seed"}`` (speculative), or None (target-only). Bad input raises
         ValueError before anything reaches vLLM."""
-        from vllm import SamplingParams
-
         prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
         if len(prompt) + max_new_tokens > self.settings.max_model_len:
             raise ValueError(f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} exceed this vLLM "
@@ -97,10 +99,7 @@ class AsyncVLLMDecoder:
         spec = None if rule is None else rule_spec(rule, self.settings.seed)
         engine = self.engine if spec is not None else await self._reference_engine()
         eos = list(self.pair.eos_token_ids) if stop_on_eos else []
-        params = SamplingParams(
-            temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 else None,
-            stop=[x for x in (stop or ()) if x] or None, stop_token_ids=eos or None, ignore_eos=not eos,
-            skip_special_tokens=True, extra_args=None if spec is None else {RULE_ARG: spec})
+        params = sampling_params(max_new_tokens, temperature, seed, stop, eos, spec)
         request_id = f"spectune-{os.getpid()}-{next(self._ids)}"
         t0 = time.perf_counter()
         sent, final = 0, None
@@ -125,8 +124,7 @@ class AsyncVLLMDecoder:
         gen = to_generation(final, prompt, eos, time.perf_counter() - t0, int(entry.get("lossless_fallback_steps", 0)),
                             self.settings.draft_len if spec is not None else None)
         if spec is not None and gen.stats.num_drafts and rule_digest(spec) not in entry.get("rules", set()):
-            raise VLLMUnavailable(f"vLLM verified {gen.stats.num_drafts} drafts of request {request_id} but its rule "
-                                  f"{spec['policy']} never decided one (plugin inactive in vLLM's workers?)")
+            raise rule_missing(f"request {request_id}", gen.stats.num_drafts, spec["policy"], entry)
         if spec is None:
             gen.stats.num_drafts = gen.stats.target_forwards = gen.stats.num_generated
         yield gen
@@ -148,15 +146,10 @@ class AsyncVLLMDecoder:
     async def _take_ledger(self, request_id: str) -> dict[str, Any]:
         """This request's entry of the plugin's ledger, merged over TP ranks (counts by max, rules by
         union); only this request's entries are taken, concurrent requests keep theirs."""
-        merged: dict[str, Any] = {"steps": 0, "lossless_fallback_steps": 0, "rules": set()}
-        for rank in await self.engine.collective_rpc("spectune_take_fallbacks", kwargs={"request_ids": [request_id]}):
-            for entry in rank.get("requests", {}).values():
-                merged["steps"] = max(merged["steps"], int(entry.get("steps", 0)))
-                merged["lossless_fallback_steps"] = max(merged["lossless_fallback_steps"],
-                                                        int(entry.get("lossless_fallback_steps", 0)))
-                merged["rules"] |= set(entry.get("rules", {}))
-            self.fallback_totals = rank.get("totals", self.fallback_totals)
-        return merged
+        ranks = await self.engine.collective_rpc("spectune_take_fallbacks", kwargs={"request_ids": [request_id]})
+        merged, self.fallback_totals = merge_rank_ledgers(list(ranks))
+        entries = list(merged.values())  # vLLM's internal id is the external one with a suffix: one entry
+        return entries[0] if entries else {"steps": 0, "lossless_fallback_steps": 0, "rules": set()}
 
     async def _reference_engine(self) -> Any:
         if self.exclusive:
@@ -167,6 +160,6 @@ class AsyncVLLMDecoder:
             self._reference_lock = asyncio.Lock()
         async with self._reference_lock:
             if self._reference is None:
-                args = self._args(**engine_kwargs(self.settings, self._target_dir, None))
+                args = self._args(**engine_kwargs(self.settings, self._target_dir, None, shared=not self.exclusive))
                 self._reference = await asyncio.to_thread(self._async_llm.from_engine_args, args)
         return self._reference

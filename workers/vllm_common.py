@@ -13,15 +13,75 @@ from typing import Any
 
 from policies import make_policy
 from workers.stats import Generation, GenerationStats
-from workers.vllm_plugin import ENTRY_POINT, NATIVE
+from workers.vllm_plugin import ENTRY_POINT, NATIVE, RULE_ARG
 from workers.vllm_settings import VLLMSettings, spec_stats
 
 WORKER_EXTENSION = "workers.vllm_plugin.WorkerExtension"
 
 
-def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None) -> dict[str, Any]:
+def sampling_params(max_new_tokens: int, temperature: float, seed: int, stop: Any, eos: list[int],
+                    rule: dict[str, Any] | None = None) -> Any:
+    """vLLM's SamplingParams for one request of either engine: the seed only where it draws (T > 0),
+    EOS as stop tokens (none: generate to the length), and the request's own rule in ``extra_args``."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 else None,
+        stop=[x for x in (stop or ()) if x] or None, stop_token_ids=eos or None, ignore_eos=not eos,
+        skip_special_tokens=True, extra_args=None if rule is None else {RULE_ARG: rule})
+
+
+def merge_rank_ledgers(ranks: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The plugin's ledgers (``spectune_take_fallbacks``, one per TP rank, in rank order) merged per request:
+    counts by max (the ranks decide the same steps); ``rules`` = the digests that *every* rank applied to
+    the request, so a rank where spectune's rule did not run (the plugin not loaded there) leaves the
+    request's rule out and the caller's check fails; ``ranks_without`` names such ranks. Also the
+    running totals."""
+    per_rank = [rank.get("requests", {}) for rank in ranks]
+    merged: dict[str, dict[str, Any]] = {}
+    for req_id in set().union(*per_rank):
+        entries = [r.get(req_id) or {} for r in per_rank]
+        merged[req_id] = {
+            "steps": max(int(e.get("steps", 0)) for e in entries),
+            "lossless_fallback_steps": max(int(e.get("lossless_fallback_steps", 0)) for e in entries),
+            "rules": set.intersection(*[set(e.get("rules", {})) for e in entries]),
+            "ranks_without": [k for k, e in enumerate(entries) if not e.get("rules")]}
+    return merged, (ranks[-1].get("totals", {}) if ranks else {})
+
+
+def rule_missing(request: str, drafts: int, policy: str, entry: dict[str, Any]) -> VLLMUnavailable:
+    """The error for a request whose own rule did not decide its drafts (in some rank)."""
+    where = (f" in TP rank(s) {entry['ranks_without']}" if entry.get("ranks_without") and entry.get("steps")
+             else "")
+    return VLLMUnavailable(f"{request}: vLLM verified {drafts} drafts but its rule {policy} never decided one{where} "
+                           "(spectune's plugin inactive in vLLM's worker processes?)")
+
+
+REFERENCE_SHARE = 0.35  # of the memory budget, for the target-only engine when both engines share a device
+
+
+def memory_shares(s: VLLMSettings, shared: bool) -> tuple[float, float]:
+    """``gpu_memory_utilization`` for the speculative and the target-only engine. One at a time (vLLM-CPU,
+    or the reference on its own device): each may take the whole budget. Both resident on one device
+    (GPUs): ``s.gpu_memory_utilization`` is the budget of the two together (vLLM refuses to start an
+    engine whose fraction is more than the device has free), split so that they fit: the reference
+    gets ``target_only_memory_utilization`` or REFERENCE_SHARE of the budget, the speculative engine
+    (target + draft + their KV caches) the rest."""
+    budget = s.gpu_memory_utilization
+    if not shared:
+        return budget, s.target_only_memory_utilization or budget
+    ref = s.target_only_memory_utilization or round(budget * REFERENCE_SHARE, 4)
+    if ref >= budget - 0.05:
+        raise ValueError(f"target_only_memory_utilization {ref} leaves the speculative engine less than 0.05 of "
+                         f"the device within gpu_memory_utilization {budget} (both engines share it)")
+    return round(budget - ref, 4), ref
+
+
+def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, shared: bool = False) -> dict[str, Any]:
     """vLLM engine arguments (``LLM(**...)`` or ``AsyncEngineArgs(**...)``) for the speculative engine
-    (``draft_dir`` given) or the target-only reference engine (None)."""
+    (``draft_dir`` given) or the target-only reference engine (None). ``shared``: both engines are
+    resident on one device at once (see :func:`memory_shares`)."""
+    spec_share, ref_share = memory_shares(s, shared)
     kwargs: dict[str, Any] = dict(
         model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
         tensor_parallel_size=s.tensor_parallel_size, kv_cache_memory_bytes=s.kv_cache_memory_bytes,
@@ -30,10 +90,10 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None) -> 
         distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
         worker_extension_cls=WORKER_EXTENSION)  # both engines: spectune_env reports their processes
     if draft_dir is None:
-        kwargs["gpu_memory_utilization"] = s.target_only_memory_utilization or s.gpu_memory_utilization
+        kwargs["gpu_memory_utilization"] = ref_share
         return kwargs
     kwargs.update(
-        gpu_memory_utilization=s.gpu_memory_utilization, per_request_spec_decode_metrics="summary",
+        gpu_memory_utilization=spec_share, per_request_spec_decode_metrics="summary",
         speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": s.draft_len,
                             "draft_tensor_parallel_size": s.tensor_parallel_size,
                             "draft_sample_method": "probabilistic"})

@@ -43,13 +43,15 @@ from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
     check_plugin_installed,
     describe_rule,
     engine_kwargs,
+    merge_rank_ledgers,
+    rule_missing,
     rule_spec,
+    sampling_params,
     shutdown_engine,
     to_generation,
 )
 from workers.vllm_plugin import (
     NATIVE,
-    RULE_ARG,
     rule_digest,
     seen_rules,
     write_rule,
@@ -112,7 +114,7 @@ class VLLMDecoder:
         self.exclusive = setup.exclusive
         self.engine_switches = 0
         self._closed = False
-        self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir))
+        self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir, shared=not self.exclusive))
         self.fallback_totals: dict[str, Any] = {}
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -162,13 +164,17 @@ class VLLMDecoder:
         if isinstance(policy, str) and policy != NATIVE:
             policy = make_policy(policy)
         self._set_rule(policy)
+        if policy != NATIVE:
+            # the rule travels with every request (extra_args), as vLLM broadcasts it to every TP rank:
+            # no rank reads a different rule or seed from the rule file, whatever the timing of its writes
+            return self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
+                                  speculative=True, rules=[self._rule_spec(policy)] * len(prompts))
         results = self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
                                  speculative=True)
-        gens = [g for g in results if isinstance(g, Generation)]
-        drafts = sum(g.stats.num_drafts for g in gens)
+        drafts = sum(g.stats.num_drafts for g in results if isinstance(g, Generation))
         if drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
-            raise VLLMUnavailable(f"vLLM verified {drafts} drafts but spectune's rule {self._rule_name} never "
-                                  "ran: the plugin is not active in vLLM's worker processes")
+            raise VLLMUnavailable(f"vLLM verified {drafts} drafts but the rule file's {self._rule_name} was not "
+                                  "read: the plugin is not active in vLLM's worker processes")
         return results
 
     def autoregressive(self, prompt_ids: Any, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
@@ -264,7 +270,7 @@ class VLLMDecoder:
             shutdown_engine(self._reference)
             self._reference = None
             self.engine_switches += 1
-            self._llm = LLM(**engine_kwargs(self.settings, *self._dirs))
+            self._llm = LLM(**engine_kwargs(self.settings, *self._dirs, shared=not self.exclusive))
             self._assert_rule_runs()
         return self._llm
 
@@ -276,7 +282,8 @@ class VLLMDecoder:
                 shutdown_engine(self._llm)
                 self._llm = None
                 self.engine_switches += 1
-            self._reference = LLM(**engine_kwargs(self.settings, self.pair.target_dir, None))
+            self._reference = LLM(**engine_kwargs(self.settings, self.pair.target_dir, None,
+                                                    shared=not self.exclusive))
         return self._reference
 
     def _rule_spec(self, rule: Any) -> dict[str, Any]:
@@ -290,16 +297,19 @@ class VLLMDecoder:
         self._rule_name = spec["policy"]
 
     def _assert_rule_runs(self) -> None:
-        """Start-up check: one short greedy generation must be decided by spectune's rule."""
-        self._rule_name = "lossless"
+        """Start-up check: one short greedy generation must be decided by spectune's rule in every TP rank
+        (each rank's own ledger entry for the request names the rule; vLLM's profiling run, which also
+        goes through the plugin, does not count)."""
+        self._set_rule(make_policy("lossless"))
         n = 2 * self.settings.draft_len + 2
-        (gen,) = self._run_many(self.llm, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="raise", speculative=True,
-                                stop_on_eos=False)
-        drafts = gen.stats.num_drafts
-        if drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
-            raise VLLMUnavailable(f"vLLM verified {drafts} drafts at start-up but spectune's rule never ran: the "
-                                  "plugin did not load in vLLM's worker processes (see VLLM_PLUGINS and the log)")
-        if drafts == 0:
+        rule = self._rule_spec("lossless")
+        (gen,) = self._run_many(self.llm, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return", speculative=True,
+                                stop_on_eos=False, rules=[rule])
+        if isinstance(gen, VLLMUnavailable):
+            raise VLLMUnavailable(f"start-up check: {gen} (see VLLM_PLUGINS and the log)")
+        if isinstance(gen, Exception):
+            raise gen
+        if gen.stats.num_drafts == 0:
             raise VLLMUnavailable("vLLM ran no speculative step in the start-up check: speculation is not active")
 
     def _counters(self) -> dict[str, Any]:
@@ -329,19 +339,12 @@ class VLLMDecoder:
     def _take_ledger(self) -> dict[str, dict[str, Any]]:
         """The plugin's per-request records from the worker(s) since the last call (then cleared), keyed
         by vLLM's internal request id *and* by the external id it was made from ("<external>-<8 random
-        chars>"): verify steps, lossless-fallback steps, the digests of the rules that decided. Ranks of
-        a TP group decide the same steps: counts are merged by max, rules by union. The worker's
-        running totals land in ``self.fallback_totals``."""
+        chars>"): verify steps, lossless-fallback steps, the digests of the rules that decided in every
+        rank (:func:`merge_rank_ledgers`). The worker's running totals land in ``self.fallback_totals``."""
+        ranks, self.fallback_totals = merge_rank_ledgers(list(self.llm.collective_rpc("spectune_take_fallbacks")))
         merged: dict[str, dict[str, Any]] = {}
-        for rank in self.llm.collective_rpc("spectune_take_fallbacks"):
-            for req_id, entry in rank.get("requests", {}).items():
-                for key in {req_id, req_id.rsplit("-", 1)[0]}:
-                    m = merged.setdefault(key, {"steps": 0, "lossless_fallback_steps": 0, "rules": set()})
-                    m["steps"] = max(m["steps"], int(entry.get("steps", 0)))
-                    m["lossless_fallback_steps"] = max(m["lossless_fallback_steps"],
-                                                       int(entry.get("lossless_fallback_steps", 0)))
-                    m["rules"] |= set(entry.get("rules", {}))
-            self.fallback_totals = rank.get("totals", self.fallback_totals)
+        for req_id, entry in ranks.items():
+            merged[req_id] = merged[req_id.rsplit("-", 1)[0]] = entry
         return merged
 
     def _run_many(self, llm: Any, prompts: Sequence[Any], max_new_tokens: int, temperature: float,
@@ -350,8 +353,6 @@ class VLLMDecoder:
                   ) -> list[Generation | Exception]:
         """``rules``: per-request rule specs, carried in ``SamplingParams.extra_args``; each request's
         record must then show that its own rule decided it."""
-        from vllm import SamplingParams
-
         n = len(prompts)
         seed_list = [int(seeds)] * n if isinstance(seeds, int) else [int(x) for x in seeds]
         if len(seed_list) != n:
@@ -373,12 +374,8 @@ class VLLMDecoder:
         if not checked:
             return results
         order = sorted(checked)
-        params = [SamplingParams(
-            temperature=float(temperature), max_tokens=max_new_tokens,
-            seed=seed_list[i] if temperature > 0 else None,
-            stop=[s for s in (stop or ()) if s] or None, stop_token_ids=eos or None,
-            ignore_eos=not eos, skip_special_tokens=True,
-            extra_args=None if rules is None else {RULE_ARG: rules[i]}) for i in order]
+        params = [sampling_params(max_new_tokens, temperature, seed_list[i], stop, eos,
+                                  None if rules is None else rules[i]) for i in order]
         if speculative:
             self._take_ledger()  # start clean: what follows belongs to these requests
         t0 = time.perf_counter()
@@ -405,15 +402,12 @@ class VLLMDecoder:
             gen = to_generation(out, checked[i], eos, wall if len(order) == 1 else None,
                                 int(entry.get("lossless_fallback_steps", 0)),
                                 self.settings.draft_len if speculative else None)
-            if rules is not None and gen.stats.num_drafts:
-                want = rule_digest(rules[i])
-                if want not in entry.get("rules", set()):
-                    err = VLLMUnavailable(f"request {i}: vLLM verified {gen.stats.num_drafts} drafts but its own rule "
-                                          f"{rules[i]['policy']} never decided one (plugin inactive in vLLM's workers?)")
-                    if errors == "raise":
-                        raise err
-                    results[i] = err
-                    continue
+            if rules is not None and gen.stats.num_drafts and rule_digest(rules[i]) not in entry.get("rules", set()):
+                err = rule_missing(f"request {i}", gen.stats.num_drafts, rules[i]["policy"], entry)
+                if errors == "raise":
+                    raise err
+                results[i] = err
+                continue
             results[i] = gen
         return results
 

@@ -16,9 +16,9 @@ is the runner vLLM-CPU subclasses):
 - ``apply_sampling_constraints`` -> identity while a rule is active: rules take raw logits and the
   temperature themselves (this also sidesteps vLLM-CPU's broken T > 0 expansion of per-request
   temperatures). Top-k/top-p/penalties are refused by the engine instead.
-- ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full T = 1
-  log-distribution (greedy drafting returns none in vLLM), which reaches the rule through vLLM's
-  own per-request draft-probs plumbing.
+- ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
+  the one vLLM drew the token from (:func:`sampled_as_logits`; T = 1 for greedy drafting, for which vLLM
+  returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing.
 - ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
   rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
   forward.
@@ -27,9 +27,9 @@ is the runner vLLM-CPU subclasses):
   (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
   probabilities" path.
 
-A request may carry its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (read once per step;
-requests are grouped by rule; random draws keyed by rule seed, request seed and position); the
-others use the rule file's. Nothing here raises inside a worker: a step the rule cannot decide (its
+A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
+send it, so every TP rank sees the same rule; requests are grouped by rule; random draws keyed by rule
+seed, request seed and position); requests without one use the rule file's, read once per step. Nothing here raises inside a worker: a step the rule cannot decide (its
 draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
 requests concerned, counted per request in a ledger the front end reads through
 :class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
@@ -167,9 +167,33 @@ class _Step(threading.local):
     request_seeds: list[int] | None = None  # per request: SamplingParams.seed (0 if unset)
     positions: list[int] | None = None  # per request: tokens computed before this step
     draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
+    snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
+    active: Any = None  # the rule file's rule as read once at the start of the step
 
 
 STEP = _Step()
+
+
+def sampled_as_logits(probs: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's draft sampling distribution ``probs`` [rows, V] (softmax of logits / T, T = 1 in greedy rows)
+    as logits that spectune's rules turn back into exactly ``probs``: rules compute q = softmax(x / T) in
+    fp32, and x = T * log(probs) gives that (to fp32 rounding) — q is the distribution the draft token was
+    drawn from, not a re-computation from fp32 logits that differs from vLLM's bf16 division (which would
+    make "lossless" lossy at T not in {1, 2^k})."""
+    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny))
+    if temperature is None:
+        return logp
+    t = temperature.float().to(logp.device)
+    t = torch.where(t < 1e-5, torch.ones_like(t), t)  # vLLM's greedy rows: divided by 1 (_SAMPLING_EPS)
+    if t.shape[0] != logp.shape[0]:  # several draft rows per request (parallel drafting): request-major
+        t = t.repeat_interleave(logp.shape[0] // t.shape[0])
+    return logp * t.view(-1, 1)
+
+
+def _rule_now() -> _Active | None:
+    """The rule file's rule for this hook: the step's snapshot inside ``sample_tokens`` (the file is read
+    once per step, so a write between two hooks of one step cannot split it), else the file now."""
+    return STEP.active if STEP.snapshot else RULE.current()
 
 
 def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -272,12 +296,22 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
 
 
 class _RequestRules:
-    """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule."""
+    """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule and looked up
+    once per request (later steps of a request cost one dict lookup, not a JSON dump)."""
 
     CAP = 256
 
     def __init__(self) -> None:
         self.cache: OrderedDict[str, _Active] = OrderedDict()
+        self.by_request: dict[str, tuple[Any, _Active]] = {}
+
+    def for_request(self, req_id: str, spec: Any, live: int) -> _Active:
+        hit = self.by_request.get(req_id)
+        if hit is None or hit[0] is not spec:  # the same extra_args value object: the same request
+            if len(self.by_request) > 4 * live + 1024:
+                self.by_request.clear()  # finished requests; the live ones are looked up again once
+            hit = self.by_request[req_id] = (spec, self.get(spec))
+        return hit[1]
 
     def get(self, spec: Any) -> _Active:
         from policies import make_policy
@@ -316,7 +350,7 @@ def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
         sp = getattr(state, "sampling_params", None)
         args = getattr(sp, "extra_args", None)
         spec = args.get(RULE_ARG) if isinstance(args, dict) else None
-        rules.append(None if spec is None else REQUEST_RULES.get(spec))
+        rules.append(None if spec is None else REQUEST_RULES.for_request(rid, spec, len(req_ids)))
         any_rule = any_rule or spec is not None
         seeds.append(int(getattr(sp, "seed", None) or 0))
         positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
@@ -409,7 +443,7 @@ def register() -> None:
 
         def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                              target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
-            active = RULE.current()
+            active = _rule_now()
             if active is None or active.policy is None:
                 if active is not None:
                     RULE.report(active)
@@ -425,13 +459,13 @@ def register() -> None:
                                             bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
 
         def apply_sampling_constraints(logits, *args, **kwargs):
-            active = RULE.current()
+            active = _rule_now()
             if active is not None and active.policy is not None:
                 return logits  # rules read raw logits and apply the temperature themselves
             return orig_constraints(logits, *args, **kwargs)
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-            active = RULE.current()
+            active = _rule_now()
             if active is None or active.policy is None:
                 STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
@@ -443,12 +477,16 @@ def register() -> None:
                 STEP.draft_logprobs = False
                 return orig_draft(self, hidden_states, sampling_metadata)
             logits = self.model.compute_logits(hidden_states)
-            # T = 1 log-probs first: vLLM's draft sampler divides the logits by T in place
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            if sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False):
+            probs = None
+            if not (sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False)):
+                # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs),
+                # in place; ``probs`` is exactly that distribution (fp32)
+                tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+            if probs is None:
                 tokens = logits.argmax(dim=-1)
+                logprobs = torch.log_softmax(logits.float(), dim=-1)  # greedy drafts: the T = 1 distribution
             else:
-                tokens, _ = self._sample_from_logits(logits, sampling_metadata)
+                logprobs = sampled_as_logits(probs, sampling_metadata.temperature)
             STEP.draft_logprobs = True
             return tokens, logprobs
 
@@ -469,6 +507,7 @@ def register() -> None:
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
             active = RULE.current()
+            STEP.active, STEP.snapshot = active, True
             if state is not None and active is not None and active.policy is not None:
                 meta = state.spec_decode_metadata
                 STEP.hidden = None if FAULTS.hit("drop_hidden_every") else state.sample_hidden_states
@@ -485,6 +524,7 @@ def register() -> None:
             finally:
                 STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
                 STEP.rules = STEP.request_seeds = STEP.positions = None
+                STEP.active, STEP.snapshot = None, False
                 if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
                     FAULTS.steps += 1
 
