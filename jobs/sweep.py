@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # `python jobs/sweep.py` (as `ray job submit` run
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import os  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
@@ -249,13 +250,17 @@ class Sweep:
     def timing(self, number: int, run: Any, records: list[Record], total_s: float) -> None:
         """Where a trial's time went: generation in the engines, dispatch (Ray Data shards, actor
         calls, waiting on the slowest shard) and bookkeeping outside ``run_trial`` (Optuna ask/tell,
-        aggregation, MLflow logging). Appended to ``timing.jsonl`` in the run directory."""
+        aggregation, MLflow logging), tokens/s, and the 1-minute load average when the trial ended.
+        Appended to ``timing.jsonl`` in the run directory."""
         fresh = [r for r in records if r.wall_time_s > 0]
         gen = sum(r.wall_time_s for r in fresh)
         actors = max(1, len(self.workers))
         row = {"trial": number, "actors": actors, "items": len(fresh), "trial_wall_s": run.wall_s,
                "generation_s": gen, "dispatch_overhead_s": max(0.0, run.wall_s - gen / actors),
-               "bookkeeping_s": max(0.0, total_s - run.wall_s), "items_per_s": len(fresh) / run.wall_s if run.wall_s else 0.0}
+               "bookkeeping_s": max(0.0, total_s - run.wall_s), "items_per_s": len(fresh) / run.wall_s if run.wall_s else 0.0,
+               "tokens": sum(r.tokens for r in fresh),
+               "tokens_per_s": sum(r.tokens for r in fresh) / run.wall_s if run.wall_s else 0.0,
+               "load_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # the driver's node: the machine's load
         with open(self.dir / "timing.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 

@@ -112,6 +112,8 @@ def test_policy_file_and_flags(tmp_path):
     (["--replicas", "0"], "num_replicas"),
     (["--max-tokens", "0"], "max_tokens"),
     (["--policy-file", "/no/such.json"], "No such file"),
+    (["--kv-cache-gb", "2"], "add --engine vllm"),
+    (["--engine", "vllm", "--kv-cache-gb", "0"], "--kv-cache-gb must be > 0"),
 ])
 def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys):
     assert serve_job.main(argv) == 2

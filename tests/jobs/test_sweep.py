@@ -66,6 +66,8 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     for t in timing:  # where each trial's time went
         assert t["actors"] == 2 and 0 < t["generation_s"] and t["dispatch_overhead_s"] >= 0 <= t["bookkeeping_s"]
         assert t["items_per_s"] == pytest.approx(t["items"] / t["trial_wall_s"])
+        assert t["tokens"] > 0 and t["tokens_per_s"] == pytest.approx(t["tokens"] / t["trial_wall_s"])
+        assert t["load_1m"] >= 0 and t["cpus"] >= 1
 
     import mlflow
 
