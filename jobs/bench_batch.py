@@ -35,13 +35,20 @@ NATIVE = "vllm-native"
 TARGET_ONLY = "target-only"
 
 
-def configs(rules: list[str]) -> list[tuple[str, str, dict]]:
-    """(label, rule name, params): target-only, vLLM's lossless, spectune's lossless, then ``rules``."""
+def configs(rules: list[str], only: str | None = None) -> list[tuple[str, str, dict]]:
+    """(label, rule name, params): target-only, vLLM's lossless, spectune's lossless, then ``rules``;
+    ``only``: a comma list of the rule names to keep (``target-only``, ``vllm-native``, ``lossless``...)."""
     out = [(TARGET_ONLY, TARGET_ONLY, {}), ("lossless (vLLM's rule)", NATIVE, {}),
            ("lossless (spectune's)", "lossless", {})]
     for text in rules:
         name, params = parse_rule(text)
         out.append((f"{name} {json.dumps(params, sort_keys=True)}", name, params))
+    if only:
+        keep = {n.strip() for n in only.split(",") if n.strip()}
+        unknown = keep - {name for _, name, _ in out}
+        if unknown:
+            raise ValueError(f"--only names {sorted(unknown)}, not among {[name for _, name, _ in out]}")
+        out = [c for c in out if c[1] in keep]
     return out
 
 
@@ -108,17 +115,40 @@ def batched(engine: Any, cfgs: list[tuple[str, str, dict]], bench: Any, items: l
 
     stop = list(bench.stop) or None
     rows = []
-    for label, name, params in cfgs:
-        common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop)
-        t0 = time.perf_counter()
-        if name == TARGET_ONLY:
-            gens = engine.autoregressive_batch(prompts, **common)
-        else:
-            policy = name if name == NATIVE else make_policy(name, **params)
-            gens = engine.generate_batch(prompts, policy, draft_len=args.draft_len, **common)
-        rows.append(_row("vLLM", f"batched {len(prompts)}", label, gens, items, bench, time.perf_counter() - t0))
-        _say(rows[-1])
+    for r in range(args.rounds):  # configurations interleaved round by round
+        for label, name, params in cfgs:
+            common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop)
+            t0 = time.perf_counter()
+            if name == TARGET_ONLY:
+                gens = engine.autoregressive_batch(prompts, **common)
+            else:
+                policy = name if name == NATIVE else make_policy(name, **params)
+                gens = engine.generate_batch(prompts, policy, draft_len=args.draft_len, **common)
+            row = _row("vLLM", f"batched {len(prompts)}", label, gens, items, bench, time.perf_counter() - t0)
+            row["round"] = r + 1
+            rows.append(row)
+            _say(row)
     return rows
+
+
+def merge_rounds(rows: list[dict]) -> list[dict]:
+    """Rows of the same (engine, mode, config) from several rounds as one: sums, then the rates."""
+    merged: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["engine"], r["mode"], r["config"])
+        if key not in merged:
+            merged[key] = {**r, "loads": [r["load"]]}
+            continue
+        m = merged[key]
+        for k in ("items", "failed", "tokens", "wall_s", "drafts", "correct", "fallback_steps"):
+            m[k] += r[k]
+        m["loads"].append(r["load"])
+    for m in merged.values():
+        m["tok_s"] = m["tokens"] / m["wall_s"] if m["wall_s"] > 0 else 0.0
+        m["items_s"] = m["items"] / m["wall_s"] if m["wall_s"] > 0 else 0.0
+        m["mean_acc_len"] = m["tokens"] / m["drafts"] if m["drafts"] else None
+        m["load"] = max(m["loads"])
+    return list(merged.values())
 
 
 def cpu_phase(args: argparse.Namespace) -> list[dict]:
@@ -126,7 +156,7 @@ def cpu_phase(args: argparse.Namespace) -> list[dict]:
 
     engine = make_engine("cpu", args.pair, args.dtype)
     bench, items, prompts = shard(engine.pair.tokenizer, args.b1_items, args.shots)
-    cfgs = [c for c in configs(args.rule) if c[1] != NATIVE]
+    cfgs = [c for c in configs(args.rule, args.only) if c[1] != NATIVE]
     return batch1(engine, "CPU engine", cfgs, bench, items, prompts, args)
 
 
@@ -139,14 +169,18 @@ def vllm_phase(args: argparse.Namespace) -> tuple[list[dict], str]:
                                "kv_cache_memory_bytes": int(args.kv_cache_gb * 2**30)})
     try:
         bench, items, prompts = shard(engine.pair.tokenizer, args.items, args.shots)
-        cfgs = configs(args.rule)
+        cfgs = configs(args.rule, args.only)
         spec, ref = [c for c in cfgs if c[1] != TARGET_ONLY], [c for c in cfgs if c[1] == TARGET_ONLY]
-        engine.generate_batch(prompts, NATIVE, draft_len=args.draft_len, max_new_tokens=1)  # prefill once
-        rows = batch1(engine, "vLLM", spec, bench, items[:args.b1_items], prompts[:args.b1_items], args)
-        rows += batched(engine, spec, bench, items, prompts, args)
-        engine.autoregressive_batch(prompts, max_new_tokens=1)  # the reference engine's prefill
-        rows += batch1(engine, "vLLM", ref, bench, items[:args.b1_items], prompts[:args.b1_items], args)
-        rows += batched(engine, ref, bench, items, prompts, args)
+        rows: list[dict] = []
+        b1 = (items[:args.b1_items], prompts[:args.b1_items])
+        if spec:
+            engine.generate_batch(prompts, NATIVE, draft_len=args.draft_len, max_new_tokens=1)  # prefill once
+            rows += batch1(engine, "vLLM", spec, bench, *b1, args) if args.b1_items else []
+            rows += batched(engine, spec, bench, items, prompts, args)
+        if ref:
+            engine.autoregressive_batch(prompts, max_new_tokens=1)  # the reference engine's prefill
+            rows += batch1(engine, "vLLM", ref, bench, *b1, args) if args.b1_items else []
+            rows += batched(engine, ref, bench, items, prompts, args)
         return rows, os.environ.get(CPU_BIND_ENV, "unset")
     finally:
         engine.close()
@@ -155,9 +189,10 @@ def vllm_phase(args: argparse.Namespace) -> tuple[list[dict], str]:
 def tables(rows: list[dict], args: argparse.Namespace, binding: str) -> str:
     head = (f"{args.pair} ({args.dtype}), GSM8K test, {args.shots}-shot chat, greedy, L = {args.draft_len}, "
             f"max_new_tokens {args.max_new_tokens}; batch 1 on the first {args.b1_items} items, batched = all "
-            f"{args.items} in one generate; {os.cpu_count()} CPUs, VLLM_CPU_OMP_THREADS_BIND={binding}; "
+            f"{args.items} in one generate ({args.rounds} round(s), configurations interleaved); {os.cpu_count()} CPUs, VLLM_CPU_OMP_THREADS_BIND={binding}; "
             f"{datetime.now():%Y-%m-%d %H:%M}")
     by = {(r["engine"], r["mode"].split()[0], r["config"]): r for r in rows}
+    rows = merge_rounds(rows)
     labels = [label for label, _, _ in configs(args.rule) if any(r["config"] == label for r in rows)]
     summary = ["| config | CPU engine b1 tok/s | vLLM b1 tok/s | vLLM batched tok/s | batched items/s | "
                "batched / vLLM b1 | batched / CPU b1 |", "|---|---:|---:|---:|---:|---:|---:|"]
@@ -193,8 +228,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> str:
         rows += json.loads(out.read_text())
         out.unlink()
         gc.collect()
-    vrows, binding = vllm_phase(args)
-    rows += vrows
+    binding = "-"
+    if not args.no_vllm:
+        vrows, binding = vllm_phase(args)
+        rows += vrows
     text = tables(rows, args, binding)
     stem = runs_root(args.runs_root) / "bench" / f"batch-{datetime.now():%Y%m%d-%H%M%S}"
     stem.with_suffix(".md").write_text(text + "\n")
@@ -216,7 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gb", type=float, default=3.0, help="vLLM's KV cache per engine")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM without torch.compile (CPU: see docs)")
+    ap.add_argument("--rounds", type=int, default=1, help="batched passes per configuration, interleaved")
+    ap.add_argument("--only", help="comma list of rule names to run (target-only, vllm-native, lossless, ...)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU engine")
+    ap.add_argument("--no-vllm", action="store_true", help="only the CPU engine (batch 1)")
     ap.add_argument("--runs-root", default=None)
     ap.add_argument("--phase", choices=["cpu"], help=argparse.SUPPRESS)
     ap.add_argument("--rows", help=argparse.SUPPRESS)
@@ -229,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.rule is None:
         args.rule = ["dropmatch:k=5,p_drop=0.3,criterion=js", "kl_judge:threshold=0.5"]
-    require_positive(args, "items", "max_new_tokens", "draft_len", "max_model_len")
+    require_positive(args, "items", "max_new_tokens", "draft_len", "max_model_len", "rounds")
     if args.shots < 0 or not args.kv_cache_gb > 0:
         raise ValueError(f"--shots must be >= 0 and --kv-cache-gb > 0, got {args.shots} and {args.kv_cache_gb}")
     if not 0 <= args.b1_items <= args.items:
@@ -239,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     for text in args.rule:
         name, params = parse_rule(text)
         make_policy(name, **params)  # an unknown rule or parameter is one line now, not after engines start
+    configs(args.rule, args.only)
     if args.dtype is None:
         from workers.pair import native_dtype
 

@@ -260,6 +260,8 @@ class Sweep:
                "bookkeeping_s": max(0.0, total_s - run.wall_s), "items_per_s": len(fresh) / run.wall_s if run.wall_s else 0.0,
                "tokens": sum(r.tokens for r in fresh),
                "tokens_per_s": sum(r.tokens for r in fresh) / run.wall_s if run.wall_s else 0.0,
+               # > 1 on batched engines (vLLM): requests overlap, so generation_s exceeds the wall time
+               "request_concurrency": gen / (run.wall_s * actors) if run.wall_s else 0.0,
                "load_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # the driver's node: the machine's load
         with open(self.dir / "timing.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -306,7 +306,8 @@ class VLLMDecoder:
         (gen,) = self._run_many(self.llm, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return", speculative=True,
                                 stop_on_eos=False, rules=[rule])
         if isinstance(gen, VLLMUnavailable):
-            raise VLLMUnavailable(f"start-up check: {gen} (see VLLM_PLUGINS and the log)")
+            raise VLLMUnavailable(f"vLLM verified drafts at start-up but spectune's rule never ran ({gen}); see "
+                                  "VLLM_PLUGINS and the log")
         if isinstance(gen, Exception):
             raise gen
         if gen.stats.num_drafts == 0:

@@ -226,15 +226,17 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
                sampling_metadata: Any, policy: Any = None) -> torch.Tensor:
     """vLLM's ``rejection_sample`` contract, decided by spectune's rules: [B, max_spec_len + 1] int32.
     Requests that carry their own rule (``SamplingParams.extra_args[RULE_ARG]``, read once per step in
-    ``sample_tokens``) use it; the others use the rule file's. ``policy`` overrides the rule file's
-    (fault injection)."""
+    ``sample_tokens``) use it; the others use the rule file's. ``policy`` overrides every rule of the
+    step (fault injection)."""
+    override = policy
     policy = active.policy if policy is None else policy
     b = len(num_draft_tokens)
     req_ids = STEP.req_ids
     own = STEP.rules if STEP.rules is not None and len(STEP.rules) >= b else None
     policies = keys = request_seeds = None
     if own is not None:
-        policies = [None if r is None else r.policy for r in own[:b]]
+        # ``policy`` given (fault injection) stands in for every rule of the step, the requests' own too
+        policies = [None if r is None else (r.policy if override is None else override) for r in own[:b]]
         keys = [None if r is None else r.digest for r in own[:b]]
         request_seeds = [None if r is None else keyed_seed(int(r.spec.get("seed", 0)), STEP.request_seeds[i],
                                                           STEP.positions[i]) for i, r in enumerate(own[:b])]
