@@ -18,7 +18,9 @@ is the runner vLLM-CPU subclasses):
   temperatures). Top-k/top-p/penalties are refused by the engine instead.
 - ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
   the one vLLM drew the token from (:func:`sampled_as_logits`; T = 1 for greedy drafting, for which vLLM
-  returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing.
+  returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
+  steps whose rules never read it (lossless, top-k, typical, DropMatch naive: ``_step_needs_q``) draft
+  the way vLLM does, without the full-vocabulary log-softmax and cached distribution per draft token.
 - ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
   rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
   forward.
@@ -63,6 +65,7 @@ from workers.vllm_step import (
     _warn_once,
     decide_step,
     keyed_seed,
+    needs_draft_distribution,
 )
 
 RULE_FILE_ENV = "SPECTUNE_VLLM_RULE_FILE"
@@ -172,6 +175,18 @@ class _Step(threading.local):
 
 
 STEP = _Step()
+
+
+def _step_needs_q(active: _Active) -> bool:
+    """Inside ``sample_tokens`` (the step's rules known): whether any rule of the step reads the draft
+    distribution at T = 0. Outside it, assume one does."""
+    if not STEP.snapshot:
+        return True
+    rules = STEP.rules
+    policies = [] if rules is None else [r.policy for r in rules if r is not None]
+    if rules is None or any(r is None for r in rules):
+        policies.append(active.policy)
+    return any(needs_draft_distribution(p) for p in policies)
 
 
 def sampled_as_logits(probs: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
@@ -468,7 +483,9 @@ def register() -> None:
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
             active = _rule_now()
-            if active is None or active.policy is None:
+            if active is None or active.policy is None or (sampling_metadata.all_greedy and not _step_needs_q(active)):
+                # vLLM's own drafting: its rule, or greedy steps whose rules never read q (lossless, top-k):
+                # no full-vocabulary log-softmax and cached distribution per draft token
                 STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
             if getattr(self, "use_heterogeneous_vocab", False):

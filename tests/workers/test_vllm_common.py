@@ -97,3 +97,15 @@ def test_one_verify_step_makes_at_most_a_couple_of_host_syncs(rule, temperature)
     with HostSyncs() as two_groups:
         decide_step(policy, **kwargs)
     assert two_groups.total <= 2 * SYNC_BUDGET[temperature], dict(two_groups.by_kind)
+
+
+@pytest.mark.parametrize("rule,needs", [(("lossless", {}), False), (("top_k", {"k": 4}), False),
+                                        (("dropmatch", {"criterion": "naive"}), False), (("typical", {}), False),
+                                        (("kl_judge", {"threshold": 0.5}), True),
+                                        (("dropmatch", {"criterion": "js"}), True), (("draft_entropy", {}), True)])
+def test_which_rules_read_the_draft_distribution_at_t0(rule, needs):
+    """Greedy steps whose rules never read q let vLLM draft on its own (no full-vocabulary log-softmax and
+    cached distribution per draft token); the probe decides which rules those are."""
+    from workers.vllm_step import needs_draft_distribution
+
+    assert needs_draft_distribution(make_policy(rule[0], **rule[1])) is needs
