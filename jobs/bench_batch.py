@@ -68,7 +68,8 @@ def _row(engine: str, mode: str, label: str, gens: list[Any], items: list[Any], 
     correct = sum(float(bench.score(it, [g.text or ""]).score) for g, it in ok)
     return {"engine": engine, "mode": mode, "config": label, "items": len(items), "failed": len(items) - len(ok),
             "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall if wall > 0 else 0.0,
-            "items_s": len(items) / wall if wall > 0 else 0.0, "drafts": drafts,
+            "items_s": len(ok) / wall if wall > 0 else 0.0, "drafts": drafts,
+            "first_error": next((f"{type(g).__name__}: {g}" for g in gens if isinstance(g, BaseException)), None),
             "mean_acc_len": tokens / drafts if drafts else None, "correct": correct,
             "fallback_steps": sum(g.stats.lossless_fallback_steps for g, _ in ok), "load": os.getloadavg()[0]}
 
@@ -145,7 +146,7 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
         m["loads"].append(r["load"])
     for m in merged.values():
         m["tok_s"] = m["tokens"] / m["wall_s"] if m["wall_s"] > 0 else 0.0
-        m["items_s"] = m["items"] / m["wall_s"] if m["wall_s"] > 0 else 0.0
+        m["items_s"] = (m["items"] - m["failed"]) / m["wall_s"] if m["wall_s"] > 0 else 0.0
         m["mean_acc_len"] = m["tokens"] / m["drafts"] if m["drafts"] else None
         m["load"] = max(m["loads"])
     return list(merged.values())
@@ -217,7 +218,7 @@ def tables(rows: list[dict], args: argparse.Namespace, binding: str) -> str:
     return "\n".join([head, "", *summary, "", *detail])
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> str:
+def run(args: argparse.Namespace, argv: list[str]) -> tuple[str, list[dict]]:
     rows: list[dict] = []
     if args.b1_items and not args.no_cpu:
         out = runs_root(args.runs_root) / "bench" / f".cpu-{os.getpid()}.json"
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> str:
     stem = runs_root(args.runs_root) / "bench" / f"batch-{datetime.now():%Y%m%d-%H%M%S}"
     stem.with_suffix(".md").write_text(text + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    return text + f"\n\nwritten to {stem}.md (.json: raw rows)"
+    return text + f"\n\nwritten to {stem}.md (.json: raw rows)", [r for r in rows if r["failed"]]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,8 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
         Path(args.rows).write_text(json.dumps(cpu_phase(args)))
         return 0
-    print(run(args, argv))
-    return 0
+    text, failed = run(args, argv)
+    print(text)
+    for row in failed:  # the table is written either way; a run with failed items is not a clean figure
+        print(f"bench_batch: {row['failed']}/{row['items']} items failed in {row['engine']} {row['mode']} "
+              f"{row['config']} (first: {row['first_error']}); their tokens are not in the figures", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

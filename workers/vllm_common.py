@@ -104,14 +104,14 @@ class VLLMProcessSetup:
     """What this process sets before it starts a vLLM engine (its engine-core and worker processes
     inherit the environment): the V1 model runner (the one the plugin patches; vLLM's V2 runner does
     not support draft_model in 0.32/0.33 — explicit, not left to vLLM's default), vLLM-CPU's thread
-    binding, whether the two engines run one at a time, and the rule file (lossless) that makes the
-    plugin act; a request's own rule overrides it."""
+    binding, the step timeout, whether the two engines run one at a time, and the rule file (lossless)
+    that makes the plugin act; a request's own rule overrides it."""
 
     def __init__(self, settings: VLLMSettings, prefix: str = "spectune-vllm-") -> None:
         import tempfile
 
         from workers.vllm_plugin import RULE_FILE_ENV, write_rule
-        from workers.vllm_settings import _on_cpu, set_cpu_thread_binding
+        from workers.vllm_settings import _on_cpu, set_cpu_thread_binding, set_step_timeout
 
         check_plugin_installed()
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -120,6 +120,7 @@ class VLLMProcessSetup:
                                   "which draft_model speculation needs; unset it or set it to 0")
         on_cpu = _on_cpu()
         self.cpu_binding = set_cpu_thread_binding(settings) if on_cpu else None
+        self.step_timeout = set_step_timeout(settings, on_cpu)
         # One engine at a time on vLLM-CPU: RAM holds one fp32 real pair's engines, not two
         self.exclusive = on_cpu if settings.one_engine_at_a_time is None else settings.one_engine_at_a_time
         self.rule_dir = tempfile.TemporaryDirectory(prefix=prefix)

@@ -19,6 +19,8 @@ from types import SimpleNamespace
 from typing import Any
 
 CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+STEP_TIMEOUT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+CPU_STEP_TIMEOUT_S = 3600
 _bind_set_here: str | None = None  # the value this module last wrote (so it is not taken for a user's)
 
 
@@ -43,6 +45,11 @@ class VLLMSettings:
     # Run the speculative and the target-only engine one at a time (switching costs a restart);
     # None = on vLLM-CPU (RAM holds one fp32 real pair's engines, not two), not on GPUs.
     one_engine_at_a_time: bool | None = None
+    # The longest one engine step may take before vLLM declares its engine dead
+    # (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, vLLM's default 300 s). None: vLLM-CPU gets CPU_STEP_TIMEOUT_S
+    # unless the user set the variable (a 4096-token prefill chunk of the real pair in emulated bf16 runs
+    # past 300 s on a 2-core AVX2 machine), GPUs keep vLLM's default. A value here overrides both.
+    step_timeout_s: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):
@@ -64,6 +71,8 @@ class VLLMSettings:
             raise ValueError(f"num_cpus must be an integer >= 1, got {self.num_cpus!r}")
         if not (isinstance(self.cpu_offset, int) and self.cpu_offset >= 0):
             raise ValueError(f"cpu_offset must be an integer >= 0, got {self.cpu_offset!r}")
+        if self.step_timeout_s is not None and not (isinstance(self.step_timeout_s, int) and self.step_timeout_s > 0):
+            raise ValueError(f"step_timeout_s must be a positive integer (seconds), got {self.step_timeout_s!r}")
 
 
 @dataclass
@@ -121,6 +130,18 @@ def set_cpu_thread_binding(settings: VLLMSettings, environ: Any = None) -> str:
     env[CPU_BIND_ENV] = value
     _bind_set_here = value
     return value
+
+
+def set_step_timeout(settings: VLLMSettings, on_cpu: bool, environ: Any = None) -> str | None:
+    """Set ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` for the engines this process starts: the settings' value
+    if given, else on vLLM-CPU :data:`CPU_STEP_TIMEOUT_S` unless the user set it; returns the value in force
+    (None: vLLM's default)."""
+    env = os.environ if environ is None else environ
+    if settings.step_timeout_s is not None:
+        env[STEP_TIMEOUT_ENV] = str(settings.step_timeout_s)
+    elif on_cpu:
+        env.setdefault(STEP_TIMEOUT_ENV, str(CPU_STEP_TIMEOUT_S))
+    return env.get(STEP_TIMEOUT_ENV)
 
 
 def _on_cpu() -> bool:

@@ -54,3 +54,19 @@ def test_load_serve_tabulates_each_concurrency_against_the_fewest_clients():
     assert cells[12] == "2.00" and cells[14] == "1.00x"  # mean acceptance 60/30; vs lossless at 4 clients
     one_served = next(line for line in table if line.startswith("| 1 | served |"))
     assert [c.strip() for c in one_served.split("|")][11] == "—"
+
+
+def test_bench_batch_counts_only_finished_items_and_names_the_failure():
+    """A shard whose engine died: its items/s is 0 (not items / a near-zero wall time), and the first
+    error travels with the row (main() prints it and exits 1)."""
+    from types import SimpleNamespace
+
+    stats = SimpleNamespace(num_generated=10, num_drafts=4, lossless_fallback_steps=1)
+    bench = SimpleNamespace(score=lambda item, texts: SimpleNamespace(score=1.0))
+    ok = SimpleNamespace(stats=stats, text="42")
+    dead = bench_batch._row("vLLM", "batched 2", "target-only", [RuntimeError("engine died")] * 2, [1, 2], bench, 0.01)
+    assert dead["items_s"] == 0.0 and dead["failed"] == 2 and dead["first_error"] == "RuntimeError: engine died"
+    half = bench_batch._row("vLLM", "batched 2", "lossless", [ok, ValueError("x")], [1, 2], bench, 2.0)
+    assert half["items_s"] == 0.5 and half["tok_s"] == 5.0 and half["first_error"] == "ValueError: x"
+    (merged,) = bench_batch.merge_rounds([half, {**half, "load": 9.0}])
+    assert merged["items_s"] == 0.5 and merged["failed"] == 2 and merged["load"] == 9.0

@@ -46,3 +46,18 @@ def test_settings_validate_the_new_knobs():
         VLLMSettings(cpu_offset=-1)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         VLLMSettings(kv_cache_memory_bytes=0)
+
+
+def test_step_timeout_raised_on_cpu_unless_the_user_set_it():
+    """vLLM kills its engine when one step runs past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS (300 s); a
+    4096-token CPU prefill chunk in emulated bf16 takes longer, so vLLM-CPU engines get an hour."""
+    from workers.vllm_settings import CPU_STEP_TIMEOUT_S, STEP_TIMEOUT_ENV, set_step_timeout
+
+    env: dict = {}
+    assert set_step_timeout(VLLMSettings(), on_cpu=True, environ=env) == str(CPU_STEP_TIMEOUT_S)
+    assert set_step_timeout(VLLMSettings(), on_cpu=False, environ={}) is None  # GPUs: vLLM's default
+    user = {STEP_TIMEOUT_ENV: "120"}
+    assert set_step_timeout(VLLMSettings(), on_cpu=True, environ=user) == "120"
+    assert set_step_timeout(VLLMSettings(step_timeout_s=900), on_cpu=False, environ=user) == "900"
+    with pytest.raises(ValueError, match="step_timeout_s"):
+        VLLMSettings(step_timeout_s=0)

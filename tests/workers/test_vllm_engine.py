@@ -395,6 +395,12 @@ def test_the_engine_binds_vllm_threads_to_this_process_cpus(engine):
     if engine.cpu_binding == cpu_thread_binding():  # not a value the user set
         n = len(os.sched_getaffinity(0))
         assert worker["OMP_NUM_THREADS"] == str(n) and worker["torch_threads"] == n, worker
+    # vLLM-CPU steps may take minutes: the step timeout (vLLM's 300 s) is raised unless the user set it
+    from workers.vllm_settings import CPU_STEP_TIMEOUT_S, STEP_TIMEOUT_ENV
+
+    assert worker[STEP_TIMEOUT_ENV] == engine._setup.step_timeout == os.environ[STEP_TIMEOUT_ENV]
+    assert int(worker[STEP_TIMEOUT_ENV]) >= CPU_STEP_TIMEOUT_S or "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS" in os.environ
+
 
 
 # -- batched evaluation -------------------------------------------------------------------------------
