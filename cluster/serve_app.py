@@ -163,6 +163,13 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(err.body(), status_code=exc.status_code)
 
 
+def _failure(err: Exception) -> ApiError:
+    """A generation that failed: 503 where the vLLM engine died (retry: the replica is being replaced),
+    else 500."""
+    status = 503 if type(err).__name__ == "EngineDied" else 500
+    return ApiError(status, f"generation failed: {type(err).__name__}: {err}", type="server_error")
+
+
 class SpecDecodeServer:
     """One replica: the pair, its engine and the served policy."""
 
@@ -345,8 +352,7 @@ class SpecDecodeServer:
             async for kind, payload in self._parts(req, ids):
                 gen = payload if kind == "done" else gen
         except Exception as err:  # the engine dropped its caches; this replica serves the next request
-            return self._error(route, ApiError(500, f"generation failed: {type(err).__name__}: {err}",
-                                               type="server_error"), t0)
+            return self._error(route, _failure(err), t0)
         self.metrics.generation(req.spec, gen)
         self.metrics.answered(route, 200, time.perf_counter() - t0)
         return resp.full(gen.text or "", gen.finish_reason, usage(len(ids), len(gen.token_ids)),
@@ -380,10 +386,10 @@ class SpecDecodeServer:
                 self.metrics.answered(route, 200, time.perf_counter() - t0)
                 return
         except Exception as err:
-            body = ApiError(500, f"generation failed: {type(err).__name__}: {err}", type="server_error").body()
-            yield sse(body)
+            failure = _failure(err)
+            yield sse(failure.body())
             yield sse("[DONE]")
-            self.metrics.answered(route, 500)
+            self.metrics.answered(route, failure.status)
         finally:
             await parts.aclose()  # client gone: the engine stops this request (vLLM: aborted)
 
@@ -409,9 +415,20 @@ class SpecDecodeServer:
                 "max_ongoing_requests": self.s.max_ongoing_requests,
                 "max_queued_requests": self.s.max_queued_requests, "prefix_cache": self.s.prefix_cache}
 
+    def check_health(self) -> None:
+        """Ray Serve's probe (every ``health_check_period_s``): a replica whose vLLM engine died fails it and
+        Serve replaces the replica — a new process, a new engine. The CPU engine has no engine to lose."""
+        why = self.engine.dead if self.streaming else None
+        if why is not None:
+            raise RuntimeError(f"{why}; this replica is unhealthy and Ray Serve replaces it")
+
     @api.get("/healthz")
-    async def healthz(self) -> dict[str, Any]:
+    async def healthz(self) -> Any:
         batching = {}
+        why = self.engine.dead if self.streaming else None
+        if why is not None:
+            return JSONResponse(ApiError(503, f"{why}; this replica is being replaced", type="server_error").body(),
+                                status_code=503)
         if self.streaming:
             await self._ready()  # the first probe runs the rule check; a failure is a 500 (unhealthy)
             batching = {"in_flight": self.engine.in_flight, "peak_in_flight": self.engine.peak_in_flight}

