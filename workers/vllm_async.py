@@ -38,7 +38,7 @@ from workers.vllm_common import (
     shutdown_engine,
     to_generation,
 )
-from workers.vllm_plugin import rule_digest
+from workers.vllm_rules import rule_digest
 from workers.vllm_settings import VLLMPair, VLLMSettings, _declared_eos
 
 

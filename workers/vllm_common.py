@@ -14,7 +14,7 @@ from typing import Any
 
 from policies import make_policy
 from workers.stats import Generation, GenerationStats
-from workers.vllm_plugin import ENTRY_POINT, NATIVE, RULE_ARG
+from workers.vllm_rules import ENTRY_POINT, NATIVE, RULE_ARG
 from workers.vllm_settings import VLLMSettings, spec_stats
 
 WORKER_EXTENSION = "workers.vllm_plugin.WorkerExtension"
@@ -90,6 +90,9 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, sha
         # TP workers as child processes of this one (a Ray actor that owns its GPUs), not Ray tasks
         distributed_executor_backend="mp" if s.tensor_parallel_size > 1 else None,
         worker_extension_cls=WORKER_EXTENSION)  # both engines: spectune_env reports their processes
+    for name in ("max_num_batched_tokens", "max_num_seqs"):  # None: vLLM's default for the platform
+        if getattr(s, name) is not None:
+            kwargs[name] = getattr(s, name)
     if draft_dir is None:
         kwargs["gpu_memory_utilization"] = ref_share
         return kwargs
@@ -111,7 +114,7 @@ class VLLMProcessSetup:
     def __init__(self, settings: VLLMSettings, prefix: str = "spectune-vllm-") -> None:
         import tempfile
 
-        from workers.vllm_plugin import RULE_FILE_ENV, write_rule
+        from workers.vllm_rules import RULE_FILE_ENV, write_rule
         from workers.vllm_settings import _on_cpu, set_cpu_thread_binding, set_step_timeout
 
         check_plugin_installed()

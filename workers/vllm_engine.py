@@ -62,7 +62,7 @@ from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
     shutdown_engine,
     to_generation,
 )
-from workers.vllm_plugin import (
+from workers.vllm_rules import (
     NATIVE,
     rule_digest,
     seen_rules,

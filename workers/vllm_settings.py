@@ -50,6 +50,11 @@ class VLLMSettings:
     # unless the user set the variable (a 4096-token prefill chunk of the real pair in emulated bf16 runs
     # past 300 s on a 2-core AVX2 machine), GPUs keep vLLM's default. A value here overrides both.
     step_timeout_s: int | None = None
+    # vLLM's scheduler budget: tokens per engine step (prefill chunks included) and requests per step.
+    # None = vLLM's defaults (vLLM-CPU: 4096 tokens offline, 2048 served). A smaller token budget splits
+    # long prompts into more chunks, so decode steps of the requests in flight wait less behind them.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):
@@ -73,6 +78,14 @@ class VLLMSettings:
             raise ValueError(f"cpu_offset must be an integer >= 0, got {self.cpu_offset!r}")
         if self.step_timeout_s is not None and not (isinstance(self.step_timeout_s, int) and self.step_timeout_s > 0):
             raise ValueError(f"step_timeout_s must be a positive integer (seconds), got {self.step_timeout_s!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): vLLM schedules at least one token per request")
 
 
 @dataclass

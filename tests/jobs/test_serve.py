@@ -114,6 +114,9 @@ def test_policy_file_and_flags(tmp_path):
     (["--policy-file", "/no/such.json"], "No such file"),
     (["--kv-cache-gb", "2"], "add --engine vllm"),
     (["--engine", "vllm", "--kv-cache-gb", "0"], "--kv-cache-gb must be > 0"),
+    (["--max-num-batched-tokens", "512"], "add --engine vllm"),
+    (["--engine", "vllm", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "must be >= max_num_seqs"),
+    (["--engine", "vllm", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
 ])
 def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys):
     assert serve_job.main(argv) == 2

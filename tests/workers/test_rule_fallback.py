@@ -175,7 +175,7 @@ def test_keyed_draws_do_not_depend_on_the_rest_of_the_batch(temperature):
 
 
 def test_an_invalid_request_rule_falls_back_to_lossless():
-    from workers.vllm_plugin import REQUEST_RULES
+    from workers.vllm_rules import REQUEST_RULES
 
     bad = REQUEST_RULES.get({"policy": "kl_judge", "params": {"threshold": -1}})
     assert bad.digest == "invalid"

@@ -33,6 +33,16 @@ def test_two_engines_on_one_device_fit_in_the_budget_together():
         memory_shares(VLLMSettings(gpu_memory_utilization=0.9, target_only_memory_utilization=0.88), shared=True)
 
 
+def test_the_scheduler_budget_reaches_vllm_only_when_set():
+    assert "max_num_batched_tokens" not in engine_kwargs(VLLMSettings(), *DIRS)  # vLLM's platform default
+    s = VLLMSettings(max_num_batched_tokens=512, max_num_seqs=8)
+    for draft in (DIRS[1], None):  # both engines
+        kw = engine_kwargs(s, DIRS[0], draft)
+        assert (kw["max_num_batched_tokens"], kw["max_num_seqs"]) == (512, 8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
+        VLLMSettings(max_num_batched_tokens=0)
+
+
 def test_a_rank_that_did_not_run_the_rule_fails_the_request_check():
     entry = {"steps": 3, "lossless_fallback_steps": 1, "rules": {"abc": 3}}
     both, totals = merge_rank_ledgers([{"requests": {"7-x": entry}}, {"requests": {"7-x": entry}, "totals": {"n": 1}}])

@@ -22,7 +22,7 @@ from policies.ragged import verify_flat
 from tests.workers.vllm_pair import PROMPTS, SETTINGS, L, clear, traces
 from workers.pair import tiny_random_pair
 from workers.vllm_engine import VLLMDecoder, VLLMUnavailable
-from workers.vllm_plugin import RULE_FILE_ENV, TRACE_DIR_ENV
+from workers.vllm_rules import RULE_FILE_ENV, TRACE_DIR_ENV
 from workers.vllm_settings import VLLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -233,7 +233,7 @@ def test_sampled_lossless_inside_vllm_keeps_the_target_distribution(engine, temp
 def test_native_mode_hands_verification_back_to_vllm(engine, cpu_engine):
     """policy "vllm-native": vLLM's own rejection sampler decides (the A/B baseline of bench_vllm);
     greedy lossless is the same either way, and the plugin reports which one ran."""
-    from workers.vllm_plugin import NATIVE, seen_rules
+    from workers.vllm_rules import NATIVE, seen_rules
 
     want = cpu_engine.autoregressive(PROMPTS[2], max_new_tokens=30).token_ids
     assert engine.generate(PROMPTS[2], NATIVE, draft_len=L, max_new_tokens=30).token_ids == want
