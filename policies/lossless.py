@@ -26,13 +26,11 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
     target = batch.target_f32[:, :-1]  # [B, L, V]
     temperature = batch.temperature
     if temperature == 0.0:
-        # d = argmax (first index among ties, as torch.argmax and target-only decoding pick):
-        # z(d) reaches the max and no earlier token does. amax + masked amax is ~10x cheaper than
-        # argmax over 152k logits on CPU.
+        # d = argmax, the first index among ties (torch.argmax's rule, as target-only decoding picks);
+        # ``score >= 0`` also rejects NaN rows. One argmax pass: on torch 2.13's CPU kernels it is ~5x
+        # cheaper than the masked amax ("no earlier token reaches the max") this replaced.
         score = gather_last(target, draft_ids) - batch.target_max  # [B, L], 0 where d is a max
-        vocab = torch.arange(target.shape[-1], device=target.device)
-        earlier = torch.where(vocab < draft_ids.unsqueeze(-1), target, float("-inf")).amax(dim=-1)
-        accepted = (score >= 0) & (earlier < batch.target_max)
+        accepted = (score >= 0) & (target.argmax(dim=-1) == draft_ids)
         return Decision(accepted=accepted, score=score)
     # Only p_t(d) and q(d) are needed: logit(d)/T - logsumexp(logits/T), no full softmax.
     target_scaled = target / temperature

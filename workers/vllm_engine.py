@@ -321,17 +321,22 @@ class VLLMDecoder:
         spec = {"policy": described["policy"], "params": described["params"], "seed": self.settings.seed}
         if rule_digest(spec) != self._digest:
             self._digest = write_rule(self.rule_file, spec["policy"], spec["params"], self.settings.seed)
-        self._rule_name = spec["policy"]
+        self._rule_name, self._rule_policy = spec["policy"], policy
 
     def _assert_rule_runs(self) -> None:
         """Start-up check: one short greedy generation must be decided by spectune's rule in every TP rank
         (each rank's own ledger entry for the request names the rule; vLLM's profiling run, which also
         goes through the plugin, does not count)."""
+        before = getattr(self, "_rule_policy", None)  # a restart mid-run: the rule file goes back to it after
         self._set_rule(make_policy("lossless"))
         n = 2 * self.settings.draft_len + 2
         rule = self._rule_spec("lossless")
-        (gen,) = self._run_many(SPECULATIVE, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return", stop_on_eos=False,
-                                rules=[rule], retry=False)
+        try:
+            (gen,) = self._run_many(SPECULATIVE, [[1, 2, 3, 4]], n, 0.0, 0, None, errors="return",
+                                    stop_on_eos=False, rules=[rule], retry=False)
+        finally:
+            if before is not None:
+                self._set_rule(before)
         if isinstance(gen, EngineDied):  # the new engine died in its first step: the next call tries again
             raise gen
         if isinstance(gen, VLLMUnavailable):

@@ -371,8 +371,8 @@ def register() -> None:
                 except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
                     STEP.rules = None
                     _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
-                if meta is not None:
-                    FAULTS.stall()  # tests: a step past vLLM's step timeout, or a worker about to be killed
+            if state is not None and state.spec_decode_metadata is not None:
+                FAULTS.stall()  # tests: a step past vLLM's step timeout, or a worker about to be killed
             try:
                 return orig_sample_tokens(self, grammar_output)
             finally:

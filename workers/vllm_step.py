@@ -221,15 +221,19 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         lengths = [int(num_draft_tokens[i]) for i in members]
         rows = torch.tensor([starts[i] + k for i in members for k in range(int(num_draft_tokens[i]))],
                             dtype=torch.long, device=device)
-        inputs = dict(draft_token_ids=draft_token_ids.index_select(0, rows).long(), num_draft_tokens=n_req,
-                      target_logits=target_logits.index_select(0, rows), bonus_token_ids=bonus.index_select(0, req),
+        # the step's only group (one rule, one temperature: the common case) takes the rows as they are:
+        # no copy of the [N, V] logits (~45 ms per step at 32 x 5 x 152k fp32 on this CPU)
+        whole = len(members) == b and int(rows.shape[0]) == int(target_logits.shape[0])
+        pick = (lambda x: x) if whole else (lambda x: x.index_select(0, rows))  # noqa: E731
+        inputs = dict(draft_token_ids=pick(draft_token_ids).long(), num_draft_tokens=n_req,
+                      target_logits=pick(target_logits), bonus_token_ids=bonus.index_select(0, req),
                       temperature=t, lengths=lengths)
-        group_draft = None if draft_logits is None else draft_logits.index_select(0, rows)
+        group_draft = None if draft_logits is None else pick(draft_logits)
         reason = detail = None
         hidden = weight = bias = None
         try:
             if _needs_hidden(pol) and target_hidden is not None:
-                hidden = target_hidden.index_select(0, rows)
+                hidden = pick(target_hidden)
                 weight, bias = lm_head() if lm_head is not None else (None, None)
             result = verify_flat(pol, **inputs, draft_logits=group_draft, target_hidden=hidden,
                                  lm_head_weight=weight, lm_head_bias=bias,

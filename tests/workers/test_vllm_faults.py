@@ -21,6 +21,7 @@ from policies import make_policy
 from tests.workers.vllm_pair import PROMPTS, SETTINGS, L, clear, traces
 from workers.vllm_common import process_alive
 from workers.vllm_engine import EngineDied, VLLMDecoder
+from workers.vllm_rules import NATIVE
 from workers.vllm_settings import STEP_TIMEOUT_ENV, VLLMSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -132,19 +133,21 @@ def _greedy(cpu_engine, n):
     return [cpu_engine.autoregressive(p, max_new_tokens=n).token_ids for p in PROMPTS]
 
 
-@pytest.mark.parametrize("target", ["worker", "core"])
-def test_a_killed_engine_is_replaced_and_the_batch_rerun(engine, cpu_engine, trace_dir, faults, target):
+@pytest.mark.parametrize("target,rule", [("worker", "lossless"), ("core", "lossless"), ("worker", NATIVE)])
+def test_a_killed_engine_is_replaced_and_the_batch_rerun(engine, cpu_engine, trace_dir, faults, target, rule):
     """A worker killed mid-batch (the OOM killer's way) makes vLLM's core fail and say so; a core killed by
     a signal says nothing, and vLLM's sync client would wait forever — spectune's watch wakes it. Either
-    way the batch reruns on a new engine and decodes what it would have."""
+    way the batch reruns on a new engine and decodes what it would have — with the rule it was run with
+    (the new engine's start-up check writes lossless to the rule file, then puts the batch's rule back)."""
     want = _greedy(cpu_engine, 24)
     deaths, retries = engine.engine_deaths, engine.batch_retries
     old = {w["pid"] for w in engine.worker_env()}
     faults(stall_s=90)  # the first speculative step stalls until the kill
     killed = kill_when_stalled(trace_dir, target)
     t0 = time.monotonic()
-    gens = engine.generate_batch(PROMPTS, "lossless", draft_len=L, max_new_tokens=24)
+    gens = engine.generate_batch(PROMPTS, rule, draft_len=L, max_new_tokens=24)
     assert time.monotonic() - t0 < 80, "the death was noticed, not waited out"
+    assert json.loads(engine.rule_file.read_text())["policy"] == rule
     assert len(killed) == 1
     assert [g.token_ids for g in gens] == want
     assert (engine.engine_deaths, engine.batch_retries) == (deaths + 1, retries + 1)
