@@ -74,9 +74,18 @@ def _row(engine: str, mode: str, label: str, gens: list[Any], items: list[Any], 
             "fallback_steps": sum(g.stats.lossless_fallback_steps for g, _ in ok), "load": os.getloadavg()[0]}
 
 
+def _fallbacks(row: dict) -> str:
+    """Lossless-fallback steps, with the plugin's reasons where the row has them: "2 (reason: 2)"."""
+    reasons = row.get("fallback_reasons") or {}
+    return str(row["fallback_steps"]) + (" (" + ", ".join(f"{k}: {v}" for k, v in reasons.items()) + ")"
+                                         if reasons else "")
+
+
 def _say(row: dict) -> None:
     print(f"[bench_batch] {row['engine']} {row['mode']} {row['config']}: {row['items']} items, {row['tokens']} tok "
-          f"in {row['wall_s']:.0f}s ({row['tok_s']:.2f} tok/s), load {row['load']:.2f}", file=sys.stderr, flush=True)
+          f"in {row['wall_s']:.0f}s ({row['tok_s']:.2f} tok/s), load {row['load']:.2f}"
+          + (f", lossless fallbacks {row['fallback_reasons']}" if row.get("fallback_reasons") else ""),
+          file=sys.stderr, flush=True)
 
 
 def _one(engine: Any, name: str, params: dict, ids: list[int], args: argparse.Namespace, stop: list[str] | None,
@@ -119,6 +128,7 @@ def batched(engine: Any, cfgs: list[tuple[str, str, dict]], bench: Any, items: l
     for r in range(args.rounds):  # configurations interleaved round by round
         for label, name, params in cfgs:
             common = dict(max_new_tokens=args.max_new_tokens, temperature=0.0, stop=stop)
+            before = dict(engine.fallback_totals.get("reasons", {}))
             t0 = time.perf_counter()
             if name == TARGET_ONLY:
                 gens = engine.autoregressive_batch(prompts, **common)
@@ -127,6 +137,9 @@ def batched(engine: Any, cfgs: list[tuple[str, str, dict]], bench: Any, items: l
                 gens = engine.generate_batch(prompts, policy, draft_len=args.draft_len, **common)
             row = _row("vLLM", f"batched {len(prompts)}", label, gens, items, bench, time.perf_counter() - t0)
             row["round"] = r + 1
+            # why steps fell back to lossless (the plugin's running totals, per reason, over this call)
+            after = engine.fallback_totals.get("reasons", {})
+            row["fallback_reasons"] = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
             rows.append(row)
             _say(row)
     return rows
@@ -143,6 +156,9 @@ def merge_rounds(rows: list[dict]) -> list[dict]:
         m = merged[key]
         for k in ("items", "failed", "tokens", "wall_s", "drafts", "correct", "fallback_steps"):
             m[k] += r[k]
+        for reason, n in r.get("fallback_reasons", {}).items():
+            m["fallback_reasons"] = reasons = dict(m.get("fallback_reasons", {}))
+            reasons[reason] = reasons.get(reason, 0) + n
         m["loads"].append(r["load"])
     for m in merged.values():
         m["tok_s"] = m["tokens"] / m["wall_s"] if m["wall_s"] > 0 else 0.0
@@ -214,7 +230,7 @@ def tables(rows: list[dict], args: argparse.Namespace, binding: str) -> str:
         mal = "—" if r["mean_acc_len"] is None or r["config"] == TARGET_ONLY else f"{r['mean_acc_len']:.2f}"
         detail.append(f"| {r['engine']} | {r['mode']} | {r['config']} | {r['items']} ({r['failed']}) | {r['tokens']} | "
                       f"{r['wall_s']:.0f} | {r['tok_s']:.2f} | {r['items_s']:.3f} | {mal} | "
-                      f"{r['correct']:.0f}/{r['items'] - r['failed']} | {r['fallback_steps']} | {r['load']:.2f} |")
+                      f"{r['correct']:.0f}/{r['items'] - r['failed']} | {_fallbacks(r)} | {r['load']:.2f} |")
     return "\n".join([head, "", *summary, "", *detail])
 
 

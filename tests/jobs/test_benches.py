@@ -68,5 +68,7 @@ def test_bench_batch_counts_only_finished_items_and_names_the_failure():
     assert dead["items_s"] == 0.0 and dead["failed"] == 2 and dead["first_error"] == "RuntimeError: engine died"
     half = bench_batch._row("vLLM", "batched 2", "lossless", [ok, ValueError("x")], [1, 2], bench, 2.0)
     assert half["items_s"] == 0.5 and half["tok_s"] == 5.0 and half["first_error"] == "ValueError: x"
-    (merged,) = bench_batch.merge_rounds([half, {**half, "load": 9.0}])
+    (merged,) = bench_batch.merge_rounds([{**half, "fallback_reasons": {"a": 1}},
+                                          {**half, "load": 9.0, "fallback_reasons": {"a": 2, "b": 1}}])
     assert merged["items_s"] == 0.5 and merged["failed"] == 2 and merged["load"] == 9.0
+    assert merged["fallback_reasons"] == {"a": 3, "b": 1}, "why steps fell back, summed over rounds"
