@@ -88,6 +88,12 @@ def verify_flat(
         return FlatVerification(out, num_accepted, accepted_all)
 
     vocab = target_logits.shape[1]
+    # vLLM's speculative placeholders (-1: a position the scheduler reserved but nothing was drafted
+    # for) and any other id outside the vocabulary are never accepted: the rule sees a valid id in their
+    # place (no out-of-bounds gather) and the request's accepted run stops there, so the position gets
+    # the target's token — what vLLM's own sampler does. No host read (clamp and compare on the device).
+    draft_ok = (draft_token_ids >= 0) & (draft_token_ids < vocab)
+    safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
@@ -97,7 +103,7 @@ def verify_flat(
         # The bonus slot (column L_max) is never read for a decision; repeat the last row there.
         index_plus = torch.cat([index, index[:, -1:]], dim=1)
         batch = VerifyBatch(
-            draft_token_ids=draft_token_ids.to(torch.long)[index],
+            draft_token_ids=safe_ids[index],
             draft_logits=_gather(draft_logits, index),
             target_logits=_gather(target_logits, index_plus),
             target_hidden=_gather(target_hidden, index_plus),
@@ -107,7 +113,7 @@ def verify_flat(
             generator=generator,
         )
         decision = policy.decide(batch)
-        accepted = decision.accepted & valid
+        accepted = decision.accepted & valid & draft_ok[index]
         n_acc = leading_run(accepted)  # [b]
         n_draft = num_draft_tokens[lo:hi].to(torch.long)
         emitted = emit_tokens(batch, n_acc, num_draft=n_draft)

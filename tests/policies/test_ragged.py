@@ -111,3 +111,29 @@ def test_mismatched_ragged_sizes_are_named():
         verify_flat(make_policy("lossless"), draft_token_ids=torch.zeros(4, dtype=torch.long),
                     num_draft_tokens=torch.tensor([2, 1]), target_logits=torch.zeros(4, 8),
                     bonus_token_ids=torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", RULES)
+def test_vllm_placeholder_drafts_are_never_accepted(name, temperature):
+    """vLLM's scheduler placeholders (-1) reach the rejection sampler as draft ids (seen at batch 32 on the
+    real pair: every rule raised "index -1 is out of bounds" and the step fell back to greedy). Every rule
+    now rejects such a position — the request's accepted run stops there and the position gets the
+    target's token — and leaves the other requests' decisions as they were."""
+    batch = make_batch(temperature=temperature, seed=3, batch_size=len(NUM_DRAFT))
+    flat = flatten(batch, NUM_DRAFT)
+    policy = example(name)
+    gen = torch.Generator().manual_seed(0)
+    clean = verify_flat(policy, bonus_token_ids=BONUS, generator=gen, **flat)
+    # request 0's 4th draft is a placeholder (and make the drafts before it the target's greedy choice)
+    flat["draft_token_ids"] = flat["draft_token_ids"].clone()
+    flat["draft_token_ids"][:3] = flat["target_logits"][:3].argmax(dim=-1)
+    flat["draft_token_ids"][3] = -1
+    got = verify_flat(policy, bonus_token_ids=BONUS, generator=torch.Generator().manual_seed(0), **flat)
+    assert int(got.num_accepted[0]) <= 3 and not bool(got.accepted[0, 3])
+    row = got.output_token_ids[0].tolist()
+    k = int(got.num_accepted[0])
+    assert all(0 <= t < flat["target_logits"].shape[1] for t in row[:k + 1]) and row[k + 1:] == [-1] * (5 - k)
+    if temperature == 0.0 and not get_spec(name).lossy:
+        assert k == 3 and row[3] == int(flat["target_logits"][3].argmax()), "the target's token at the placeholder"
+    assert got.output_token_ids[1:].tolist() == clean.output_token_ids[1:].tolist() or temperature > 0
