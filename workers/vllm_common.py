@@ -142,6 +142,18 @@ class EngineDied(VLLMUnavailable):
     or the core killed, for memory or otherwise): the requests in it failed, the engine is replaced."""
 
 
+def lose_batch(order: list[int], results: list[Any], died: EngineDied, errors: str, runs: int) -> list[Any]:
+    """Every request (``order``: their slots in ``results``) of a batch whose engine died under its last
+    run fails with one EngineDied; ``errors="raise"`` raises it."""
+    err = EngineDied(f"{len(order)} request(s) lost after {runs} run(s) of their batch, the last one on an "
+                     f"engine that died: {died}")
+    if errors == "raise":
+        raise err from died
+    for i in order:
+        results[i] = err
+    return results
+
+
 def engine_dead(llm: Any) -> bool:
     """Whether vLLM marked this engine (offline ``LLM`` or ``AsyncLLM``) dead: its core process exited,
     or failed and said so. Never raises."""

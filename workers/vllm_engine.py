@@ -54,6 +54,7 @@ from workers.vllm_common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
     engine_dead,
     engine_kwargs,
     is_engine_death,
+    lose_batch,
     merge_rank_ledgers,
     reap_workers,
     rule_missing,
@@ -397,17 +398,6 @@ class VLLMDecoder:
         logger.warning("%s", msg)
         return EngineDied(msg)
 
-    @staticmethod
-    def _lost(order: list[int], results: list[Any], died: EngineDied, errors: str, runs: int) -> list[Any]:
-        """Every request of a batch whose engine died under its last run fails with one EngineDied."""
-        err = EngineDied(f"{len(order)} request(s) lost after {runs} run(s) of their batch, the last one on an "
-                         f"engine that died: {died}")
-        if errors == "raise":
-            raise err from died
-        for i in order:
-            results[i] = err
-        return results
-
     def _take_ledger(self, llm: Any) -> dict[str, dict[str, Any]]:
         """The plugin's per-request records from the worker(s) since the last call (then cleared), keyed
         by vLLM's internal request id *and* by the external id it was made from ("<external>-<8 random
@@ -459,7 +449,7 @@ class VLLMDecoder:
                 if attempt + 1 < attempts:
                     self.batch_retries += 1
                     continue
-                return self._lost(order, results, err, errors, attempt + 1)
+                return lose_batch(order, results, err, errors, attempt + 1)
             try:
                 if speculative:
                     self._take_ledger(llm)  # start clean: what follows belongs to these requests
@@ -475,7 +465,7 @@ class VLLMDecoder:
                     if attempt + 1 < attempts:
                         self.batch_retries += 1
                         continue
-                    return self._lost(order, results, died, errors, attempt + 1)
+                    return lose_batch(order, results, died, errors, attempt + 1)
                 if errors == "raise" or len(order) == 1:
                     raise
                 # vLLM refused the batch (a request it rejects that the checks above let through): one by
