@@ -29,7 +29,6 @@ from workers.vllm_common import (
     EngineDied,
     VLLMProcessSetup,
     VLLMUnavailable,
-    engine_dead,
     engine_kwargs,
     merge_rank_ledgers,
     rule_missing,
@@ -83,7 +82,7 @@ class AsyncVLLMDecoder:
         ``AsyncLLM`` is not restarted under requests in flight: the server reports itself unhealthy and
         Ray Serve replaces the replica (a new process, a new engine)."""
         for name, engine in (("speculative", self.engine), ("target-only reference", self._reference)):
-            if engine is not None and (engine_dead(engine) or getattr(engine, "errored", False)):
+            if engine is not None and getattr(engine, "errored", False):  # AsyncLLM: its core dead or its loop
                 return (f"the {name} vLLM engine died (a step past VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, a worker "
                         "or the engine core killed; vLLM's log names the cause)")
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -207,21 +208,16 @@ class DeathWatch:
     once per ``period`` seconds and wakes it with the error."""
 
     def __init__(self, llm: Any, period: float = 1.0) -> None:
-        import threading
-
-        self.client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        self.period = period
+        self.llm, self.period = llm, period
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True, name="spectune-engine-death-watch")
-        self.woke = False
 
     def _watch(self) -> None:
-        queue = getattr(self.client, "outputs_queue", None)
+        queue = getattr(getattr(getattr(self.llm, "llm_engine", None), "engine_core", None), "outputs_queue", None)
         while queue is not None and not self.stop.wait(self.period):
-            if getattr(getattr(self.client, "resources", None), "engine_dead", False):
+            if engine_dead(self.llm):
                 from vllm.v1.engine.exceptions import EngineDeadError
 
-                self.woke = True
                 queue.put_nowait(EngineDeadError())
                 return
 
