@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs import bench_batch, bench_engine, bench_quality, load_serve
+from jobs import bench_batch, bench_engine, bench_quality, bench_step, load_serve
 from workers import calibrate
 
 
@@ -19,6 +19,8 @@ from workers import calibrate
     (bench_batch.main, ["--items", "8", "--b1-items", "9"], "--b1-items must be between 0 and --items (8)"),
     (bench_batch.main, ["--kv-cache-gb", "0"], "--kv-cache-gb > 0"),
     (bench_batch.main, ["--rule", "dropmatch:p_drop=2"], "p_drop"),
+    (bench_step.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
+    (bench_step.main, ["--requests", "0"], "--requests must be >= 1"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
@@ -72,3 +74,13 @@ def test_bench_batch_counts_only_finished_items_and_names_the_failure():
                                           {**half, "load": 9.0, "fallback_reasons": {"a": 2, "b": 1}}])
     assert merged["items_s"] == 0.5 and merged["failed"] == 2 and merged["load"] == 9.0
     assert merged["fallback_reasons"] == {"a": 3, "b": 1}, "why steps fell back, summed over rounds"
+
+
+def test_bench_step_times_each_rule_against_argmax(capsys):
+    assert bench_step.main(["--requests", "3", "--draft-len", "2", "--vocab", "50", "--reps", "2",
+                            "--rule", "lossless", "--rule", "kl_judge:threshold=0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "lossless (decide_step)", "kl_judge {'threshold': 0.5} (decide_step)", "argmax only (vLLM's greedy core)"]
+    assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out
