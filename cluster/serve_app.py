@@ -185,7 +185,7 @@ class SpecDecodeServer:
         self.streaming = self.s.engine == "vllm"
         if self.streaming:
             from workers.engines import vllm_settings
-            from workers.vllm_async import AsyncVLLMDecoder
+            from workers.vllm.async_engine import AsyncVLLMDecoder
 
             self.engine = AsyncVLLMDecoder(self.s.pair, vllm_settings(
                 self.s.vllm, dtype=self.s.dtype, draft_len=self.s.draft_len,

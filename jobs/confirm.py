@@ -2,10 +2,10 @@
 
 The search (Optuna, pruning, the Pareto front) runs on the benchmark's search split. Here, per
 budget, the search's feasible Pareto candidates are ordered safest first and confirmed on the
-confirmation split with the fixed-sequence procedure of ``workers.certify`` (each at the full
+confirmation split with the fixed-sequence procedure of ``workers.certify.decide`` (each at the full
 alpha, stop at the first failure: family-wise error <= alpha). This module only runs the
 evaluations and assembles what the report, MLflow and Serve read; every decision about what
-counts as certified is ``workers.certify``'s.
+counts as certified is ``workers.certify.decide``'s.
 
 Paired scores count a failed item as a failure (score 0) in the arm that failed, so a rule that
 crashes items never looks better for it. A candidate confirmed for one budget is not evaluated
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.certify import (
+from workers.certify.decide import (
     Candidate,
     Certificate,
     DropBound,

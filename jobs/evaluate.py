@@ -20,11 +20,11 @@ import time
 
 from jobs.records import RecordStore, reference_dir, runs_root, slug
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
-from workers.calibrate import CostProfile, get_profile
 from workers.cli import parse_params  # noqa: F401  (re-exported: jobs.serve, tests)
-from workers.engine import SpecDecoder
+from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics import NoiseFloor, TrialMetrics, aggregate, noise_floor
+from workers.models.calibrate import CostProfile, get_profile
 
 
 def parse_shard(text: str | None) -> tuple[int, int] | None:
@@ -125,8 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from workers.assets import AssetError
-    from workers.pair import load_pair
+    from workers.models.assets import AssetError
+    from workers.models.pair import load_pair
 
     bench = get_benchmark(args.benchmark)
     max_new = args.max_new_tokens or bench.default_max_new_tokens

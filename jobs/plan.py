@@ -5,7 +5,7 @@
 
 From numbers, or from a pilot: two record directories (a trial run and its reference, as written
 by ``jobs.records.RecordStore``), paired by item id; a failed item scores 0 in its arm. The plan is
-``workers.certify.items_needed``: a normal approximation of the score test (about
+``workers.certify.decide.items_needed``: a normal approximation of the score test (about
 6.2 d / (b - drop)^2 at alpha = .05 and 80% power); for bounded scores the betting bound used to
 certify needs more (roughly twice). Knows nothing about models, Ray or MLflow.
 """
@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from workers.certify import ALPHA, drop_bound, items_needed
+from workers.certify.decide import ALPHA, drop_bound, items_needed
 from workers.cli import one_line_errors
 
 

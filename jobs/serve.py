@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = args_to_spec(args)
         settings = settings_from(spec)
-        from workers.pair import check_pair_name
+        from workers.models.pair import check_pair_name
 
         check_pair_name(settings.pair, settings.dtype)
     except ValueError as err:

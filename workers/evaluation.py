@@ -16,7 +16,7 @@ from typing import Any
 
 from policies import make_policy
 from workers.benchmarks import Benchmark, Item
-from workers.engine import SpecDecoder
+from workers.cpu_engine import SpecDecoder
 from workers.prompts import encode_chat
 from workers.stats import GenerationStats
 

@@ -1,10 +1,10 @@
 """From per-item ``Record``s to a trial's metrics, paired with the references on the same items.
 
-Pure Python over records: no models, no storage, no Ray/MLflow. Conventions (DESIGN.md):
+Pure Python over records: no models, no storage, no Ray/MLflow. Conventions (docs/design.md):
 
 - accuracy: the benchmark's own score, mean over attempted items, a failed item counting as 0 in
   the arm that failed (a rule that crashes items must not look better for it), with a bootstrap
-  95% interval (a description of the search items; certificates come from ``workers.certify``);
+  95% interval (a description of the search items; certificates come from ``workers.certify.decide``);
 - accuracy_drop = reference accuracy - accuracy, paired on items both runs attempted, with a
   bootstrap interval of the paired differences (positive = worse than target-only);
 - measured speedup: per-item tokens/s ratio, then the mean (Spec-Bench's convention);

@@ -14,7 +14,7 @@ from cluster.openai_api import (
     parse_completion,
     parse_spec,
 )
-from workers.pair import tiny_tokenizer
+from workers.models.pair import tiny_tokenizer
 
 MODEL = "spectune/tiny-random"
 DEFAULT = SpecChoice("kl_judge", {"threshold": 0.5}, 5)

@@ -116,12 +116,12 @@ def test_rayservice_serve_config_validates_and_builds_settings(variant):
 
 
 def test_prefetch_job_runs_commands_that_exist():
-    from workers import assets
+    from workers.models import assets
 
     (job,) = docs("prefetch-assets.yaml")
     script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
     calls = re.findall(r"python -m ([\w.]+) (\w+)", script)
-    assert {m for m, _ in calls} == {"workers.assets", "workers.benchmarks"}
+    assert {m for m, _ in calls} == {"workers.models.assets", "workers.benchmarks"}
     assert {c for _, c in calls} == {"fetch", "verify"}
     for module, _ in calls:
         assert importlib.util.find_spec(module) is not None
@@ -161,6 +161,6 @@ def test_gpu_image_installs_vllm_as_the_extra_pins_and_declares_the_plugin():
     pin = re.search(r'vllm = \["vllm==([\d.]+)"\]', pyproject).group(1)
     assert f'"vllm=={pin}"' in dockerfile
     assert "pip install --no-deps ." in dockerfile and "spectune_rules" in dockerfile
-    assert 'spectune_rules = "workers.vllm_plugin:register"' in pyproject
+    assert 'spectune_rules = "workers.vllm.plugin:register"' in pyproject
     for package in ("policies", "workers", "cluster", "jobs", "dashboards"):
         assert f"COPY {package} ./{package}" in dockerfile

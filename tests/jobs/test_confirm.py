@@ -9,7 +9,7 @@ import pytest
 
 from jobs.confirm import Confirmation, ordered_prefix, paired, speed_figures
 from tests.workers.test_metrics import rec
-from workers.certify import Candidate
+from workers.certify.decide import Candidate
 
 
 def test_a_failed_item_counts_as_a_failure_in_the_arm_that_failed():

@@ -9,7 +9,7 @@ import pytest
 
 from jobs.plan import main
 from jobs.records import RecordStore
-from workers.certify import drop_bound, items_needed
+from workers.certify.decide import drop_bound, items_needed
 from workers.evaluation import Record
 
 

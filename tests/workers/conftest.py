@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from workers.engine import SpecDecoder
-from workers.pair import save_tiny_pair, tiny_random_pair
-from workers.vllm_faults import FAULTS_ENV
-from workers.vllm_rules import TRACE_DIR_ENV
+from workers.cpu_engine import SpecDecoder
+from workers.models.pair import save_tiny_pair, tiny_random_pair
+from workers.vllm.faults import FAULTS_ENV
+from workers.vllm.rules import TRACE_DIR_ENV
 
 
 @pytest.fixture(scope="module")

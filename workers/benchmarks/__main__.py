@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workers.assets import AssetError
 from workers.benchmarks import BENCHMARKS, fetch_benchmarks, get_benchmark
 from workers.benchmarks.data import benchmark_dir, verify
+from workers.models.assets import AssetError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,7 +148,7 @@ class BenchmarkBase:
     def _split(self, split: str, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
         """Default: a seeded half of the items each (by hash of the id, so adding rows moves no
         other item), file order kept inside each half. Benchmarks with a train split override it."""
-        from workers.certify import split_ids
+        from workers.certify.decide import split_ids
 
         items = self._load(cache_dir)
         search, _ = split_ids([it.id for it in items], SPLIT_SEED)

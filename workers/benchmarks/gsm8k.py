@@ -90,7 +90,7 @@ class GSM8K(BenchmarkBase):
     name = "gsm8k"
     files = FILES
     stop: tuple[str, ...] = ()
-    default_max_new_tokens = 512  # zero-shot answers of the coder pair run past 256 (shared/ASSETS.md)
+    default_max_new_tokens = 512  # zero-shot answers of the coder pair run past 256 (docs/assets.md)
     max_shots = NUM_SHOTS
 
     def _load(self, cache_dir: str | os.PathLike[str] | None) -> list[Item]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.assets import cache_root
 from workers.benchmarks import fetch_benchmarks
+from workers.models.assets import cache_root
 
 
 @pytest.fixture(scope="session")

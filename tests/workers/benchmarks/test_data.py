@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from workers.assets import AssetError
 from workers.benchmarks import BENCHMARKS, Benchmark, fetch_benchmarks, get_benchmark
 from workers.benchmarks.__main__ import main as cli
 from workers.benchmarks.data import DataFile, fetch_files
+from workers.models.assets import AssetError
 
 EXPECTED = {"gsm8k": 1319, "mmlu": 14042, "humaneval": 164, "ifeval": 541, "mtbench": 80}
 

@@ -1,0 +1,90 @@
+"""The measurement scripts: bad input is one line naming it; bench_quality runs, resumes and tabulates."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.bench import batch as bench_batch
+from jobs.bench import cpu_engine as bench_engine
+from jobs.bench import load_serve
+from jobs.bench import quality as bench_quality
+from jobs.bench import step as bench_step
+from workers.models import calibrate
+
+
+@pytest.mark.parametrize("main,argv,words", [
+    (bench_quality.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
+    (bench_quality.main, ["--rule", "kl_judge:threshold"], "--rule must look like"),
+    (bench_quality.main, ["--rule", "kl_judge:threshold=-1"], "threshold"),
+    (bench_quality.main, ["--pair", "nope"], "unknown pair 'nope'"),
+    (bench_engine.main, ["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (calibrate.main, ["--pair", "nope"], "unknown pair 'nope'"),
+    (bench_batch.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
+    (bench_batch.main, ["--items", "8", "--b1-items", "9"], "--b1-items must be between 0 and --items (8)"),
+    (bench_batch.main, ["--kv-cache-gb", "0"], "--kv-cache-gb > 0"),
+    (bench_batch.main, ["--rule", "dropmatch:p_drop=2"], "p_drop"),
+    (bench_step.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
+    (bench_step.main, ["--requests", "0"], "--requests must be >= 1"),
+])
+def test_bad_input_is_one_line(main, argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+def test_bench_quality_tabulates_every_config_and_resumes(tmp_path, capsys):
+    argv = ["--pair", "tiny-random", "--dtype", "fp32", "--items", "3", "--shots", "0", "--max-new-tokens", "8",
+            "--rule", "top_k:k=3", "--runs-root", str(tmp_path)]
+    assert bench_quality.main(argv) == 0
+    out, err = capsys.readouterr()
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| config")]
+    assert [r.split(" | ")[0] for r in rows] == ["| target-only", "| lossless() L=5", "| top_k(k=3) L=5"]
+    assert "[3/3]" in err and "noise floor" in out
+    assert bench_quality.main(argv) == 0  # everything cached: nothing recomputed
+    out2, err2 = capsys.readouterr()
+    assert "[1/" not in err2 and "all cached" in out2
+
+
+def test_load_serve_tabulates_each_concurrency_against_the_fewest_clients():
+    def samples(phase, n, tokens, drafts):
+        return [load_serve.Sample(phase, 200, 2.0 + i, 0.5, tokens, drafts) for i in range(n)]
+
+    phases = {f"{p}@{c}": {"samples": samples(p, c * 2, 60, 20 if p == "lossless" else 30), "wall_s": 10.0,
+                           "load": 1.0, "label": p, "phase": p, "clients": c}
+              for c in (1, 4) for p in ("served", "lossless")}
+    table = load_serve.summarize(phases).splitlines()
+    assert len(table) == 2 + 4
+    four_served = next(line for line in table if line.startswith("| 4 | served |"))
+    cells = [c.strip() for c in four_served.split("|")]
+    assert cells[10] == "48.00" and cells[11] == "4.00x"  # 8 x 60 tokens in 10 s; 4x the 1-client phase
+    assert cells[12] == "2.00" and cells[14] == "1.00x"  # mean acceptance 60/30; vs lossless at 4 clients
+    one_served = next(line for line in table if line.startswith("| 1 | served |"))
+    assert [c.strip() for c in one_served.split("|")][11] == "—"
+
+
+def test_bench_batch_counts_only_finished_items_and_names_the_failure():
+    """A shard whose engine died: its items/s is 0 (not items / a near-zero wall time), and the first
+    error travels with the row (main() prints it and exits 1)."""
+    from types import SimpleNamespace
+
+    stats = SimpleNamespace(num_generated=10, num_drafts=4, lossless_fallback_steps=1)
+    bench = SimpleNamespace(score=lambda item, texts: SimpleNamespace(score=1.0))
+    ok = SimpleNamespace(stats=stats, text="42")
+    dead = bench_batch._row("vLLM", "batched 2", "target-only", [RuntimeError("engine died")] * 2, [1, 2], bench, 0.01)
+    assert dead["items_s"] == 0.0 and dead["failed"] == 2 and dead["first_error"] == "RuntimeError: engine died"
+    half = bench_batch._row("vLLM", "batched 2", "lossless", [ok, ValueError("x")], [1, 2], bench, 2.0)
+    assert half["items_s"] == 0.5 and half["tok_s"] == 5.0 and half["first_error"] == "ValueError: x"
+    (merged,) = bench_batch.merge_rounds([{**half, "fallback_reasons": {"a": 1}},
+                                          {**half, "load": 9.0, "fallback_reasons": {"a": 2, "b": 1}}])
+    assert merged["items_s"] == 0.5 and merged["failed"] == 2 and merged["load"] == 9.0
+    assert merged["fallback_reasons"] == {"a": 3, "b": 1}, "why steps fell back, summed over rounds"
+
+
+def test_bench_step_times_each_rule_against_argmax(capsys):
+    assert bench_step.main(["--requests", "3", "--draft-len", "2", "--vocab", "50", "--reps", "2",
+                            "--rule", "lossless", "--rule", "kl_judge:threshold=0.5"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == [
+        "lossless (decide_step)", "kl_judge {'threshold': 0.5} (decide_step)", "argmax only (vLLM's greedy core)"]
+    assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out

@@ -1,0 +1,165 @@
+"""The project's floors, checked from its own imports (every import statement, inside functions too).
+
+From the bottom up: ``policies`` (tensor maths) and ``dashboards`` (frames and plots); ``workers`` (a
+pair on one machine: engines, benchmarks, certification; no Ray); ``cluster`` (Ray actors and Serve);
+``jobs`` (the commands; the only floor with Optuna and MLflow). Inside ``workers``: ``certify`` is pure
+statistics, ``models`` knows no engine, only ``workers/vllm`` imports vLLM and only inside functions,
+and no two of its packages import each other in a circle.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOORS = ("policies", "dashboards", "workers", "cluster", "jobs")
+
+
+def modules(top: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module under one top-level package."""
+    out = {}
+    for path in sorted((ROOT / top).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(module: str, path: Path) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at module level) for every import in the file; relative imports resolved."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    top_level = {id(node) for node in tree.body}
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno, id(node) in top_level) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, node.lineno, id(node) in top_level))
+            out += [(f"{base}.{alias.name}", node.lineno, id(node) in top_level) for alias in node.names]
+    return out
+
+
+ALL = {name: path for top in FLOORS for name, path in modules(top).items()}
+EDGES = {name: imports(name, path) for name, path in ALL.items()}
+
+
+def offenders(where, forbidden):
+    """Imports from modules matching ``where`` of modules matching ``forbidden``: 'file:line imports name'."""
+    bad = []
+    for name, edges in EDGES.items():
+        if not where(name):
+            continue
+        for target, line, _ in edges:
+            if forbidden(target):
+                bad.append(f"{ALL[name].relative_to(ROOT)}:{line} imports {target}")
+    return sorted(set(bad))
+
+
+def under(*prefixes):
+    return lambda name: any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_tree_is_read():
+    # a rename that left the walk reading nothing would pass every rule below
+    assert len(ALL) > 80 and {"workers.vllm.plugin", "workers.certify.decide", "jobs.sweep"} <= set(ALL)
+    assert sum(len(edges) for edges in EDGES.values()) > 500
+
+
+@pytest.mark.parametrize("floor, forbidden", [
+    ("policies", ("workers", "cluster", "jobs", "dashboards", "ray", "optuna", "mlflow", "vllm", "transformers")),
+    ("dashboards", ("policies", "workers", "cluster", "jobs", "ray", "optuna", "mlflow", "vllm", "torch")),
+    ("workers", ("cluster", "jobs", "dashboards", "ray", "optuna", "mlflow")),
+    ("cluster", ("jobs", "dashboards", "optuna", "mlflow")),
+])
+def test_no_import_runs_back_up(floor, forbidden):
+    assert offenders(under(floor), under(*forbidden)) == []
+
+
+def test_optuna_and_mlflow_live_in_jobs_alone():
+    assert offenders(lambda n: not n.startswith("jobs."), under("optuna", "mlflow")) == []
+    assert offenders(lambda n: n != "jobs.tracking", under("mlflow")) == []  # one module owns MLflow
+
+
+def test_only_workers_vllm_imports_vllm_and_only_inside_functions():
+    assert offenders(lambda n: not n.startswith("workers.vllm"), under("vllm")) == []
+    at_module_level = [f"{ALL[name].relative_to(ROOT)}:{line}" for name, edges in EDGES.items()
+                       for target, line, top in edges if top and under("vllm")(target)]
+    assert at_module_level == [], "every module must import where vLLM is not installed"
+
+
+def test_certification_is_pure_statistics():
+    allowed = under("workers.certify", "torch", "math", "functools", "statistics", "collections", "dataclasses",
+                    "typing", "hashlib", "__future__", "random")
+    assert offenders(under("workers.certify"), lambda t: not allowed(t)) == []
+
+
+def test_models_know_no_engine_and_no_rule():
+    assert offenders(under("workers.models"), under("policies", "workers.cpu_engine", "workers.vllm",
+                                                    "workers.engines", "workers.evaluation",
+                                                    "workers.benchmarks", "workers.certify")) == []
+
+
+def test_benchmarks_know_no_engine_and_no_rule():
+    # they share the asset cache (workers.models.assets) and the splits (workers.certify), nothing above
+    assert offenders(under("workers.benchmarks"), under("policies", "workers.models.pair", "workers.cpu_engine",
+                                                        "workers.vllm", "workers.engines", "workers.evaluation",
+                                                        "workers.metrics")) == []
+
+
+def test_the_rest_of_workers_reaches_vllm_only_through_the_engine_choice():
+    assert offenders(lambda n: n.startswith("workers.") and not n.startswith("workers.vllm")
+                     and n != "workers.engines", under("workers.vllm")) == []
+
+
+def unit(name: str) -> str:
+    """The room a module belongs to: a package of workers/ (workers.vllm) or a top-level module of it."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "workers" else parts[0]
+
+
+def test_no_circle_between_rooms():
+    graph: dict[str, set[str]] = {}
+    for name, edges in EDGES.items():
+        for target, _, _ in edges:
+            head = ".".join(target.split(".")[:2])
+            candidates = [m for m in (target, head, target.split(".")[0]) if m in ALL]
+            if candidates and unit(candidates[0]) != unit(name):
+                graph.setdefault(unit(name), set()).add(unit(candidates[0]))
+    seen: dict[str, int] = {}
+
+    def visit(node, stack):
+        seen[node] = 1
+        for nxt in graph.get(node, ()):
+            if seen.get(nxt) == 1:
+                raise AssertionError("circle: " + " -> ".join(stack[stack.index(nxt):] + [node, nxt]))
+            if nxt not in seen:
+                visit(nxt, stack + [node])
+        seen[node] = 2
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node, [])
+    assert "workers.vllm" in graph and "workers.certify" in {u for us in graph.values() for u in us}
+
+
+def test_the_main_environment_and_the_vllm_environment_share_out_every_test_module():
+    """A test module the main run ignores must be one the Makefile's vLLM run names: else it never runs."""
+    from tests.conftest import VLLM_ONLY
+
+    makefile = (ROOT / "Makefile").read_text()
+    vllm_run = next(line for line in makefile.splitlines() if ".vllm-venv/bin/python -m pytest" in line)
+    listed = sorted(p.removeprefix("tests/") for p in re.findall(r"tests/\S+\.py", vllm_run))
+    assert listed == sorted(VLLM_ONLY)
+    for rel in VLLM_ONLY:
+        assert (ROOT / "tests" / rel).is_file(), rel
+        assert "pytest.mark.vllm" in (ROOT / "tests" / rel).read_text(), rel

@@ -1,0 +1,121 @@
+"""Pieces of the vLLM engines that need no vLLM: memory shares of the two engines on one device, the
+per-rank merge of the plugin's ledgers, the exact draft distribution handed to the rules, and the
+number of device-to-host syncs one verify step makes. Main environment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from policies import make_policy
+from tests.workers.vllm.test_rule_fallback import D, V, step_inputs
+from workers.vllm.common import engine_kwargs, memory_shares, merge_rank_ledgers, rule_missing
+from workers.vllm.host_syncs import HostSyncs
+from workers.vllm.plugin import sampled_as_logits
+from workers.vllm.settings import VLLMSettings
+from workers.vllm.step import decide_step
+
+DIRS = (Path("/pair/target"), Path("/pair/draft"))
+
+
+def test_two_engines_on_one_device_fit_in_the_budget_together():
+    s = VLLMSettings(gpu_memory_utilization=0.9)
+    spec = engine_kwargs(s, *DIRS, shared=True)["gpu_memory_utilization"]
+    ref = engine_kwargs(s, DIRS[0], None, shared=True)["gpu_memory_utilization"]
+    assert spec + ref <= 0.9 + 1e-9 and ref < spec, (spec, ref)
+    # one at a time (vLLM-CPU, or the reference elsewhere): each may take the whole budget
+    assert memory_shares(s, shared=False) == (0.9, 0.9)
+    assert memory_shares(VLLMSettings(gpu_memory_utilization=0.9, target_only_memory_utilization=0.3),
+                         shared=True) == (0.6, 0.3)
+    with pytest.raises(ValueError, match="target_only_memory_utilization 0.88 leaves the speculative engine"):
+        memory_shares(VLLMSettings(gpu_memory_utilization=0.9, target_only_memory_utilization=0.88), shared=True)
+
+
+def test_the_scheduler_budget_reaches_vllm_only_when_set():
+    assert "max_num_batched_tokens" not in engine_kwargs(VLLMSettings(), *DIRS)  # vLLM's platform default
+    s = VLLMSettings(max_num_batched_tokens=512, max_num_seqs=8)
+    for draft in (DIRS[1], None):  # both engines
+        kw = engine_kwargs(s, DIRS[0], draft)
+        assert (kw["max_num_batched_tokens"], kw["max_num_seqs"]) == (512, 8)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be an integer >= 1"):
+        VLLMSettings(max_num_batched_tokens=0)
+
+
+def test_a_rank_that_did_not_run_the_rule_fails_the_request_check():
+    entry = {"steps": 3, "lossless_fallback_steps": 1, "rules": {"abc": 3}}
+    both, totals = merge_rank_ledgers([{"requests": {"7-x": entry}}, {"requests": {"7-x": entry}, "totals": {"n": 1}}])
+    assert both["7-x"]["rules"] == {"abc"} and both["7-x"]["ranks_without"] == [] and totals == {"n": 1}
+    one, _ = merge_rank_ledgers([{"requests": {"7-x": entry}}, {"requests": {}}])
+    assert one["7-x"]["rules"] == set() and one["7-x"]["ranks_without"] == [1]
+    assert one["7-x"]["steps"] == 3 and one["7-x"]["lossless_fallback_steps"] == 1
+    assert "in TP rank(s) [1]" in str(rule_missing("request 0", 5, "lossless", one["7-x"]))
+
+
+@pytest.mark.parametrize("temperature", [0.7, 0.3, 1.3])
+def test_the_rules_see_exactly_the_distribution_vllm_drew_the_draft_from(temperature):
+    """vLLM draws draft tokens from softmax(bf16 logits / T) (division in bf16, in place). The rules get
+    T * log(that) and compute softmax(x / T) in fp32: the same distribution to fp32 rounding, where a
+    recomputation from the fp32 logits is off by bf16's rounding of the division."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 4000, generator=g) * 4).to(torch.bfloat16)
+    temps = torch.full((6,), temperature)
+    vllm_probs = logits.clone().div_(temps.to(torch.bfloat16).view(-1, 1)).softmax(dim=-1, dtype=torch.float32)
+    x = sampled_as_logits(vllm_probs, temps)
+    rule_q = torch.softmax(x / temperature, dim=-1)  # what policies.distributions does with it
+    assert (rule_q - vllm_probs).abs().max() < 1e-6
+    recomputed = torch.softmax(logits.float() / temperature, dim=-1)
+    assert (recomputed - vllm_probs).abs().max() > 1e-4, "bf16's division should differ from fp32's here"
+    # vLLM's greedy rows in a mixed batch are divided by 1: the rules get T = 1 log-probs there
+    greedy = sampled_as_logits(vllm_probs, torch.zeros(6))
+    assert torch.allclose(greedy, torch.log(vllm_probs.clamp_min(torch.finfo(torch.float32).tiny)))
+
+
+def test_host_syncs_are_counted():
+    t = torch.arange(6.0)
+    with HostSyncs() as s:
+        int(t.sum())
+        t[t > 2].sum()
+        t.tolist()
+        torch.nonzero(t)
+    assert s.by_kind == {"item": 1, "bool_index": 1, "tolist": 1, "nonzero": 1}, s.by_kind
+
+
+# The most device-to-host syncs one group of requests (one rule, one temperature) costs in a verify step
+# (decide_step; the plugin adds one .tolist() of the temperatures at T > 0): the finiteness guards of the
+# KL/entropy rules and the residual check of sampling. The draft counts come from vLLM as a host list.
+SYNC_BUDGET = {0.0: 1, 0.8: 2}
+
+
+@pytest.mark.parametrize("temperature", sorted(SYNC_BUDGET))
+@pytest.mark.parametrize("rule", [("lossless", {}), ("dropmatch", {"criterion": "js", "k": 5, "p_drop": 0.3}),
+                                  ("kl_judge", {"threshold": 0.5}), ("top_k", {"k": 4}), ("typical", {})])
+def test_one_verify_step_makes_at_most_a_couple_of_host_syncs(rule, temperature):
+    b = 64
+    inputs, draft, g = step_inputs([5] * b)
+    hidden = torch.randn(5 * b, D, generator=g)
+    head = (torch.randn(V, D, generator=g), None)
+    policy = make_policy(rule[0], **rule[1])
+    kwargs = dict(**inputs, temperatures=[temperature] * b, draft_logits=draft, target_hidden=hidden,
+                  lm_head=lambda: head)
+    with HostSyncs() as one_group:
+        out = decide_step(policy, **kwargs)
+    assert out.fallback == [None] * b
+    assert one_group.total <= SYNC_BUDGET[temperature], dict(one_group.by_kind)
+    kwargs["temperatures"] = [temperature, 2 * temperature] * (b // 2)  # two groups: twice, not per request
+    with HostSyncs() as two_groups:
+        decide_step(policy, **kwargs)
+    assert two_groups.total <= 2 * SYNC_BUDGET[temperature], dict(two_groups.by_kind)
+
+
+@pytest.mark.parametrize("rule,needs", [(("lossless", {}), False), (("top_k", {"k": 4}), False),
+                                        (("dropmatch", {"criterion": "naive"}), False), (("typical", {}), False),
+                                        (("kl_judge", {"threshold": 0.5}), True),
+                                        (("dropmatch", {"criterion": "js"}), True), (("draft_entropy", {}), True)])
+def test_which_rules_read_the_draft_distribution_at_t0(rule, needs):
+    """Greedy steps whose rules never read q let vLLM draft on its own (no full-vocabulary log-softmax and
+    cached distribution per draft token); the probe decides which rules those are."""
+    from workers.vllm.step import needs_draft_distribution
+
+    assert needs_draft_distribution(make_policy(rule[0], **rule[1])) is needs

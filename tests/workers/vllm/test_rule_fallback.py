@@ -1,0 +1,188 @@
+"""The vLLM plugin's step decision without vLLM: a rule that cannot decide a step (an input missing, or
+it raised) leaves that step to the lossless rule, per request, counted — never an exception.
+
+vLLM passes ``draft_probs=None`` for the whole step when it lost a request's cached draft
+probabilities ("Missing cached draft probabilities for request ...; falling back to legacy speculative
+rejection behavior"); these tests drive :func:`workers.vllm.step.decide_step` with exactly that.
+Runs in the main environment (no vLLM import)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from policies import make_policy
+from policies.ragged import verify_flat
+from workers.vllm.step import LEDGER, decide_step, keyed_seed
+
+V, D = 24, 8
+
+
+def step_inputs(num: list[int], seed: int = 0, vocab: int = V):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(num)
+    target = torch.randn(n, vocab, generator=g) * 3
+    draft = target + torch.randn(n, vocab, generator=g)
+    ids = torch.randint(0, vocab, (n,), generator=g)
+    ids[::2] = target[::2].argmax(-1)  # some drafts are the target's argmax: accepted runs exist
+    return dict(draft_token_ids=ids.to(torch.int32), num_draft_tokens=num, max_spec_len=max(num),
+                target_logits=target, bonus_token_ids=torch.randint(0, vocab, (len(num), 1), generator=g)), draft, g
+
+
+def lossless(inputs, temperature: float, seed: int):
+    """policies' lossless over the same rows, no draft distribution (q one-hot at the draft)."""
+    num = torch.tensor(inputs["num_draft_tokens"])
+    return verify_flat(make_policy("lossless"), draft_token_ids=inputs["draft_token_ids"].long(), num_draft_tokens=num,
+                       target_logits=inputs["target_logits"], bonus_token_ids=inputs["bonus_token_ids"][:, 0],
+                       temperature=temperature, generator=torch.Generator().manual_seed(seed)).output_token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("rule", [("kl_judge", {"threshold": 0.5}), ("dropmatch", {"criterion": "js"}),
+                                  ("draft_entropy", {"threshold": 1.0}),
+                                  ("any_of", {"members": (("top_k", {"k": 2}), ("kl_judge", {"threshold": 1.0}))})])
+def test_missing_draft_distribution_falls_back_to_lossless(rule, temperature):
+    inputs, _, g = step_inputs([4, 0, 3, 4])
+    hidden = torch.randn(sum(inputs["num_draft_tokens"]), D, generator=g)
+    head = (torch.randn(V, D, generator=g), None)
+    out = decide_step(make_policy(rule[0], **rule[1]), **inputs, temperatures=[temperature] * 4, draft_logits=None,
+                      target_hidden=hidden, lm_head=lambda: head, seed=3, step=7)
+    assert torch.equal(out.output_token_ids.long(), lossless(inputs, temperature, 3 * 1_000_003 + 7))
+    assert out.output_token_ids.dtype == torch.int32 and out.output_token_ids.shape == (4, 5)
+    assert out.fallback == ["missing draft distribution"] * 4  # per request (the empty one is not counted)
+
+
+def test_missing_hidden_states_fall_back_for_dropmatch_only_where_needed():
+    inputs, draft, _ = step_inputs([3, 3])
+    out = decide_step(make_policy("dropmatch", criterion="naive"), **inputs, temperatures=[0.0, 0.0],
+                      draft_logits=draft, target_hidden=None, lm_head=None)
+    assert out.fallback == ["missing target hidden states"] * 2
+    assert torch.equal(out.output_token_ids.long(), lossless(inputs, 0.0, 0))
+    ok = decide_step(make_policy("top_k", k=4), **inputs, temperatures=[0.0, 0.0], draft_logits=None)
+    assert ok.fallback == [None, None], "a rule that needs neither input decides on its own"
+
+
+def test_groups_fall_back_independently_by_temperature():
+    """Requests are grouped by temperature; a group's failure does not touch the others' decisions."""
+    inputs, draft, _ = step_inputs([4, 4, 4])
+    policy = make_policy("kl_judge", threshold=0.5)
+    full = decide_step(policy, **inputs, temperatures=[0.0, 0.7, 0.0], draft_logits=draft)
+    assert full.fallback == [None, None, None]
+    missing = decide_step(policy, **inputs, temperatures=[0.0, 0.7, 0.0], draft_logits=None)
+    assert missing.fallback == ["missing draft distribution"] * 3
+
+
+def test_a_raising_rule_or_broken_logits_never_raise():
+    class Boom:
+        name, config = "boom", make_policy("lossless").config
+
+        def decide(self, batch):
+            raise RuntimeError("bug in a rule")
+
+    inputs, draft, _ = step_inputs([3, 2])
+    out = decide_step(Boom(), **inputs, temperatures=[0.0, 0.0], draft_logits=draft)
+    assert out.fallback == ["rule error (RuntimeError)"] * 2
+    assert torch.equal(out.output_token_ids.long(), lossless(inputs, 0.0, 0))
+    # even lossless fails on NaN logits at T > 0 (multinomial refuses NaN): greedy rows, still no raise
+    inputs["target_logits"] = torch.full_like(inputs["target_logits"], float("nan"))
+    out = decide_step(make_policy("kl_judge", threshold=0.5), **inputs, temperatures=[1.0, 1.0], draft_logits=draft)
+    assert all(r is not None and "greedy" in r for r in out.fallback), out.fallback
+    rows = out.output_token_ids
+    assert rows.shape == (2, 4) and bool(((rows >= 0).sum(1) >= 1).all()), "every request still emits a token"
+
+
+def test_the_fallback_is_lossless_at_t_gt_0_for_any_drafter():
+    """Drafts sampled from some q, q not passed: accept with p_t(d), recover from p_t without d. The
+    first emitted token is distributed as p_t exactly (checked against exact draws' own spread)."""
+    vocab, n = 6, 40_000
+    g = torch.Generator().manual_seed(1)
+    target_row, draft_row = torch.randn(vocab, generator=g) * 1.5, torch.randn(vocab, generator=g) * 1.5
+    p = torch.softmax(target_row, -1)
+    drafts = torch.multinomial(torch.softmax(draft_row, -1), n, replacement=True, generator=g)
+    inputs = dict(draft_token_ids=drafts.to(torch.int32), num_draft_tokens=[1] * n, max_spec_len=1,
+                  target_logits=target_row.expand(n, vocab).clone(), bonus_token_ids=torch.zeros(n, 1, dtype=torch.long))
+    out = decide_step(make_policy("kl_judge", threshold=0.3), **inputs, temperatures=[1.0] * n, draft_logits=None,
+                      seed=5)
+    assert out.fallback[0] == "missing draft distribution"
+    first = out.output_token_ids[:, 0].long()
+    tv = 0.5 * float((torch.bincount(first, minlength=vocab) / n - p).abs().sum())
+    floor = [0.5 * float((torch.bincount(torch.multinomial(p, n, replacement=True, generator=g), minlength=vocab) / n
+                          - p).abs().sum()) for _ in range(10)]
+    assert tv <= 2.0 * max(floor), (tv, floor)
+
+
+def test_the_ledger_counts_per_request_and_in_total():
+    LEDGER.take()
+    before = json.loads(json.dumps(LEDGER.totals))
+    LEDGER.record(["a-1", "b-2", "c-3"], [3, 0, 2], ["missing draft distribution", "x", None], ["d1", "d1", "d2"])
+    taken = LEDGER.take()
+    assert taken["requests"] == {
+        "a-1": {"steps": 1, "lossless_fallback_steps": 1, "reasons": {"missing draft distribution": 1},
+                "rules": {"d1": 1}},
+        "c-3": {"steps": 1, "lossless_fallback_steps": 0, "reasons": {}, "rules": {"d2": 1}}}  # b drafted nothing
+    assert taken["totals"]["lossless_fallback_steps"] == before["lossless_fallback_steps"] + 1
+    assert taken["totals"]["request_steps"] == before["request_steps"] + 2
+    assert LEDGER.take()["requests"] == {}
+
+
+# -- per-request rules ------------------------------------------------------------------------------
+
+def test_requests_are_grouped_by_their_own_rule():
+    """Each request decided by its own rule equals that rule deciding it alone; the rest use the default."""
+    inputs, draft, _ = step_inputs([4, 4, 4, 4], seed=3)
+    lenient, strict = make_policy("top_k", k=8), make_policy("lossless")
+    got = decide_step(strict, **inputs, temperatures=[0.0] * 4, draft_logits=draft,
+                      policies=[lenient, None, lenient, None], keys=["k8", None, "k8", None],
+                      request_seeds=[0, None, 0, None])
+    alone = decide_step(lenient, **inputs, temperatures=[0.0] * 4, draft_logits=draft)
+    default = decide_step(strict, **inputs, temperatures=[0.0] * 4, draft_logits=draft)
+    for i in range(4):
+        want = alone if i in (0, 2) else default
+        assert torch.equal(got.output_token_ids[i], want.output_token_ids[i]), i
+
+
+def one_request(inputs, draft, i):
+    num = inputs["num_draft_tokens"]
+    lo = sum(num[:i])
+    rows = slice(lo, lo + num[i])
+    return dict(draft_token_ids=inputs["draft_token_ids"][rows], num_draft_tokens=[num[i]], max_spec_len=num[i],
+                target_logits=inputs["target_logits"][rows], bonus_token_ids=inputs["bonus_token_ids"][i:i + 1]), \
+        draft[rows]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_keyed_draws_do_not_depend_on_the_rest_of_the_batch(temperature):
+    """Random draws keyed by (rule seed, request seed, position): a request decides the same alone or
+    in any batch (DropMatch's dropout masks at T = 0, sampling at T > 0)."""
+    inputs, draft, g = step_inputs([4, 3, 4], seed=5)
+    hidden = torch.randn(sum(inputs["num_draft_tokens"]), D, generator=g)
+    head = (torch.randn(V, D, generator=g), None)
+    policy = make_policy("dropmatch", criterion="naive", k=3, p_drop=0.5, mode="exact")
+    seeds = [keyed_seed(7, s, pos) for s, pos in ((0, 10), (1, 10), (0, 11))]
+    batch = decide_step(policy, **inputs, temperatures=[temperature] * 3, draft_logits=draft, target_hidden=hidden,
+                        lm_head=lambda: head, policies=[policy] * 3, keys=["r"] * 3, request_seeds=seeds)
+    for i in range(3):
+        single, q = one_request(inputs, draft, i)
+        lo = sum(inputs["num_draft_tokens"][:i])
+        h = hidden[lo:lo + inputs["num_draft_tokens"][i]]
+        alone = decide_step(policy, **single, temperatures=[temperature], draft_logits=q, target_hidden=h,
+                            lm_head=lambda: head, policies=[policy], keys=["r"], request_seeds=[seeds[i]])
+        width = alone.output_token_ids.shape[1]
+        assert torch.equal(batch.output_token_ids[i, :width], alone.output_token_ids[0]), i
+    assert keyed_seed(7, 0, 10) != keyed_seed(7, 0, 11) != keyed_seed(8, 0, 11)
+
+
+def test_an_invalid_request_rule_falls_back_to_lossless():
+    from workers.vllm.rules import REQUEST_RULES
+
+    bad = REQUEST_RULES.get({"policy": "kl_judge", "params": {"threshold": -1}})
+    assert bad.digest == "invalid"
+    inputs, draft, _ = step_inputs([3, 3])
+    out = decide_step(make_policy("lossless"), **inputs, temperatures=[0.0, 0.0], draft_logits=draft,
+                      policies=[bad.policy, None], keys=[bad.digest, None], request_seeds=[0, None])
+    assert out.fallback == ["invalid per-request rule", None]
+    good = REQUEST_RULES.get({"policy": "top_k", "params": {"k": 4}, "seed": 2})
+    assert good.policy.name == "top_k" and good.spec == {"policy": "top_k", "params": {"k": 4}, "seed": 2}
+    assert REQUEST_RULES.get({"policy": "top_k", "params": {"k": 4}, "seed": 2}) is good, "built once"

@@ -1,0 +1,272 @@
+"""Certification: what it takes to say a rule's accuracy drop stays within a budget.
+
+A budget b is certified when a one-sided (1 - alpha) upper bound of the paired drop
+(reference score - trial score, per item) measured on a confirmation split the search never saw
+is <= b. This module owns the statistics of that claim and nothing else: splits, bounds, early
+stopping, the fixed-sequence confirmation and the sample-size planner. It knows per-item scores
+in [0, 1] and candidates' keys and speeds; it knows nothing about models, Ray, Optuna, MLflow or
+where records live (the sweep, the report and Serve call it; none of them decides feasibility).
+
+Methods (numerics in ``workers.certify.bounds``):
+- right/wrong scores: Tango's (1998) score bound on the discordant items; at n <= 30, where a
+  score bound undercovers (exact coverage down to ~0.80 at n = 5, ~0.87 at n = 24), an exact
+  Buehler bound ordered by Tango's (coverage >= 1 - alpha at every parameter). Above n = 30
+  Tango's exact coverage oscillates around nominal, down to about 0.94 at some (p_loss, p_win)
+  for positive drops (0.91 for negative ones, which no budget tests): a score method, not exact.
+- bounded scores (IFEval loose, MT-bench similarity): a betting bound (Waudby-Smith & Ramdas 2023,
+  predictable plug-in), valid for any distribution on [0, 1]; needs about twice the items.
+- early stopping: an anytime-valid betting test (confidence sequence; Waudby-Smith & Ramdas 2023,
+  Howard et al. 2021) on the paired differences, checkable after every item without correction.
+- several candidates per budget: fixed-sequence testing (Maurer et al. 1995; Westfall & Krishen
+  2001): test in a pre-set order at full alpha, stop at the first failure; family-wise error <= alpha.
+- planning: a normal approximation (n ~ 6.2 d / (b - drop)^2 at alpha = .05 and 80% power); it
+  does not know the exact bound's or the betting bound's extra cost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from workers.certify.bounds import betting_crossing, betting_upper, binary_upper, normal_plan
+
+ALPHA = 0.05
+
+
+def _json_float(value: float) -> float | None:
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+@dataclass(frozen=True)
+class DropBound:
+    """A one-sided (1 - alpha) upper bound of the paired drop mean(reference - trial)."""
+
+    method: str  # "exact-buehler" / "tango-score" (right/wrong), "betting" (bounded), "none" (n = 0)
+    alpha: float
+    n: int  # paired items (both arms present)
+    drop: float  # point estimate mean(reference - trial); nan if n == 0
+    upper: float  # the bound; 1.0 (the largest possible drop) when n == 0
+    losses: int  # items where reference > trial
+    wins: int  # items where trial > reference
+    discordance: float  # (losses + wins) / n; nan if n == 0
+    mean_sq: float = math.nan  # mean((reference - trial)^2): the planner's d (= discordance for right/wrong)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe: nan becomes None."""
+        return {k: _json_float(v) for k, v in asdict(self).items()}
+
+
+def _check_alpha(alpha: float, name: str = "alpha") -> None:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"{name} must be in (0, 1), got {alpha}")
+
+
+def _paired(reference: Sequence[float], trial: Sequence[float]) -> tuple[list[float], list[float]]:
+    ref, tri = [float(v) for v in reference], [float(v) for v in trial]
+    if len(ref) != len(tri):
+        raise ValueError(f"reference and trial must be paired: {len(ref)} reference scores vs {len(tri)} trial scores")
+    for arm, values in (("reference", ref), ("trial", tri)):
+        for i, v in enumerate(values):
+            if not 0.0 <= v <= 1.0:  # also catches nan
+                raise ValueError(f"{arm} score {v} at item {i} is outside [0, 1] (a failed item scores 0 in its arm)")
+    return ref, tri
+
+
+def drop_bound_from_counts(losses: int, wins: int, n: int, alpha: float = ALPHA) -> DropBound:
+    """The right/wrong bound from counts alone: ``losses`` items the reference got right and the
+    trial wrong, ``wins`` the reverse, out of ``n`` paired items."""
+    _check_alpha(alpha)
+    if min(losses, wins, n) < 0 or losses + wins > n:
+        raise ValueError(f"counts must satisfy 0 <= losses + wins <= n, got losses={losses}, wins={wins}, n={n}")
+    if n == 0:
+        return DropBound("none", alpha, 0, math.nan, 1.0, 0, 0, math.nan)
+    upper, method = binary_upper(losses, wins, n, alpha)
+    d = (losses + wins) / n
+    return DropBound(method, alpha, n, (losses - wins) / n, upper, losses, wins, d, d)
+
+
+def drop_bound(reference: Sequence[float], trial: Sequence[float], alpha: float = ALPHA, *,
+               binary: bool | None = None) -> DropBound:
+    """One-sided (1 - alpha) upper bound of the true paired drop E[reference - trial].
+
+    ``reference`` and ``trial`` are per-item scores in [0, 1], same items in the same order.
+    ``binary=None`` picks the right/wrong bound when every score is 0 or 1, else the betting bound.
+    Right/wrong: exact Buehler bound at n <= 30 (Tango's score bound undercovers there: its exact
+    coverage falls to ~0.87 at n = 24 and ~0.80 at n = 5), Tango's score bound above.
+    Bounded: Waudby-Smith & Ramdas's betting bound. n = 0 gives upper = 1.0.
+    """
+    _check_alpha(alpha)
+    ref, tri = _paired(reference, trial)
+    is_binary = all(v in (0.0, 1.0) for v in ref + tri)
+    if binary is None:
+        binary = is_binary
+    elif binary and not is_binary:
+        raise ValueError("binary=True but some scores are neither 0 nor 1")
+    diffs = [r - t for r, t in zip(ref, tri, strict=True)]
+    losses, wins = sum(d > 0 for d in diffs), sum(d < 0 for d in diffs)
+    if binary:
+        return drop_bound_from_counts(losses, wins, len(diffs), alpha)
+    n = len(diffs)
+    if n == 0:
+        return DropBound("none", alpha, 0, math.nan, 1.0, 0, 0, math.nan)
+    upper = 2.0 * betting_upper([(1.0 + d) / 2.0 for d in diffs], alpha) - 1.0
+    return DropBound("betting", alpha, n, sum(diffs) / n, min(upper, 1.0), losses, wins, (losses + wins) / n,
+                     sum(d * d for d in diffs) / n)
+
+
+def first_prune(reference: Sequence[float], trial: Sequence[float], budget: float,
+                alpha: float = ALPHA) -> int | None:
+    """The number of items after which ``prune_test`` first says prune, or None if it never does."""
+    _check_alpha(alpha)
+    if not 0.0 <= budget < 1.0:
+        raise ValueError(f"budget must be in [0, 1), got {budget}")
+    ref, tri = _paired(reference, trial)
+    return betting_crossing([(1.0 + r - t) / 2.0 for r, t in zip(ref, tri, strict=True)], (1.0 + budget) / 2.0, alpha)
+
+
+def prune_test(reference: Sequence[float], trial: Sequence[float], budget: float, alpha: float = ALPHA) -> bool:
+    """True when the trial's true drop exceeds ``budget`` with confidence, by an anytime-valid
+    betting test on the paired differences in the order given: P(prune ever | drop <= budget)
+    <= alpha however often it is called, so the sweep may call it after every record. The order
+    must not depend on the outcomes (pass items by index, not by completion time, which can
+    correlate with correctness)."""
+    return first_prune(reference, trial, budget, alpha) is not None
+
+
+def items_needed(discordance: float, budget: float, drop: float = 0.0, alpha: float = ALPHA,
+                 power: float = 0.8) -> int | None:
+    """Paired items a certificate of ``budget`` needs with probability ``power`` when the true drop
+    is ``drop`` and the discordance (share of items whose correctness differs; for bounded scores the
+    mean squared paired difference) is ``discordance``. A normal-approximation plan of the score test:
+    n = (z_{1-a} sqrt(max(d, b) - b^2) + z_power sqrt(d - drop^2))^2 / (b - drop)^2, about
+    6.2 d / (b - drop)^2 at alpha = .05 and 80% power. None when drop >= budget (no n suffices)."""
+    _check_alpha(alpha)
+    _check_alpha(power, "power")
+    if not 0.0 <= discordance <= 1.0:
+        raise ValueError(f"discordance must be in [0, 1], got {discordance}")
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget must be in (0, 1], got {budget}")
+    if not -1.0 <= drop <= 1.0:
+        raise ValueError(f"drop must be in [-1, 1], got {drop}")
+    return normal_plan(discordance, budget, drop, alpha, power)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A search-split trial offered for confirmation."""
+
+    key: str  # the trial's identity, e.g. "trial-7"
+    speed: float  # search-split speedup (higher is faster)
+    search_drop: float  # search-split drop point estimate
+    search_upper: float  # search-split upper bound (orders candidates)
+    payload: dict = field(default_factory=dict)  # anything the caller wants back
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "speed": self.speed, "search_drop": _json_float(self.search_drop),
+                "search_upper": _json_float(self.search_upper), "payload": self.payload}
+
+
+def _safety(c: Candidate) -> tuple[float, float]:
+    return (c.search_upper, c.search_drop)
+
+
+def order_candidates(candidates: Sequence[Candidate], budget: float, limit: int | None = None) -> list[Candidate]:
+    """The search split's candidates for ``budget``, in confirmation order.
+
+    Kept: feasible on the search split (search_drop <= budget + 1e-9) and on the Pareto front of
+    the feasible ones (dropped if another feasible candidate is at least as fast and at least as
+    safe, strictly better in one; safety = (search_upper, search_drop), lower is safer).
+    Order: safest first: ascending search_upper, then search_drop, then descending speed, then key
+    (on the front this is also slowest first). ``limit`` keeps the first ``limit`` of that order.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    feasible = [c for c in candidates if c.search_drop <= budget + 1e-9]
+    front = [c for c in feasible if not any(
+        o.speed >= c.speed and _safety(o) <= _safety(c) and (o.speed > c.speed or _safety(o) < _safety(c))
+        for o in feasible)]
+    front.sort(key=lambda c: (c.search_upper, c.search_drop, -c.speed, c.key))
+    return front if limit is None else front[:limit]
+
+
+@dataclass
+class Certificate:
+    """The outcome of confirming one budget."""
+
+    budget: float
+    alpha: float
+    certified: bool
+    chosen: Candidate | None  # the fastest candidate that passed before the first failure
+    bound: DropBound | None  # chosen's confirmation bound; if none passed, the first tested's
+    steps: list[tuple[str, DropBound, bool]]  # (key, bound, passed) in test order
+    items_needed: int | None  # not certified: items a certificate would need at the first tested's d and drop
+    reason: str  # one sentence: why certified or not
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget": self.budget, "alpha": self.alpha, "certified": self.certified,
+                "chosen": self.chosen.to_dict() if self.chosen else None,
+                "bound": self.bound.to_dict() if self.bound else None,
+                "steps": [{"key": k, "bound": b.to_dict(), "passed": p} for k, b, p in self.steps],
+                "items_needed": self.items_needed, "reason": self.reason}
+
+
+def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate], DropBound], budget: float,
+                   alpha: float = ALPHA) -> Certificate:
+    """Confirm ``ordered`` (from ``order_candidates``) in that order, each at the full ``alpha``:
+    passed = bound.upper <= budget; stop at the first failure. Family-wise error <= alpha, so the
+    chosen candidate's true drop exceeds the budget with probability <= alpha. ``bound_of`` runs
+    the confirmation evaluation and is called lazily: never for a candidate after the first failure."""
+    _check_alpha(alpha)
+    steps: list[tuple[str, DropBound, bool]] = []
+    passed: list[tuple[Candidate, DropBound]] = []
+    for cand in ordered:
+        bound = bound_of(cand)
+        ok = bound.n > 0 and bound.upper <= budget
+        steps.append((cand.key, bound, ok))
+        if not ok:
+            break
+        passed.append((cand, bound))
+    if not steps:
+        return Certificate(budget, alpha, False, None, None, [], None,
+                           f"no candidate: no search-split trial was feasible at budget {budget:g}")
+    if passed:
+        chosen, bound = max(passed, key=lambda cb: cb[0].speed)  # ties: the earlier (safer) one
+        tail = f"; {steps[-1][0]} failed next" if not steps[-1][2] else ""
+        return Certificate(budget, alpha, True, chosen, bound, steps, None,
+                           f"{chosen.key}'s confirmation upper bound {bound.upper:.4f} <= budget {budget:g} "
+                           f"at alpha {alpha:g} on {bound.n} items ({len(passed)} of {len(steps)} tested passed{tail})")
+    first = steps[0][1]
+    need = None
+    if first.n == 0:
+        plan = "; no paired item was confirmed"
+    else:
+        need = items_needed(min(max(first.mean_sq, 0.0), 1.0), budget, first.drop, alpha)
+        plan = (f"; about {need} items would certify it with 80% power at the observed discordance "
+                f"{first.discordance:.3f} and drop {first.drop:.4f}" if need is not None else
+                f"; its observed drop {first.drop:.4f} is at or above the budget, so no sample size would")
+    return Certificate(budget, alpha, False, None, first, steps, need,
+                       f"{steps[0][0]}'s confirmation upper bound {first.upper:.4f} > budget {budget:g} "
+                       f"at alpha {alpha:g} on {first.n} items{plan}")
+
+
+def split_ids(ids: Sequence[str], seed: int, fraction: float = 0.5) -> tuple[list[str], list[str]]:
+    """Seeded split of item ids into (search, confirm): disjoint, covering every id, in input order.
+
+    An id goes to search when sha256(f"{seed}:{id}") read as a number in [0, 1) is below
+    ``fraction``: it depends on that id alone, so adding or reordering items moves no other.
+    """
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    seen: set[str] = set()
+    search: list[str] = []
+    confirm: list[str] = []
+    for item in ids:
+        if item in seen:
+            raise ValueError(f"item id {item!r} appears twice")
+        seen.add(item)
+        digest = hashlib.sha256(f"{seed}:{item}".encode()).digest()
+        (search if int.from_bytes(digest[:8], "big") / 2.0**64 < fraction else confirm).append(item)
+    return search, confirm

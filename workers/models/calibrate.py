@@ -1,0 +1,169 @@
+"""Measure a pair's forward-pass costs on this machine: the draft/target cost ratio c and the
+verify pass's cost per extra token, stored with the pair so modelled speedups can use them.
+
+    python -m workers.models.calibrate --pair qwen2.5-coder-0.5b+1.5b [--dtype bf16] [--reps 15]
+
+Timings are taken the way the engine runs the models: batch 1, a warm KV cache of
+``context`` tokens, the LM head on the last position for a 1-token step and on all positions for
+a verify pass. Stored at ``<pair cache>/cost-<dtype>-<machine>.json``; the machine key is the CPU
+model and core count, since a ratio measured on one machine says little about another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from workers.cli import one_line_errors
+from workers.models.pair import ModelPair, load_pair
+
+
+@dataclass(frozen=True)
+class CostProfile:
+    pair: str
+    dtype: str
+    machine: str
+    context: int
+    draft_step_s: float  # one draft token (decoder + LM head on one position)
+    target_step_s: float  # one target token
+    verify_s: dict[str, float]  # target pass over n tokens (n = L+1), LM head on all n
+    load_1m: float  # machine load when measured
+
+    @property
+    def cost_ratio(self) -> float:
+        """c = draft forward / target forward."""
+        return self.draft_step_s / self.target_step_s
+
+    def verify_factor(self, draft_len: int) -> float:
+        """Cost of a verify pass over L+1 tokens in target-step units (interpolated linearly)."""
+        points = sorted((int(n), t) for n, t in self.verify_s.items())
+        n = draft_len + 1
+        for (n0, t0), (n1, t1) in zip(points, points[1:], strict=False):
+            if n0 <= n <= n1:
+                return (t0 + (t1 - t0) * (n - n0) / (n1 - n0)) / self.target_step_s
+        (n0, t0), (n1, t1) = points[-2], points[-1]
+        return (t1 + (t1 - t0) / (n1 - n0) * (n - n1)) / self.target_step_s
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "cost_ratio": self.cost_ratio}
+
+
+def machine_key() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:48]
+    return f"{slug}-{os.cpu_count()}cpu"
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+def profile_path(pair: ModelPair) -> Path | None:
+    if pair.cache_dir is None:
+        return None
+    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}.json"
+
+
+def load_profile(pair: ModelPair) -> CostProfile | None:
+    path = profile_path(pair)
+    if path is None or not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    data.pop("cost_ratio", None)
+    return CostProfile(**data)
+
+
+def _timed(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9)) -> CostProfile:
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
+
+    def step_fn(model: torch.nn.Module, n: int, all_positions: bool):
+        decoder, head = model.get_decoder(), model.get_output_embeddings()
+        cache = DynamicCache()
+        decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
+        ids = torch.randint(0, min(pair.vocab_size, 1000), (1, n), generator=g)
+
+        def run() -> None:
+            hidden = decoder(input_ids=ids, past_key_values=cache, use_cache=True).last_hidden_state
+            head(hidden if all_positions else hidden[:, -1:])
+            cache.crop(-n)  # back to the same context for the next repetition
+
+        return run
+
+    draft_s = _timed(step_fn(pair.draft, 1, False), reps)
+    target_s = _timed(step_fn(pair.target, 1, False), reps)
+    verify = {str(n): _timed(step_fn(pair.target, n, True), reps) for n in verify_sizes}
+    return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
+                       os.getloadavg()[0])
+
+
+def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
+    path = profile_path(pair)
+    if path is None:
+        return None
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_json(), indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
+    """The stored profile for this pair, dtype and machine; measured (and stored) if absent."""
+    profile = None if remeasure else load_profile(pair)
+    if profile is None:
+        profile = measure(pair)
+        save_profile(pair, profile)
+    return profile
+
+
+@one_line_errors
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Measure and store a pair's draft/target cost ratio on this machine.")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT_DIR+TARGET_DIR")
+    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--context", type=int, default=128, help="KV-cache length the steps run against")
+    ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
+    args = ap.parse_args(argv)
+    pair = load_pair(args.pair, dtype=args.dtype)
+    profile = measure(pair, context=args.context, reps=args.reps)
+    path = save_profile(pair, profile)
+    print(f"pair={profile.pair} dtype={profile.dtype} machine={profile.machine} load(1m)={profile.load_1m:.2f}")
+    print(f"draft step {profile.draft_step_s * 1e3:.1f} ms, target step {profile.target_step_s * 1e3:.1f} ms "
+          f"-> c = {profile.cost_ratio:.3f}")
+    for n, t in profile.verify_s.items():
+        print(f"verify pass over {n} tokens: {t * 1e3:.1f} ms = {t / profile.target_step_s:.2f} target steps")
+    print(f"stored: {path}" if path else "not stored (pair has no cache dir)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

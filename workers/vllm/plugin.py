@@ -1,0 +1,390 @@
+"""spectune's acceptance rules inside vLLM's verification: the ``vllm.general_plugins`` entry point.
+
+``pyproject.toml`` declares ``spectune_rules = "workers.vllm.plugin:register"``; vLLM calls
+:func:`register` in every process it starts (front end, engine core, each TP worker), possibly more
+than once, so it patches idempotently. Installing spectune changes nothing by itself: a rule runs
+only in processes whose environment names a rule file (``SPECTUNE_VLLM_RULE_FILE``, written by
+:class:`workers.vllm.engine.VLLMDecoder`), and the file is re-read when it changes, so one vLLM
+engine serves trial after trial with different rules.
+
+What is patched (vLLM V1 model runner, which also runs ``draft_model`` speculation on 0.32/0.33 and
+is the runner vLLM-CPU subclasses):
+
+- ``vllm.v1.sample.rejection_sampler.rejection_sample`` -> :func:`policies.ragged.verify_flat` over
+  the step's flat ``[num_tokens, V]`` rows (vectorised; one call per distinct temperature). Its
+  output keeps vLLM's contract: accepted draft tokens verbatim, then one token, ``-1`` after.
+- ``apply_sampling_constraints`` -> identity while a rule is active: rules take raw logits and the
+  temperature themselves (this also sidesteps vLLM-CPU's broken T > 0 expansion of per-request
+  temperatures). Top-k/top-p/penalties are refused by the engine instead.
+- ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
+  the one vLLM drew the token from (:func:`sampled_as_logits`; T = 1 for greedy drafting, for which vLLM
+  returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
+  steps whose rules never read it (lossless, top-k, typical, DropMatch naive: ``_step_needs_q``) draft
+  the way vLLM does, without the full-vocabulary log-softmax and cached distribution per draft token.
+- ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
+  rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
+  forward.
+
+- ``GPUModelRunner._get_spec_decode_draft_probs`` -> unchanged unless ``SPECTUNE_VLLM_TEST_FAULTS``
+  (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
+  probabilities" path.
+
+A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
+send it, so every TP rank sees the same rule; requests are grouped by rule; random draws keyed by rule
+seed, request seed and position); requests without one use the rule file's, read once per step. Nothing here raises inside a worker: a step the rule cannot decide (its
+draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
+requests concerned, counted per request in a ledger the front end reads through
+:class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
+fallbacks, the ledger) is :mod:`workers.vllm.step` and which rule decides (the rule file, request
+rules) is :mod:`workers.vllm.rules`, neither importing vLLM; test-only fault injection is
+:mod:`workers.vllm.faults`. This module is the glue that patches vLLM and hands it a step's inputs.
+See docs/vllm-engine.md.
+
+Each process that applies a rule writes ``<rule file>.seen.<pid>.json`` (rule digest and call count)
+so the engine can assert that the rule it asked for is the one running — a plugin that did not
+load is an error there, never a silent fallback to vLLM's rule. ``SPECTUNE_VLLM_TRACE_DIR`` (tests)
+saves every call's inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workers.vllm.faults import FAULTS, FAULTS_ENV, _FaultyRule  # noqa: F401 - FAULTS_ENV: public here too
+from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: public here too
+    ENTRY_POINT,
+    NATIVE,
+    REQUEST_RULES,
+    RULE,
+    RULE_ARG,
+    RULE_FILE_ENV,
+    TRACE_DIR_ENV,
+    _Active,
+    rule_digest,
+    seen_rules,
+    write_rule,
+)
+from workers.vllm.step import (
+    LEDGER,
+    _lossless_everywhere,
+    _needs_hidden,
+    _warn_once,
+    decide_step,
+    keyed_seed,
+    needs_draft_distribution,
+)
+
+_lock = threading.Lock()
+_patched = False
+
+
+class _Step(threading.local):
+    """Per-step state handed from ``sample_tokens`` to the rejection sampler."""
+
+    hidden: torch.Tensor | None = None  # [num_logits, d] final hidden states, rows aligned with logits
+    target_indices: torch.Tensor | None = None  # rows of ``hidden`` at the draft positions
+    model: Any = None
+    req_ids: list[str] | None = None  # vLLM's request ids in batch order (the rows' order)
+    rules: list[Any] | None = None  # per request: its own rule (extra_args), or None for the rule file's
+    request_seeds: list[int] | None = None  # per request: SamplingParams.seed (0 if unset)
+    positions: list[int] | None = None  # per request: tokens computed before this step
+    draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
+    snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
+    active: Any = None  # the rule file's rule as read once at the start of the step
+
+
+STEP = _Step()
+
+
+def _step_needs_q(active: _Active) -> bool:
+    """Inside ``sample_tokens`` (the step's rules known): whether any rule of the step reads the draft
+    distribution at T = 0. Outside it, assume one does."""
+    if not STEP.snapshot:
+        return True
+    rules = STEP.rules
+    policies = [] if rules is None else [r.policy for r in rules if r is not None]
+    if rules is None or any(r is None for r in rules):
+        policies.append(active.policy)
+    return any(needs_draft_distribution(p) for p in policies)
+
+
+def sampled_as_logits(probs: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's draft sampling distribution ``probs`` [rows, V] (softmax of logits / T, T = 1 in greedy rows)
+    as logits that spectune's rules turn back into exactly ``probs``: rules compute q = softmax(x / T) in
+    fp32, and x = T * log(probs) gives that (to fp32 rounding) — q is the distribution the draft token was
+    drawn from, not a re-computation from fp32 logits that differs from vLLM's bf16 division (which would
+    make "lossless" lossy at T not in {1, 2^k})."""
+    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny))
+    if temperature is None:
+        return logp
+    t = temperature.float().to(logp.device)
+    t = torch.where(t < 1e-5, torch.ones_like(t), t)  # vLLM's greedy rows: divided by 1 (_SAMPLING_EPS)
+    if t.shape[0] != logp.shape[0]:  # several draft rows per request (parallel drafting): request-major
+        t = t.repeat_interleave(logp.shape[0] // t.shape[0])
+    return logp * t.view(-1, 1)
+
+
+def _rule_now() -> _Active | None:
+    """The rule file's rule for this hook: the step's snapshot inside ``sample_tokens`` (the file is read
+    once per step, so a write between two hooks of one step cannot split it), else the file now."""
+    return STEP.active if STEP.snapshot else RULE.current()
+
+
+def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's LM head as [V, d] (+ bias). Under tensor parallelism each rank holds a vocabulary
+    shard: the full head is all-gathered once (every rank verifies the same step, so every rank joins
+    the collective) and kept on the model (V x d per rank, ~0.5 GB for a 1.5B bf16 target)."""
+    cached = getattr(model, "_spectune_lm_head", None)
+    if cached is not None:
+        return cached
+    head = getattr(model, "lm_head", None)
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise RuntimeError("spectune vLLM plugin: the target model has no plain lm_head.weight tensor "
+                           "(quantized head?); DropMatch cannot build its dropout heads")
+    bias = getattr(head, "bias", None)
+    bias = bias if isinstance(bias, torch.Tensor) else None
+    if weight.shape[0] < vocab:  # a tensor-parallel shard of the (padded) vocabulary
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
+        bias = None if bias is None else tensor_model_parallel_all_gather(bias.contiguous(), dim=0)
+        if weight.shape[0] < vocab:
+            raise RuntimeError(f"spectune vLLM plugin: the gathered lm_head has {weight.shape[0]} of {vocab} rows")
+    result = (weight[:vocab], None if bias is None else bias[:vocab])
+    model._spectune_lm_head = result
+    return result
+
+def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
+               draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
+               sampling_metadata: Any, policy: Any = None) -> torch.Tensor:
+    """vLLM's ``rejection_sample`` contract, decided by spectune's rules: [B, max_spec_len + 1] int32.
+    Requests that carry their own rule (``SamplingParams.extra_args[RULE_ARG]``, read once per step in
+    ``sample_tokens``) use it; the others use the rule file's. ``policy`` overrides every rule of the
+    step (fault injection)."""
+    override = policy
+    policy = active.policy if policy is None else policy
+    b = len(num_draft_tokens)
+    req_ids = STEP.req_ids
+    own = STEP.rules if STEP.rules is not None and len(STEP.rules) >= b else None
+    policies = keys = request_seeds = None
+    if own is not None:
+        # ``policy`` given (fault injection) stands in for every rule of the step, the requests' own too
+        policies = [None if r is None else (r.policy if override is None else override) for r in own[:b]]
+        keys = [None if r is None else r.digest for r in own[:b]]
+        request_seeds = [None if r is None else keyed_seed(int(r.spec.get("seed", 0)), STEP.request_seeds[i],
+                                                          STEP.positions[i]) for i, r in enumerate(own[:b])]
+    draft_logits = hidden = None
+    if draft_probs is not None:
+        # T = 1 log-probs from the proposer patch; else vLLM's own q (rules renormalize logs)
+        draft_logits = draft_probs if STEP.draft_logprobs else torch.log(draft_probs.float())
+    if STEP.hidden is not None and STEP.target_indices is not None and (
+            _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
+        hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        temps = [0.0] * b
+    else:
+        temps = sampling_metadata.temperature.float().clamp(min=0.0)[:b].tolist()
+    model, vocab = STEP.model, target_logits.shape[1]
+    tracer = None
+    if os.environ.get(TRACE_DIR_ENV):
+        units = [0]
+
+        def tracer(used, reason, t, gen_seed, rows, req, n_req, group_draft, group_hidden, weight, bias, tokens):
+            units[0] += 1
+            members = req.tolist()
+            spec = own[members[0]].spec if own is not None and own[members[0]] is not None else active.spec
+            _trace(active, spec, units[0], used, reason, t, gen_seed, draft_token_ids, rows, n_req, target_logits,
+                   group_draft, group_hidden, weight, bias, bonus_token_ids.reshape(b, -1)[:, 0].index_select(0, req),
+                   tokens, None if req_ids is None else [req_ids[i] for i in members])
+    outcome = decide_step(
+        policy, draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, max_spec_len=max_spec_len,
+        target_logits=target_logits, bonus_token_ids=bonus_token_ids, temperatures=temps, draft_logits=draft_logits,
+        target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab)),
+        seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
+        request_seeds=request_seeds)
+    try:
+        digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
+        LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
+        RULE.report(active)
+    except Exception as err:  # noqa: BLE001 - bookkeeping must not take the engine down either
+        _warn_once(f"bookkeeping failed ({type(err).__name__})", str(err))
+    return outcome.output_token_ids
+
+
+def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: str | None, t: float, gen_seed: int,
+           draft_ids, rows, n_req, target_logits, group_draft, group_hidden, weight, bias, bonus, output,
+           req_ids) -> None:
+    trace_dir = os.environ.get(TRACE_DIR_ENV)
+    if not trace_dir:
+        return
+    sel = (lambda x: None if x is None else x.index_select(0, rows).cpu())  # noqa: E731
+    record = {"spec": spec, "call": active.calls, "temperature": t, "generator_seed": gen_seed,
+              "decided_by": used.name, "fallback": reason, "req_ids": req_ids,
+              "draft_token_ids": sel(draft_ids), "num_draft_tokens": n_req.cpu(), "target_logits": sel(target_logits),
+              "draft_logits": None if group_draft is None else group_draft.cpu(),
+              "target_hidden": None if group_hidden is None else group_hidden.cpu(),
+              "lm_head_weight": None if weight is None else weight.cpu(),
+              "lm_head_bias": None if bias is None else bias.cpu(),
+              "bonus_token_ids": bonus.cpu(), "output_token_ids": output.cpu()}
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
+
+
+
+
+def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
+    """Once per step: each request's own rule, seed and position (``STEP.rules`` None when no request
+    of the step carries a rule: the common case costs one dict lookup per request)."""
+    rules: list[Any] = []
+    seeds: list[int] = []
+    positions: list[int] = []
+    any_rule = False
+    for rid in req_ids:
+        state = runner.requests.get(rid)
+        sp = getattr(state, "sampling_params", None)
+        args = getattr(sp, "extra_args", None)
+        spec = args.get(RULE_ARG) if isinstance(args, dict) else None
+        rules.append(None if spec is None else REQUEST_RULES.for_request(rid, spec, len(req_ids)))
+        any_rule = any_rule or spec is not None
+        seeds.append(int(getattr(sp, "seed", None) or 0))
+        positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
+    STEP.rules, STEP.request_seeds, STEP.positions = (rules, seeds, positions) if any_rule else (None, None, None)
+
+
+class WorkerExtension:
+    """Methods vLLM adds to its worker class (``LLM(worker_extension_cls=...)``), reached from the front
+    end with ``llm.collective_rpc(name)``: the plugin's per-request records live in the worker process."""
+
+    def spectune_take_fallbacks(self, request_ids: list[str] | None = None) -> dict[str, Any]:
+        """Per-request lossless-fallback counts since the last call (then cleared; only ``request_ids``'
+        when given), and the totals."""
+        return LEDGER.take(request_ids)
+
+    def spectune_env(self) -> dict[str, Any]:
+        """What the worker process runs with: its thread binding, CPUs, OpenMP threads, step timeout."""
+        return {"pid": os.getpid(), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
+                "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+                "torch_threads": torch.get_num_threads()}
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: patch vLLM once per process."""
+    global _patched
+    with _lock:
+        if _patched:
+            return
+        import vllm.v1.sample.rejection_sampler as rs
+        from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        orig_reject = rs.rejection_sample
+        orig_constraints = rs.apply_sampling_constraints
+        orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
+        orig_sample_tokens = GPUModelRunner.sample_tokens
+        orig_draft_probs = GPUModelRunner._get_spec_decode_draft_probs
+
+        def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
+                             target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
+            active = _rule_now()
+            if active is None or active.policy is None:
+                if active is not None:
+                    RULE.report(active)
+                return orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                                   draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+            try:
+                policy = _FaultyRule(active.policy) if FAULTS.hit("raise_every") else None
+                return apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
+                                  target_logits, bonus_token_ids, sampling_metadata, policy=policy)
+            except Exception as err:  # noqa: BLE001 - never a dead engine
+                return _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
+                                            list(num_draft_tokens), int(max_spec_len), target_logits,
+                                            bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
+
+        def apply_sampling_constraints(logits, *args, **kwargs):
+            active = _rule_now()
+            if active is not None and active.policy is not None:
+                return logits  # rules read raw logits and apply the temperature themselves
+            return orig_constraints(logits, *args, **kwargs)
+
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+            active = _rule_now()
+            if active is None or active.policy is None or (sampling_metadata.all_greedy and not _step_needs_q(active)):
+                # vLLM's own drafting: its rule, or greedy steps whose rules never read q (lossless, top-k):
+                # no full-vocabulary log-softmax and cached distribution per draft token
+                STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
+                return orig_draft(self, hidden_states, sampling_metadata)
+            if getattr(self, "use_heterogeneous_vocab", False):
+                # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
+                # draft distribution, so rules that need one fall back to lossless (counted per step)
+                _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
+                           "use_heterogeneous_vocab", fallback=False)
+                STEP.draft_logprobs = False
+                return orig_draft(self, hidden_states, sampling_metadata)
+            logits = self.model.compute_logits(hidden_states)
+            probs = None
+            if not (sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False)):
+                # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs),
+                # in place; ``probs`` is exactly that distribution (fp32)
+                tokens, probs = self._sample_from_logits(logits, sampling_metadata)
+            if probs is None:
+                tokens = logits.argmax(dim=-1)
+                logprobs = torch.log_softmax(logits.float(), dim=-1)  # greedy drafts: the T = 1 distribution
+            else:
+                logprobs = sampled_as_logits(probs, sampling_metadata.temperature)
+            STEP.draft_logprobs = True
+            return tokens, logprobs
+
+        def _get_spec_decode_draft_probs(self, spec_decode_metadata):
+            cached = self._draft_prob_req_ids
+            if (FAULTS.hit("drop_draft_probs_every") and cached is not None
+                    and any(spec_decode_metadata.num_draft_tokens)):
+                # vLLM's own "missing cached draft probabilities" path: hide one drafted request's row
+                victim = next(r for r, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens,
+                                                strict=False) if n)
+                self._draft_prob_req_ids = [None if r == victim else r for r in cached]
+                try:
+                    return orig_draft_probs(self, spec_decode_metadata)
+                finally:
+                    self._draft_prob_req_ids = cached
+            return orig_draft_probs(self, spec_decode_metadata)
+
+        def sample_tokens(self, grammar_output):
+            state = self.execute_model_state
+            active = RULE.current()
+            STEP.active, STEP.snapshot = active, True
+            if state is not None and active is not None and active.policy is not None:
+                meta = state.spec_decode_metadata
+                STEP.hidden = None if FAULTS.hit("drop_hidden_every") else state.sample_hidden_states
+                STEP.target_indices = None if meta is None else meta.target_logits_indices
+                STEP.model = self.model
+                STEP.req_ids = list(self.input_batch.req_ids)
+                try:
+                    _read_request_rules(self, STEP.req_ids)
+                except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
+                    STEP.rules = None
+                    _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
+            if state is not None and state.spec_decode_metadata is not None:
+                FAULTS.stall()  # tests: a step past vLLM's step timeout, or a worker about to be killed
+            try:
+                return orig_sample_tokens(self, grammar_output)
+            finally:
+                STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
+                STEP.rules = STEP.request_seeds = STEP.positions = None
+                STEP.active, STEP.snapshot = None, False
+                if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
+                    FAULTS.steps += 1
+
+        rs.rejection_sample = rejection_sample
+        rs.apply_sampling_constraints = apply_sampling_constraints
+        SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
+        GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+        GPUModelRunner.sample_tokens = sample_tokens
+        _patched = True

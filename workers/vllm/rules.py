@@ -1,0 +1,149 @@
+"""Which rule decides: the rule file and the rules requests carry, as the vLLM plugin reads them.
+
+A rule is ``{"policy", "params", "seed"}``, named by its digest. The front end writes the engine's rule
+file (:func:`write_rule`); the plugin re-reads it when it changes (:data:`RULE`) and reports what it
+applied in ``<rule file>.seen.<pid>.json`` (:func:`seen_rules`). A request's own rule travels in
+``SamplingParams.extra_args[RULE_ARG]`` and is built once per distinct rule (:data:`REQUEST_RULES`).
+Nothing here raises inside a worker: an unreadable file keeps the last good rule, a bad request rule
+becomes an invalid rule that the step decides losslessly. No vLLM import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workers.vllm.step import _InvalidRule, _warn_once
+
+RULE_FILE_ENV = "SPECTUNE_VLLM_RULE_FILE"
+NATIVE = "vllm-native"  # a rule file naming this hands verification back to vLLM's own sampler (A/B runs)
+TRACE_DIR_ENV = "SPECTUNE_VLLM_TRACE_DIR"
+RULE_ARG = "spectune_rule"  # SamplingParams.extra_args key: {"policy", "params", "seed"} for one request
+ENTRY_POINT = "spectune_rules"
+
+def rule_digest(spec: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_rule(path: str | os.PathLike[str], policy: str, params: dict[str, Any], seed: int = 0) -> str:
+    """Atomically write the rule file the plugin reads; returns the rule's digest."""
+    from policies import make_policy
+
+    if policy != NATIVE:
+        make_policy(policy, **params)  # validate here, where the error reaches the user
+    spec = {"policy": policy, "params": params, "seed": int(seed)}
+    path = Path(path)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(spec, sort_keys=True))
+    tmp.replace(path)
+    return rule_digest(spec)
+
+
+def seen_rules(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """What the plugin reported applying, one entry per vLLM process that ran a rule."""
+    path = Path(path)
+    out = []
+    for f in sorted(path.parent.glob(f"{path.name}.seen.*.json")):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # being rewritten; the next read sees it
+    return out
+
+
+@dataclass
+class _Active:
+    policy: Any
+    spec: dict[str, Any]
+    digest: str
+    stamp: tuple[int, int]
+    calls: int = 0
+
+
+class _RuleState:
+    """The rule named by this process's rule file, re-read when the file changes."""
+
+    def __init__(self) -> None:
+        self.active: _Active | None = None
+
+    def current(self) -> _Active | None:
+        """The rule to apply; never raises inside a worker. A rule file that cannot be read keeps the
+        last good rule (none: vLLM's own), with one warning; the front end's check then sees that the
+        rule it asked for did not run."""
+        path = os.environ.get(RULE_FILE_ENV)
+        if not path:
+            return None
+        try:
+            st = os.stat(path)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if self.active is None or self.active.stamp != stamp:
+                from policies import make_policy
+
+                spec = json.loads(Path(path).read_text())
+                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
+                self.active = _Active(policy, spec, rule_digest(spec), stamp)
+        except Exception as err:  # noqa: BLE001
+            _warn_once(f"rule file {path} unreadable ({type(err).__name__}); keeping the previous rule", str(err),
+                       fallback=False)
+        return self.active
+
+    def report(self, active: _Active) -> None:
+        active.calls += 1
+        if active.calls in (1, 10, 100) or active.calls % 1000 == 0:
+            path = Path(os.environ[RULE_FILE_ENV])
+            seen = path.parent / f"{path.name}.seen.{os.getpid()}.json"
+            tmp = seen.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "digest": active.digest, "calls": active.calls,
+                                       **active.spec}))
+            tmp.replace(seen)
+
+
+RULE = _RuleState()
+
+
+class _RequestRules:
+    """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule and looked up
+    once per request (later steps of a request cost one dict lookup, not a JSON dump)."""
+
+    CAP = 256
+
+    def __init__(self) -> None:
+        self.cache: OrderedDict[str, _Active] = OrderedDict()
+        self.by_request: dict[str, tuple[Any, _Active]] = {}
+
+    def for_request(self, req_id: str, spec: Any, live: int) -> _Active:
+        hit = self.by_request.get(req_id)
+        if hit is None or hit[0] is not spec:  # the same extra_args value object: the same request
+            if len(self.by_request) > 4 * live + 1024:
+                self.by_request.clear()  # finished requests; the live ones are looked up again once
+            hit = self.by_request[req_id] = (spec, self.get(spec))
+        return hit[1]
+
+    def get(self, spec: Any) -> _Active:
+        from policies import make_policy
+
+        key = json.dumps(spec, sort_keys=True, default=str)
+        hit = self.cache.get(key)
+        if hit is None:
+            try:
+                if not isinstance(spec, dict) or "policy" not in spec or spec["policy"] == NATIVE:
+                    raise ValueError(f"{RULE_ARG} must be {{'policy', 'params', 'seed'}} naming a spectune rule, "
+                                     f"got {spec!r}")
+                norm = {"policy": spec["policy"], "params": dict(spec.get("params") or {}),
+                        "seed": int(spec.get("seed", 0))}
+                hit = _Active(make_policy(norm["policy"], **norm["params"]), norm, rule_digest(norm), (0, 0))
+            except Exception as err:  # noqa: BLE001
+                hit = _Active(_InvalidRule(f"{type(err).__name__}: {err}"), {"policy": "invalid", "params": {},
+                                                                               "seed": 0}, "invalid", (0, 0))
+            self.cache[key] = hit
+            while len(self.cache) > self.CAP:
+                self.cache.popitem(last=False)
+        return hit
+
+
+REQUEST_RULES = _RequestRules()

@@ -1,0 +1,185 @@
+"""What a vLLM engine is started with, and the pieces of it that need no running vLLM.
+
+:class:`VLLMSettings` (validated on construction) and :class:`VLLMPair` (what ``engine.pair`` holds);
+vLLM-CPU's thread binding (``VLLM_CPU_OMP_THREADS_BIND`` for the CPUs this process may use, or a Ray
+actor's share of them, one list per tensor-parallel rank, never over a user's value); the mapping of
+vLLM's per-request speculative-decoding metrics onto spectune's counts; a model directory's declared
+EOS ids. Nothing here imports vllm at module level (only :func:`_on_cpu` asks vLLM's platform, and
+answers False without it); :mod:`workers.vllm.engine` runs vLLM with these.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+CPU_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+STEP_TIMEOUT_ENV = "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"
+CPU_STEP_TIMEOUT_S = 3600
+_bind_set_here: str | None = None  # the value this module last wrote (so it is not taken for a user's)
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    draft_len: int = 5
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85  # on CPU builds: the fraction of RAM for the KV cache
+    target_only_memory_utilization: float | None = None  # the reference engine; default: same
+    max_model_len: int = 4096
+    dtype: str = "bfloat16"
+    enforce_eager: bool = False
+    seed: int = 0
+    # KV cache size in bytes for each engine (overrides the memory fractions; vLLM's kv_cache_memory_bytes).
+    # On vLLM-CPU the fraction counts the worker's own resident memory, so small fractions fail to start.
+    kv_cache_memory_bytes: int | None = None
+    # vLLM-CPU thread binding: use num_cpus of this process's allowed CPUs, starting at cpu_offset
+    # (a Ray actor passes its CPU count and slot); None = all of them. Ignored when the user set
+    # VLLM_CPU_OMP_THREADS_BIND, and on GPU builds.
+    num_cpus: int | None = None
+    cpu_offset: int = 0
+    # Run the speculative and the target-only engine one at a time (switching costs a restart);
+    # None = on vLLM-CPU (RAM holds one fp32 real pair's engines, not two), not on GPUs.
+    one_engine_at_a_time: bool | None = None
+    # The longest one engine step may take before vLLM declares its engine dead
+    # (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, vLLM's default 300 s). None: vLLM-CPU gets CPU_STEP_TIMEOUT_S
+    # unless the user set the variable (a 4096-token prefill chunk of the real pair in emulated bf16 runs
+    # past 300 s on a 2-core AVX2 machine), GPUs keep vLLM's default. A value here overrides both.
+    step_timeout_s: int | None = None
+    # vLLM's scheduler budget: tokens per engine step (prefill chunks included) and requests per step.
+    # None = vLLM's defaults (vLLM-CPU: 4096 tokens offline, 2048 served). A smaller token budget splits
+    # long prompts into more chunks, so decode steps of the requests in flight wait less behind them.
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):
+            raise ValueError(f"draft_len must be an integer in [1, 32], got {self.draft_len!r}")
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        for name in ("gpu_memory_utilization", "target_only_memory_utilization"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if self.max_model_len < 16:
+            raise ValueError(f"max_model_len must be >= 16, got {self.max_model_len!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32", "auto"):
+            raise ValueError(f"dtype must be bfloat16, float16, float32 or auto, got {self.dtype!r}")
+        if self.kv_cache_memory_bytes is not None and not (isinstance(self.kv_cache_memory_bytes, int)
+                                                           and self.kv_cache_memory_bytes > 0):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive integer, got {self.kv_cache_memory_bytes!r}")
+        if self.num_cpus is not None and not (isinstance(self.num_cpus, int) and self.num_cpus >= 1):
+            raise ValueError(f"num_cpus must be an integer >= 1, got {self.num_cpus!r}")
+        if not (isinstance(self.cpu_offset, int) and self.cpu_offset >= 0):
+            raise ValueError(f"cpu_offset must be an integer >= 0, got {self.cpu_offset!r}")
+        if self.step_timeout_s is not None and not (isinstance(self.step_timeout_s, int) and self.step_timeout_s > 0):
+            raise ValueError(f"step_timeout_s must be a positive integer (seconds), got {self.step_timeout_s!r}")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if (self.max_num_batched_tokens is not None and self.max_num_seqs is not None
+                and self.max_num_batched_tokens < self.max_num_seqs):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): vLLM schedules at least one token per request")
+
+
+@dataclass
+class VLLMPair:
+    """What callers read from ``engine.pair`` (no torch modules: vLLM holds the models)."""
+
+    name: str
+    tokenizer: Any
+    dtype: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    cache_dir: Path | None
+    draft_dir: Path
+    target_dir: Path
+
+
+def _ranges(cpus: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (vLLM's CPU list syntax)."""
+    out, run = [], [cpus[0], cpus[0]]
+    for c in cpus[1:]:
+        if c == run[1] + 1:
+            run[1] = c
+        else:
+            out.append(run)
+            run = [c, c]
+    out.append(run)
+    return ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in out)
+
+
+def cpu_thread_binding(num_cpus: int | None = None, cpu_offset: int = 0, tensor_parallel_size: int = 1,
+                       allowed: Sequence[int] | None = None) -> str:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value for the CPUs this process may use: ``num_cpus`` of the
+    allowed CPUs (all by default) starting at ``cpu_offset`` (wrapping), split into one contiguous
+    list per tensor-parallel rank ("0-3|4-7"). Each rank gets at least one CPU."""
+    cpus = sorted(os.sched_getaffinity(0) if allowed is None else allowed)
+    if not cpus:
+        raise ValueError("no CPU is allowed for this process")
+    start = cpu_offset % len(cpus)
+    cpus = (cpus[start:] + cpus[:start])[:min(num_cpus or len(cpus), len(cpus))]
+    tp = max(1, tensor_parallel_size)
+    per_rank = max(1, len(cpus) // tp)
+    lists = [sorted(cpus[(r * per_rank) % len(cpus):][:per_rank] or cpus[:per_rank]) for r in range(tp)]
+    return "|".join(_ranges(c) for c in lists)
+
+
+def set_cpu_thread_binding(settings: VLLMSettings, environ: Any = None) -> str:
+    """Set ``VLLM_CPU_OMP_THREADS_BIND`` for the vLLM processes this one starts (they inherit the
+    environment), unless the user set it; returns the value in force."""
+    global _bind_set_here
+    env = os.environ if environ is None else environ
+    current = env.get(CPU_BIND_ENV)
+    if current is not None and current != _bind_set_here:
+        return current  # the user's choice
+    value = cpu_thread_binding(settings.num_cpus, settings.cpu_offset, settings.tensor_parallel_size)
+    env[CPU_BIND_ENV] = value
+    _bind_set_here = value
+    return value
+
+
+def set_step_timeout(settings: VLLMSettings, on_cpu: bool, environ: Any = None) -> str | None:
+    """Set ``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` for the engines this process starts: the settings' value
+    if given, else on vLLM-CPU :data:`CPU_STEP_TIMEOUT_S` unless the user set it; returns the value in force
+    (None: vLLM's default)."""
+    env = os.environ if environ is None else environ
+    if settings.step_timeout_s is not None:
+        env[STEP_TIMEOUT_ENV] = str(settings.step_timeout_s)
+    elif on_cpu:
+        env.setdefault(STEP_TIMEOUT_ENV, str(CPU_STEP_TIMEOUT_S))
+    return env.get(STEP_TIMEOUT_ENV)
+
+
+def _on_cpu() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def spec_stats(metrics: Any, draft_len: int) -> dict[str, Any]:
+    """vLLM's per-request ``RequestSpecDecodeMetrics`` -> spectune's per-generation counts. The histogram
+    counts verify steps by accepted drafts j; acceptance is a leading run, so position i was accepted
+    in every step with j > i."""
+    hist = list(getattr(metrics, "histogram", None) or [])
+    per_pos = [sum(hist[i + 1:]) for i in range(draft_len)]
+    return {"num_drafts": sum(hist), "num_draft_tokens": int(getattr(metrics, "num_draft_tokens", 0) or 0),
+            "num_accepted_tokens": sum(j * c for j, c in enumerate(hist)), "accepted_per_position": per_pos}
+
+
+def _declared_eos(model_dir: Path) -> SimpleNamespace:
+    """A model directory's config + generation config, as ``eos_token_ids`` reads them (no model load)."""
+    def eos(name: str) -> SimpleNamespace:
+        path = model_dir / name
+        return SimpleNamespace(eos_token_id=json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
+
+    return SimpleNamespace(config=eos("config.json"), generation_config=eos("generation_config.json"))
