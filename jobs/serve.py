@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.serve_app import ServeSettings
+from cluster.serve_settings import ServeSettings
 from workers.engines import ENGINES
 
 CHOICE_KEYS = ("policy", "params", "draft_len")

@@ -8,6 +8,7 @@ Driving vLLM (front-end process):
   a rule per request, streaming, aborts).
 - ``common``: what both engines share (engine arguments, the plugin check, a request's rule in
   ``SamplingParams.extra_args``, a ``RequestOutput`` as a ``Generation``).
+- ``batch_eval``: benchmark items through the offline engine, each turn of every item in one ``generate``.
 - ``settings``: ``VLLMSettings`` and the parts that need no running vLLM (CPU thread binding, metric
   mapping, declared EOS ids).
 

@@ -76,35 +76,8 @@ from workers.vllm.settings import (
     _declared_eos,
 )
 
-_METRICS = {  # vLLM counter -> GenerationStats field
-    "vllm:spec_decode_num_drafts": "num_drafts",
-    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-}
-_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 SPECULATIVE, REFERENCE = "speculative", "target-only reference"  # the two engines a decoder may run
 logger = logging.getLogger(__name__)
-
-
-class _Replay:
-    """An engine that hands back generations already made (batched), in call order, so
-    :func:`workers.evaluation.evaluate_item` builds and scores every record exactly as per item."""
-
-    def __init__(self, pair: Any, results: list[Any]) -> None:
-        self.pair = pair
-        self._results = list(results)
-
-    def _next(self) -> Generation:
-        result = self._results.pop(0)
-        if isinstance(result, BaseException):
-            raise result
-        return result
-
-    def generate(self, *args: Any, **kwargs: Any) -> Generation:
-        return self._next()
-
-    def autoregressive(self, *args: Any, **kwargs: Any) -> Generation:
-        return self._next()
 
 
 class VLLMDecoder:
@@ -222,42 +195,10 @@ class VLLMDecoder:
     def evaluate_items(self, bench: Any, items: Sequence[Any], spec: Any,
                        references: dict[str, list[str]] | None = None) -> list[Any]:
         """:func:`workers.evaluation.evaluate_item` for a whole list of items, each turn of every item in
-        one batched ``generate``; the same records (scores, per-item statistics, errors) as item by item."""
-        from workers.evaluation import TARGET_ONLY, evaluate_item
-        from workers.prompts import encode_chat
+        one batched ``generate`` (:func:`workers.vllm.batch_eval.evaluate_items`)."""
+        from workers.vllm.batch_eval import evaluate_items
 
-        references = references or {}
-        policy = None if spec.policy == TARGET_ONLY else make_policy(spec.policy, **spec.params_dict)
-        results: list[list[Any]] = [[] for _ in items]
-        previous: list[list[tuple[str, str]]] = [[] for _ in items]
-        for turn in range(max((len(item.turns) for item in items), default=0)):
-            idx, prompts = [], []
-            for i, item in enumerate(items):
-                if turn >= len(item.turns) or any(isinstance(r, BaseException) for r in results[i]):
-                    continue
-                try:
-                    prompts.append(encode_chat(self.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn,
-                                                                                 previous=previous[i])))
-                    idx.append(i)
-                except Exception as err:  # noqa: BLE001 - recorded on the item by evaluate_item
-                    results[i].append(err)
-            if not idx:
-                continue
-            common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, seeds=spec.seed + turn,
-                          stop=list(bench.stop) or None)
-            try:
-                if policy is None:
-                    gens = self.autoregressive_batch(prompts, **common)
-                else:
-                    gens = self.generate_batch(prompts, policy, draft_len=spec.draft_len, **common)
-            except Exception as err:  # noqa: BLE001 - the whole batch failed: every item records it
-                gens = [err] * len(idx)
-            for i, gen in zip(idx, gens, strict=True):
-                results[i].append(gen)
-                if isinstance(gen, Generation):
-                    previous[i].append((items[i].turns[turn], gen.text or ""))
-        return [evaluate_item(_Replay(self.pair, results[i]), bench, item, spec, references.get(item.id))
-                for i, item in enumerate(items)]
+        return evaluate_items(self, bench, items, spec, references)
 
     def close(self) -> None:
         """Stop vLLM's engine-core processes now (rather than at interpreter exit)."""
@@ -347,30 +288,6 @@ class VLLMDecoder:
             raise gen
         if gen.stats.num_drafts == 0:
             raise VLLMUnavailable("vLLM ran no speculative step in the start-up check: speculation is not active")
-
-    def _counters(self) -> dict[str, Any]:
-        """This engine's spec-decode counters (cumulative, vLLM's engine-wide accounting) under spectune's
-        names, read from its own Prometheus logger: ``LLM.get_metrics()`` reads the process-global registry,
-        from which every later vLLM engine started with stats on (the reference, another pair) removes them."""
-        out: dict[str, Any] = {f: 0 for f in _METRICS.values()}
-        out["per_pos"] = []
-        manager = getattr(self.llm.llm_engine, "logger_manager", None)
-        for logger in getattr(manager, "stat_loggers", []):
-            prom = getattr(logger, "spec_decoding_prom", None)
-            if prom is None or not getattr(prom, "spec_decoding_enabled", False):
-                continue
-            value = (lambda c: float(c._value.get()))  # noqa: E731 - prometheus_client child counters
-            out["num_drafts"] = value(prom.counter_spec_decode_num_drafts[0])
-            out["num_draft_tokens"] = value(prom.counter_spec_decode_num_draft_tokens[0])
-            out["num_accepted_tokens"] = value(prom.counter_spec_decode_num_accepted_tokens[0])
-            out["per_pos"] = [value(c) for c in prom.counter_spec_decode_num_accepted_tokens_per_pos.get(0, [])]
-            return out
-        for m in self.llm.get_metrics():
-            if m.name in _METRICS:
-                out[_METRICS[m.name]] = getattr(m, "value", 0)
-            elif m.name == _PER_POS:
-                out["per_pos"] = list(getattr(m, "values", []))
-        return out
 
     def _note_workers(self, which: str, llm: Any) -> None:
         self._worker_pids[which] = [int(w["pid"]) for w in llm.collective_rpc("spectune_env")]

