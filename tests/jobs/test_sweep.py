@@ -132,7 +132,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
 
 
 def test_subset_seed_takes_file_order_or_a_seed():
-    """'file' = the first N items in the benchmark's order (the items bench_quality uses, so the
+    """'file' = the first N items in the benchmark's order (the items jobs.bench.quality uses, so the
     cached references are shared); an integer = a seeded order; anything else names the flag."""
     from jobs.sweep import build_parser
 

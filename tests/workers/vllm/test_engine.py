@@ -195,7 +195,7 @@ def test_sampled_lossless_inside_vllm_keeps_the_target_distribution(engine, temp
 
 
 def test_native_mode_hands_verification_back_to_vllm(engine, cpu_engine):
-    """policy "vllm-native": vLLM's own rejection sampler decides (the A/B baseline of bench_vllm);
+    """policy "vllm-native": vLLM's own rejection sampler decides (the A/B baseline of jobs.bench.vllm_engine);
     greedy lossless is the same either way, and the plugin reports which one ran."""
     from workers.vllm.rules import NATIVE, seen_rules
 
