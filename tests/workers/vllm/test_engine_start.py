@@ -39,7 +39,7 @@ def test_plugin_that_does_not_run_fails_loudly(tiny_dirs):
     env = {**os.environ, "VLLM_PLUGINS": ""}
     env.pop(TRACE_DIR_ENV, None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=Path(__file__).resolve().parents[2])
+                          cwd=Path(__file__).resolve().parents[3])  # the repo root: from tests/, "workers" is the test package
     assert proc.returncode != 0
     assert "VLLMUnavailable" in proc.stderr and "rule never ran" in proc.stderr, proc.stderr[-3000:]
 
