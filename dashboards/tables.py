@@ -188,11 +188,11 @@ def _speed(confirm: dict[str, Any], name: str) -> str:
 
 
 def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[str, Any]] | None = None) -> str:
-    """The certified-budget table (markdown): per budget, certified or not, the rule, the one-sided
-    upper bound of the drop on the confirmation split, the observed drop, n, discordance, the items a
+    """The certified-budget table (markdown): per budget, certified or not, the rule, the exact test's
+    p-value, the one-sided upper bound of the drop on the confirmation split, the observed drop, n, discordance, the items a
     certificate would need, and speed on the confirmation items (ratios of sums, with intervals);
     then the noise floor (lossless vs target-only) as rows of its own."""
-    header = ["budget", "certified", "rule", "drop bound (1-α)", "drop", "n", "discordance", "items needed",
+    header = ["budget", "certified", "rule", "p-value", "drop bound (1-α)", "drop", "n", "discordance", "items needed",
               "modelled speedup / token", "measured speedup / token", "modelled / answer", "measured / answer"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for c in choices:
@@ -201,8 +201,9 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
         rule = (f"{c['policy']} ({format_params(c['policy'], json.dumps(c.get('params') or {}), c.get('draft_len'))})"
                 if c.get("policy") else "—")
         needed = cert.get("items_needed")
+        p_value = cert.get("p_value")
         cells = [budget_label(float(c["budget"])), "**yes**" if c.get("certified") else "no", rule,
-                 _pct_or_dash(cert.get("bound")), _pct_or_dash(cert.get("drop"), True), str(cert.get("n") or "—"),
+                 f"{p_value:.3g}" if isinstance(p_value, float) else "—", _pct_or_dash(cert.get("bound")), _pct_or_dash(cert.get("drop"), True), str(cert.get("n") or "—"),
                  f"{cert['discordance']:.3f}" if isinstance(cert.get("discordance"), float)
                  and math.isfinite(cert["discordance"]) else "—",
                  "—" if c.get("certified") or needed is None else f"{needed:,}",
@@ -212,6 +213,7 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
     for nf in noise_floors or []:
         cells = [f"noise floor (lossless L={nf.get('draft_len')})", "—",
                  f"lossless vs target-only (outputs differ on {_pct_or_dash(nf.get('output_divergence'))})",
+                 "—",
                  _pct_or_dash(nf.get("bound.upper")), _pct_or_dash(nf.get("bound.drop"), True),
                  str(nf.get("items", "—")),
                  f"{nf['bound.discordance']:.3f}" if isinstance(nf.get("bound.discordance"), float)
@@ -220,7 +222,9 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
         lines.append("| " + " | ".join(_markdown_cell(x) for x in cells) + " |")
     alpha = next((c["certification"]["alpha"] for c in choices if c.get("certification")), 0.05)
     lines.append("")
-    lines.append(f"Certified = the one-sided {100 * (1 - alpha):g}% upper bound of the paired accuracy drop vs "
-                 "target-only, on confirmation items the search never saw, is within the budget (fixed-sequence "
-                 "confirmation, safest candidate first). Speed intervals are paired bootstrap descriptions.")
+    lines.append(f"Certified = \"the paired accuracy drop vs target-only is at least the budget\" rejected at level "
+                 f"{alpha:g} on confirmation items the search never saw (right/wrong scores: an exact test, its "
+                 "p-value shown; bounded scores: a betting bound), per budget, fixed-sequence over candidates, safest "
+                 f"first. The drop bound is the one-sided {100 * (1 - alpha):g}% bound the same test gives. Speed "
+                 "intervals are paired bootstrap descriptions.")
     return "\n".join(lines) + "\n"

@@ -176,6 +176,7 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int) -
         "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
         "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
+        "p_value": None if bound is None or math.isnan(bound.p_value) else bound.p_value,
         "confirm_split": split.get("confirm"), "confirm_items": n_items,
         "steps": [{"candidate": key, "passed": passed, **b.to_dict()} for key, b, passed in cert.steps],
     }
@@ -280,8 +281,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         what = f"{choice['policy']} (trial {choice.get('trial')})" if choice.get("policy") else "no candidate"
         bound = cert.bound
         print(f"[sweep] budget {budget * 100:g}%: {state}: {what}; "
-              + (f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
-                 f"discordance {bound.discordance:.3f}, alpha {cert.alpha})" if bound is not None else cert.reason)
+              + ((f"p = {bound.p_value:.3g}, " if not math.isnan(bound.p_value) else "")
+                 + f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
+                 f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget)" if bound is not None else cert.reason)
               + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"),
               flush=True)
     write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values())})

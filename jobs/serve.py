@@ -91,7 +91,9 @@ def check_certified(choice: dict[str, Any], what: str, allow_uncertified: bool) 
         raise ValueError(f"{what} was chosen without certification (a sweep from before confirmation splits); "
                          "rerun the sweep to certify it, or pass --allow-uncertified")
     bound, n, needed = cert.get("bound"), cert.get("n"), cert.get("items_needed")
-    missing = (f"its drop bound {100 * bound:.2f}% on n={n} confirmation items is above the budget"
+    p_value = cert.get("p_value")
+    tested = f" (exact test p = {p_value:.3g} > alpha {cert.get('alpha')})" if isinstance(p_value, float) else ""
+    missing = (f"its drop bound {100 * bound:.2f}% on n={n} confirmation items is above the budget{tested}"
                if isinstance(bound, (int, float)) else cert.get("reason", "no candidate passed confirmation"))
     more = f"; a certificate would need ~{needed:,} confirmation items at the observed discordance" if needed else ""
     raise ValueError(f"{what} is NOT certified: {missing}{more}. Rerun the sweep with more --confirm-items, "

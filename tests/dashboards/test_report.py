@@ -57,14 +57,14 @@ def test_certified_table_comes_first_and_is_written_beside(tmp_path):
 
     choice = {"budget": 0.05, "policy": "top_k", "params": {"k": 8}, "draft_len": 6, "certified": True,
               "certification": {"alpha": 0.05, "bound": 0.031, "drop": 0.004, "n": 500, "discordance": 0.12,
-                                "items_needed": None},
+                                "items_needed": None, "p_value": 0.0123},
               "confirm": {"speed.modelled_per_token": 1.8, "speed.modelled_per_token_lo": 1.7,
                           "speed.modelled_per_token_hi": 1.9}}
     floor = {"draft_len": 6, "items": 500, "output_divergence": 0.08, "bound.upper": 0.012, "bound.drop": -0.002,
              "bound.discordance": 0.03}
     table = certification_table([choice, {**choice, "budget": 0.01, "certified": False,
                                           "certification": {**choice["certification"], "items_needed": 5000}}], [floor])
-    assert "| 5% | **yes** | top_k (k=8, L=6) | 3.10% | +0.40% | 500 | 0.120 | — | 1.80x [1.70, 1.90] |" in table
+    assert "| 5% | **yes** | top_k (k=8, L=6) | 0.0123 | 3.10% | +0.40% | 500 | 0.120 | — | 1.80x [1.70, 1.90] |" in table
     assert "| 1% | no |" in table and "5,000" in table, "an uncertified budget says the items a certificate needs"
     assert "noise floor (lossless L=6)" in table and "outputs differ on 8.00%" in table
     paths = write_report(frame(trial(0, "top_k", 2.0, 0.6)), tmp_path, reference_accuracy=0.6, budgets=[0.05],

@@ -10,6 +10,7 @@ import pytest
 from jobs.plan import main
 from jobs.records import RecordStore
 from workers.certify.decide import drop_bound, items_needed
+from workers.certify.exact import exact_plan, exact_power
 from workers.evaluation import Record
 
 
@@ -28,17 +29,23 @@ def store(path, scores: dict[str, float], failed: tuple[str, ...] = ()) -> str:
     return str(path)
 
 
-def test_numbers_give_the_normal_plan_with_one_line_of_explanation(capsys):
-    assert main(["--discordance", "0.1", "--budget", "0.02"]) == 0
+def test_numbers_give_the_exact_plan_with_one_line_of_explanation(capsys):
+    """The plan is the smallest n (of a bisection) whose exact power reaches 80%; the normal
+    approximation the planner used before promises 80% where the exact test has 76%."""
+    assert main(["--discordance", "0.1", "--budget", "0.05"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0] == f"{items_needed(0.1, 0.02)} items needed for budget 0.02" and len(lines) == 2
-    assert "80% power" in lines[1]
+    need = exact_plan(0.1, 0.05)
+    assert lines[0] == f"{need} items needed for budget 0.05" and len(lines) == 2
+    assert "80% power" in lines[1] and "exact power" in lines[1]
+    assert exact_power(need, 0.05, 0.05, 0.1) >= 0.8 > exact_power(need - 1, 0.05, 0.05, 0.1)
+    assert exact_power(items_needed(0.1, 0.05), 0.05, 0.05, 0.1) < 0.77 and need > items_needed(0.1, 0.05)
 
 
 def test_json_lists_every_budget_and_never_for_a_drop_at_the_budget(capsys):
     assert main(["--discordance", "0.15", "--budget", "0.01,0.05", "--drop", "0.01", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert [r["items_needed"] for r in out["budgets"]] == [None, items_needed(0.15, 0.05, 0.01)]
+    assert [r["items_needed"] for r in out["budgets"]] == [None, exact_plan(0.15, 0.05, 0.01)]
+    assert out["budgets"][1]["plan"] == "exact power"
 
 
 def test_pilot_pairs_items_counts_failures_as_zero_and_plans_at_the_observed_discordance(tmp_path, capsys):
@@ -55,11 +62,11 @@ def test_pilot_pairs_items_counts_failures_as_zero_and_plans_at_the_observed_dis
     expected = drop_bound([ref_scores[f"q{i}"] for i in range(40)],
                           [0.0 if i < 4 else 1.0 for i in range(40)])
     assert pilot["bound"] == expected.to_dict() and expected.losses == 4 and expected.wins == 1
-    assert out["budgets"][0]["items_needed"] == items_needed(5 / 40, 0.05, 3 / 40)
+    assert out["budgets"][0]["items_needed"] is None  # observed drop 7.5% >= the 5% budget: no n suffices
     assert [r["certified_by_pilot"] for r in out["budgets"]] == [False, True]
     assert main(["--records", trial_dir, "--reference", ref_dir, "--budget", "0.05"]) == 0
     text = capsys.readouterr().out
-    assert "pilot: 40 paired items (1 only in --records" in text and "tango-score" in text
+    assert "pilot: 40 paired items (1 only in --records" in text and "exact-unconditional" in text
 
 
 @pytest.mark.parametrize("args,message", [

@@ -2,10 +2,12 @@
 
 - ``decide``: the claim itself: search/confirmation splits, early stopping, the fixed-sequence
   confirmation of several candidates per budget, the sample-size planner.
-- ``bounds``: the numbers under it: one-sided upper bounds on a paired drop (exact Buehler bound,
-  Tango's score bound, betting bounds for [0, 1] scores).
+- ``exact``: the decision for right/wrong scores: ``certify_paired``, an exact unconditional test of
+  "the drop is at least b" (type-I error <= alpha at every n, checked by enumeration), its p-value and
+  the bound it implies.
+- ``bounds``: betting bounds for scores in [0, 1] and the planner's arithmetic.
 
-Pure Python and torch over per-item scores in [0, 1]: nothing here knows models, engines, Ray,
+Pure Python, torch, numpy and scipy over per-item scores in [0, 1]: nothing here knows models, engines, Ray,
 Optuna, MLflow or where records are stored. ``jobs.confirm`` runs the confirmation with it; the
 report, the planner and Serve read its decisions.
 """

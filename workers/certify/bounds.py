@@ -1,18 +1,8 @@
-"""The numerical core of ``workers.certify.decide``: one-sided bounds on a paired accuracy drop.
+"""Bounds for bounded scores and the planner's arithmetic (right/wrong scores: ``workers.certify.exact``).
 
 Knows counts, per-item score differences and alpha; knows nothing about trials, budgets'
 meaning, records or the sweep. Everything here is a plain function of numbers.
 
-- ``tango_upper``: Tango's (1998) score bound for the difference of paired proportions
-  (losses - wins) / n, solved by bisection on the score statistic. Asymptotically exact, tight,
-  but a score method: its exact coverage (enumerated over all outcomes) oscillates below nominal
-  near the boundaries, down to about 0.94 for positive drops at n in 30..200 and lower for tiny n.
-- ``exact_upper``: used for n <= ``EXACT_MAX_N``. Buehler's bound (Lloyd & Kabaila 2003) with
-  outcomes ordered by Tango's bound: the largest drop of any (p_loss, p_win) under which an outcome
-  at least as favourable as the observed one still has probability > alpha. Valid by construction
-  (coverage >= 1 - alpha at every parameter, checked by enumeration in the tests); the sup is
-  taken over a grid (drop step ``EXACT_STEP``, added once to stay conservative; 48 nuisance points
-  per drop, denser at the edges). Built once per (n, alpha) with torch: well under a second.
 - ``betting_upper`` / ``betting_crossing``: Waudby-Smith & Ramdas (2023) betting bounds for the
   mean of values in [0, 1] (paired differences mapped from [-1, 1]); valid without normality.
   ``betting_upper`` is the fixed-n predictable plug-in bound (tighter at a known n);
@@ -23,105 +13,16 @@ meaning, records or the sweep. Everything here is a plain function of numbers.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from statistics import NormalDist
 
-EXACT_MAX_N = 30  # at and below: the exact (Buehler) bound; above: Tango's score bound
-EXACT_STEP = 0.0025  # drop grid of the exact bound
-_EXACT_NUISANCE = 48
 _TORCH_FROM = 512  # betting bound: torch above this many items
 _BET_CAP = 0.75  # WSR's truncation c: never stake more than 3/4 of the capital's headroom
 
 
 def z_quantile(p: float) -> float:
     return NormalDist().inv_cdf(p)
-
-
-# --- paired binary outcomes -------------------------------------------------------------------
-
-
-def _tango_z(losses: float, wins: float, n: int, delta: float) -> float:
-    """Tango's score statistic for H0: p_loss - p_win = delta (constrained MLE of p_win)."""
-    a = 2.0 * n
-    b = -losses - wins + (2.0 * n - losses + wins) * delta
-    c = -wins * delta * (1.0 - delta)
-    p_win = (math.sqrt(max(b * b - 4.0 * a * c, 0.0)) - b) / (2.0 * a)
-    var = n * (2.0 * p_win + delta * (1.0 - delta))
-    num = losses - wins - n * delta
-    if var <= 0.0:
-        return math.copysign(math.inf, num) if num else 0.0
-    return num / math.sqrt(var)
-
-
-def tango_upper(losses: int, wins: int, n: int, alpha: float) -> float:
-    """Largest drop delta whose one-sided score test is not rejected: Z(delta) >= -z_{1-alpha}."""
-    z = z_quantile(1.0 - alpha)
-    lo, hi = (losses - wins) / n, 1.0
-    if _tango_z(losses, wins, n, 1.0 - 1e-12) >= -z:
-        return 1.0
-    while hi - lo > 1e-10:
-        mid = 0.5 * (lo + hi)
-        if _tango_z(losses, wins, n, mid) >= -z:
-            lo = mid
-        else:
-            hi = mid
-    return hi
-
-
-def exact_upper(losses: int, wins: int, n: int, alpha: float) -> float:
-    return _exact_table(n, alpha)[losses * (n + 1) + wins]
-
-
-@functools.lru_cache(maxsize=64)
-def _exact_table(n: int, alpha: float) -> tuple[float, ...]:
-    """Buehler upper bound of every outcome (losses, wins) at this n, indexed losses*(n+1)+wins."""
-    import torch  # only here: the exact table is the one vectorised computation
-
-    cells = [(x, y) for x in range(n + 1) for y in range(n + 1 - x)]
-    x = torch.tensor([c[0] for c in cells], dtype=torch.float64)
-    y = torch.tensor([c[1] for c in cells], dtype=torch.float64)
-    t = n - x - y
-    order_stat = torch.tensor([tango_upper(a, b, n, alpha) for a, b in cells], dtype=torch.float64)
-    order = torch.argsort(order_stat)
-    ranked = order_stat[order]
-    last_tie = torch.searchsorted(ranked, ranked + 1e-12, right=True) - 1  # P(T <= t) counts ties
-    log_coef = math.lgamma(n + 1) - torch.lgamma(x + 1) - torch.lgamma(y + 1) - torch.lgamma(t + 1)
-    feats = torch.stack([log_coef, x, y, t])[:, order]  # [4, cells]
-    drops = torch.arange(-1.0, 1.0 + EXACT_STEP / 2, EXACT_STEP, dtype=torch.float64)
-    k = _EXACT_NUISANCE
-    spread = (1 - torch.cos(math.pi * torch.arange(k, dtype=torch.float64) / (k - 1))) / 2  # dense at edges
-
-    def log_or_floor(p: torch.Tensor) -> torch.Tensor:  # log 0 -> -1e6 so that 0 * log 0 = 0
-        return torch.where(p > 0, torch.log(p.clamp(min=1e-300)), torch.full_like(p, -1e6))
-
-    best = torch.full((len(cells),), -2.0, dtype=torch.float64)
-    for start in range(0, len(drops), 128):
-        d0 = drops[start:start + 128]
-        lo = (-d0).clamp(min=0)
-        hi = torch.maximum(((1 - d0) / 2).clamp(min=0), lo)
-        p_win = (lo[:, None] + (hi - lo)[:, None] * spread[None, :]).reshape(-1)
-        p_loss = (p_win + d0.repeat_interleave(k)).clamp(0, 1)
-        p_tie = (1 - p_loss - p_win).clamp(min=0)
-        theta = torch.stack([torch.ones_like(p_loss), log_or_floor(p_loss), log_or_floor(p_win),
-                             log_or_floor(p_tie)], dim=1)  # [drops*k, 4]
-        tail = torch.cumsum(torch.exp(theta @ feats), dim=1)[:, last_tie]  # P(T <= T_cell)
-        tail = tail.reshape(len(d0), k, -1).amax(dim=1)  # sup over the nuisance
-        alive = torch.where(tail > alpha, d0[:, None], torch.full_like(tail, -2.0)).amax(dim=0)
-        best = torch.maximum(best, alive)
-    upper = (best + EXACT_STEP).clamp(max=1.0)
-    out = [0.0] * ((n + 1) * (n + 1))
-    for (a, b), u in zip((cells[i] for i in order.tolist()), upper.tolist(), strict=True):
-        out[a * (n + 1) + b] = u
-    return tuple(out)
-
-
-def binary_upper(losses: int, wins: int, n: int, alpha: float) -> tuple[float, str]:
-    """(upper bound, method name): exact at n <= EXACT_MAX_N, Tango's score bound above."""
-    if n <= EXACT_MAX_N:
-        return exact_upper(losses, wins, n, alpha), "exact-buehler"
-    return tango_upper(losses, wins, n, alpha), "tango-score"
 
 
 # --- bounded scores: betting ------------------------------------------------------------------

@@ -1,20 +1,20 @@
 """Certification: what it takes to say a rule's accuracy drop stays within a budget.
 
-A budget b is certified when a one-sided (1 - alpha) upper bound of the paired drop
-(reference score - trial score, per item) measured on a confirmation split the search never saw
-is <= b. This module owns the statistics of that claim and nothing else: splits, bounds, early
-stopping, the fixed-sequence confirmation and the sample-size planner. It knows per-item scores
-in [0, 1] and candidates' keys and speeds; it knows nothing about models, Ray, Optuna, MLflow or
-where records live (the sweep, the report and Serve call it; none of them decides feasibility).
+A budget b is certified when a test of "the paired drop (reference score - trial score, per item)
+is at least b" is rejected at level alpha on a confirmation split the search never saw. This module
+owns the statistics of that claim and nothing else: splits, bounds, early stopping, the
+fixed-sequence confirmation and the sample-size planner. It knows per-item scores in [0, 1] and
+candidates' keys and speeds; it knows nothing about models, Ray, Optuna, MLflow or where records
+live (the sweep, the report and Serve call it; none of them decides feasibility).
 
-Methods (numerics in ``workers.certify.bounds``):
-- right/wrong scores: Tango's (1998) score bound on the discordant items; at n <= 30, where a
-  score bound undercovers (exact coverage down to ~0.80 at n = 5, ~0.87 at n = 24), an exact
-  Buehler bound ordered by Tango's (coverage >= 1 - alpha at every parameter). Above n = 30
-  Tango's exact coverage oscillates around nominal, down to about 0.94 at some (p_loss, p_win)
-  for positive drops (0.91 for negative ones, which no budget tests): a score method, not exact.
-- bounded scores (IFEval loose, MT-bench similarity): a betting bound (Waudby-Smith & Ramdas 2023,
-  predictable plug-in), valid for any distribution on [0, 1]; needs about twice the items.
+Methods:
+- right/wrong scores (GSM8K, MMLU, HumanEval, IFEval strict or loose: every per-item score is 0 or
+  1): the exact unconditional test of ``workers.certify.exact`` (``certify_paired``), ordered by
+  Tango's score statistic: its type-I error is <= alpha at every n and every nuisance value, checked
+  by exact enumeration. The reported upper bound is the same test inverted.
+- bounded scores (MT-bench similarity, or any score strictly between 0 and 1): a betting bound
+  (Waudby-Smith & Ramdas 2023, predictable plug-in; ``workers.certify.bounds``), valid for any
+  distribution on [0, 1]; needs about twice the items.
 - early stopping: an anytime-valid betting test (confidence sequence; Waudby-Smith & Ramdas 2023,
   Howard et al. 2021) on the paired differences, checkable after every item without correction.
 - several candidates per budget: fixed-sequence testing (Maurer et al. 1995; Westfall & Krishen
@@ -28,10 +28,12 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from workers.certify.bounds import betting_crossing, betting_upper, binary_upper, normal_plan
+from workers.certify.bounds import betting_crossing, betting_upper, normal_plan
+from workers.certify.exact import METHOD as EXACT
+from workers.certify.exact import certify_paired, exact_bound
 
 ALPHA = 0.05
 
@@ -44,7 +46,7 @@ def _json_float(value: float) -> float | None:
 class DropBound:
     """A one-sided (1 - alpha) upper bound of the paired drop mean(reference - trial)."""
 
-    method: str  # "exact-buehler" / "tango-score" (right/wrong), "betting" (bounded), "none" (n = 0)
+    method: str  # "exact-unconditional" (right/wrong), "betting" (bounded), "none" (n = 0)
     alpha: float
     n: int  # paired items (both arms present)
     drop: float  # point estimate mean(reference - trial); nan if n == 0
@@ -53,6 +55,8 @@ class DropBound:
     wins: int  # items where trial > reference
     discordance: float  # (losses + wins) / n; nan if n == 0
     mean_sq: float = math.nan  # mean((reference - trial)^2): the planner's d (= discordance for right/wrong)
+    budget: float = math.nan  # set once tested against a budget (fixed_sequence): the budget ...
+    p_value: float = math.nan  # ... and the exact test's p-value there (right/wrong; nan for betting)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: nan becomes None."""
@@ -83,9 +87,8 @@ def drop_bound_from_counts(losses: int, wins: int, n: int, alpha: float = ALPHA)
         raise ValueError(f"counts must satisfy 0 <= losses + wins <= n, got losses={losses}, wins={wins}, n={n}")
     if n == 0:
         return DropBound("none", alpha, 0, math.nan, 1.0, 0, 0, math.nan)
-    upper, method = binary_upper(losses, wins, n, alpha)
     d = (losses + wins) / n
-    return DropBound(method, alpha, n, (losses - wins) / n, upper, losses, wins, d, d)
+    return DropBound(EXACT, alpha, n, (losses - wins) / n, exact_bound(losses, wins, n, alpha), losses, wins, d, d)
 
 
 def drop_bound(reference: Sequence[float], trial: Sequence[float], alpha: float = ALPHA, *,
@@ -94,8 +97,8 @@ def drop_bound(reference: Sequence[float], trial: Sequence[float], alpha: float 
 
     ``reference`` and ``trial`` are per-item scores in [0, 1], same items in the same order.
     ``binary=None`` picks the right/wrong bound when every score is 0 or 1, else the betting bound.
-    Right/wrong: exact Buehler bound at n <= 30 (Tango's score bound undercovers there: its exact
-    coverage falls to ~0.87 at n = 24 and ~0.80 at n = 5), Tango's score bound above.
+    Right/wrong: the exact unconditional test (``workers.certify.exact``) inverted: the smallest budget
+    it would certify, valid at every n.
     Bounded: Waudby-Smith & Ramdas's betting bound. n = 0 gives upper = 1.0.
     """
     _check_alpha(alpha)
@@ -213,18 +216,48 @@ class Certificate:
                 "items_needed": self.items_needed, "reason": self.reason}
 
 
+def passes(bound: DropBound, budget: float) -> DropBound:
+    """``bound`` tested against ``budget`` at its alpha: returned with ``budget`` and, for right/wrong
+    scores, the exact test's ``p_value`` filled in. Passed = p_value <= alpha (right/wrong:
+    :func:`workers.certify.exact.certify_paired`, the decision) or upper <= budget (betting, valid for
+    any n); never with no paired item."""
+    if bound.n == 0:
+        return replace(bound, budget=budget)
+    if bound.method == EXACT:
+        test = certify_paired(bound.losses, bound.wins, bound.n, budget, bound.alpha)
+        return replace(bound, budget=budget, p_value=test.p_value)
+    return replace(bound, budget=budget)
+
+
+def certifies(bound: DropBound) -> bool:
+    """Whether a bound returned by :func:`passes` certifies its budget."""
+    if bound.n == 0 or math.isnan(bound.budget):
+        return False
+    if bound.method == EXACT:
+        return bound.p_value <= bound.alpha
+    return bound.upper <= bound.budget
+
+
+def _evidence(bound: DropBound) -> str:
+    """How a tested bound reads in a reason: the exact test's p-value with its bound, or the betting bound."""
+    if bound.method == EXACT:
+        return f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}), confirmation upper bound {bound.upper:.4f},"
+    return f"confirmation upper bound {bound.upper:.4f}"
+
+
 def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate], DropBound], budget: float,
                    alpha: float = ALPHA) -> Certificate:
-    """Confirm ``ordered`` (from ``order_candidates``) in that order, each at the full ``alpha``:
-    passed = bound.upper <= budget; stop at the first failure. Family-wise error <= alpha, so the
-    chosen candidate's true drop exceeds the budget with probability <= alpha. ``bound_of`` runs
+    """Confirm ``ordered`` (from ``order_candidates``) in that order, each at the full ``alpha``
+    (:func:`passes`: the exact test for right/wrong scores, the betting bound otherwise); stop at the
+    first failure. Family-wise error <= alpha, so the chosen candidate's true drop exceeds the budget
+    with probability <= alpha (per budget: each budget is its own sequence). ``bound_of`` runs
     the confirmation evaluation and is called lazily: never for a candidate after the first failure."""
     _check_alpha(alpha)
     steps: list[tuple[str, DropBound, bool]] = []
     passed: list[tuple[Candidate, DropBound]] = []
     for cand in ordered:
-        bound = bound_of(cand)
-        ok = bound.n > 0 and bound.upper <= budget
+        bound = passes(bound_of(cand), budget)
+        ok = certifies(bound)
         steps.append((cand.key, bound, ok))
         if not ok:
             break
@@ -236,8 +269,8 @@ def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate],
         chosen, bound = max(passed, key=lambda cb: cb[0].speed)  # ties: the earlier (safer) one
         tail = f"; {steps[-1][0]} failed next" if not steps[-1][2] else ""
         return Certificate(budget, alpha, True, chosen, bound, steps, None,
-                           f"{chosen.key}'s confirmation upper bound {bound.upper:.4f} <= budget {budget:g} "
-                           f"at alpha {alpha:g} on {bound.n} items ({len(passed)} of {len(steps)} tested passed{tail})")
+                           f"{chosen.key}'s {_evidence(bound)} <= budget {budget:g} at alpha {alpha:g} on "
+                           f"{bound.n} items ({len(passed)} of {len(steps)} tested passed{tail})")
     first = steps[0][1]
     need = None
     if first.n == 0:
@@ -248,8 +281,8 @@ def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate],
                 f"{first.discordance:.3f} and drop {first.drop:.4f}" if need is not None else
                 f"; its observed drop {first.drop:.4f} is at or above the budget, so no sample size would")
     return Certificate(budget, alpha, False, None, first, steps, need,
-                       f"{steps[0][0]}'s confirmation upper bound {first.upper:.4f} > budget {budget:g} "
-                       f"at alpha {alpha:g} on {first.n} items{plan}")
+                       f"{steps[0][0]}'s {_evidence(first)} > budget {budget:g} at alpha {alpha:g} on "
+                       f"{first.n} items{plan}")
 
 
 def split_ids(ids: Sequence[str], seed: int, fraction: float = 0.5) -> tuple[list[str], list[str]]:

@@ -26,6 +26,8 @@ from workers.certify.decide import (
     prune_test,
     split_ids,
 )
+from workers.certify.exact import METHOD as EXACT
+from workers.certify.exact import certify_paired
 
 GRID = [(0.0, 0.0), (0.02, 0.0), (0.05, 0.03), (0.1, 0.1), (0.2, 0.05)]  # (p_loss, p_win)
 
@@ -72,7 +74,7 @@ def paired_binary(rng: random.Random, p_loss: float, p_win: float, n: int) -> tu
 # --- bounds -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 5, 24, 100])
+@pytest.mark.parametrize("n", [1, 5, 24])
 def test_binary_bound_covers_the_true_drop_at_small_n(n):
     for p_loss, p_win in GRID:
         cov = exact_coverage(n, p_loss, p_win)
@@ -94,13 +96,6 @@ def test_zero_discordant_items_give_a_positive_bound_that_shrinks_with_n():
     assert uppers == sorted(uppers, reverse=True) and uppers[-1] < uppers[0] / 50, uppers
     # a rule losing 2% with no wins at n = 24 is covered (the old bootstrap's bound missed it 61% of the time)
     assert exact_coverage(24, 0.02, 0.0) >= 1 - ALPHA
-
-
-def test_score_and_exact_bounds_hand_over_smoothly_at_the_switch():
-    for x, y in [(0, 0), (3, 1), (6, 2)]:
-        exact, score = drop_bound_from_counts(x, y, 30), drop_bound_from_counts(x, y, 31)
-        assert exact.method == "exact-buehler" and score.method == "tango-score"
-        assert abs(exact.upper - score.upper) < 0.05, (x, y, exact.upper, score.upper)
 
 
 def bounded_pair(rng: random.Random) -> tuple[float, float]:
@@ -194,8 +189,18 @@ def draw_counts(gen: torch.Generator, sweeps: int, n: int) -> torch.Tensor:
 
 
 @functools.cache
-def cached_bound(losses: int, wins: int, n: int) -> DropBound:
-    return drop_bound_from_counts(losses, wins, n)
+def search_bound(losses: int, wins: int, n: int) -> DropBound:
+    """The search side only orders candidates, and fixed-sequence testing is valid for any order fixed
+    before confirmation: a normal-theory bound stands in for the sweep's exact one (0.5 s each at n = 2,000)."""
+    drop, d = (losses - wins) / n, (losses + wins) / n
+    upper = drop + 1.645 * math.sqrt(max(d - drop * drop, 1.0 / n) / n)
+    return DropBound("normal", ALPHA, n, drop, upper, losses, wins, d, d)
+
+
+def confirm_bound(losses: int, wins: int, n: int) -> DropBound:
+    """What the sweep hands fixed_sequence, less the reported upper bound: the decision is the exact test's."""
+    d = (losses + wins) / n
+    return DropBound(EXACT, ALPHA, n, (losses - wins) / n, math.nan, losses, wins, d, d)
 
 
 def simulate(n_items: int, budget: float, sweeps: int, seed: int) -> tuple[float, float, float]:
@@ -209,10 +214,10 @@ def simulate(n_items: int, budget: float, sweeps: int, seed: int) -> tuple[float
     for s in range(sweeps):
         cands = []
         for i, (x, y) in enumerate(search[s]):
-            b = cached_bound(x, y, n_search)
+            b = search_bound(x, y, n_search)
             cands.append(Candidate(f"trial-{i}", SPEEDS[i], b.drop, b.upper, {"i": i}))
         ordered = order_candidates(cands, budget)
-        cert = fixed_sequence(ordered, lambda c, s=s: cached_bound(*confirm[s][c.payload["i"]], n_confirm), budget)
+        cert = fixed_sequence(ordered, lambda c, s=s: confirm_bound(*confirm[s][c.payload["i"]], n_confirm), budget)
         certified += cert.certified
         bad_new += cert.certified and TRUE_DROPS[cert.chosen.payload["i"]] > budget + 1e-12
         # the old rule: every item, point estimate <= budget, fastest wins, no confirmation
@@ -221,10 +226,11 @@ def simulate(n_items: int, budget: float, sweeps: int, seed: int) -> tuple[float
     return bad_new / sweeps, bad_old / sweeps, certified / sweeps
 
 
-# the issue's N = 24 and a larger N at b = 5%, and budgets just under a candidate's true drop
-# (0.0499 under 5%, 0.0333 under 3.33%), where a bound that undercovers would show
+# N = 24 and larger N at b = 5%, and a budget just under a candidate's true drop (0.0333 under 3.33%).
+# The decision's own level is held by exact enumeration (test_exact.py); this checks the procedure
+# around it: search ordering, fixed-sequence confirmation, the fastest passed candidate chosen.
 @pytest.mark.parametrize("n_items,budget,sweeps", [(24, 0.05, 3000), (400, 0.05, 2000), (2000, 0.06, 1500),
-                                                   (4000, 0.0499, 2000), (2000, 0.0333, 2000)])
+                                                   (2000, 0.0333, 2000)])
 def test_certified_choice_exceeds_its_budget_at_most_alpha_and_the_old_rule_does_not(n_items, budget, sweeps):
     bad_new, bad_old, certified = simulate(n_items, budget, sweeps, seed=n_items)
     margin = mc_margin(sweeps)
@@ -242,7 +248,7 @@ def test_certified_choice_exceeds_its_budget_at_most_alpha_and_the_old_rule_does
 
 
 def bound(upper: float, n: int = 100, drop: float = 0.0, d: float = 0.1) -> DropBound:
-    return DropBound("tango-score", ALPHA, n, drop, upper, int(n * (d + drop) / 2), int(n * (d - drop) / 2), d, d)
+    return DropBound("betting", ALPHA, n, drop, upper, int(n * (d + drop) / 2), int(n * (d - drop) / 2), d, d)
 
 
 def cand(key: str, speed: float, upper: float, drop: float = 0.0) -> Candidate:
@@ -323,7 +329,7 @@ def test_planned_n_gives_roughly_the_planned_power():
     gen = torch.Generator().manual_seed(0)
     losses = torch.binomial(torch.full((600,), float(n)), torch.full((600,), 0.05), generator=gen)
     wins = torch.binomial(n - losses, torch.full((600,), 0.05 / 0.95), generator=gen)
-    power = sum(drop_bound_from_counts(int(x), int(y), n).upper <= 0.03 for x, y in zip(losses, wins, strict=True)) / 600
+    power = sum(certify_paired(int(x), int(y), n, 0.03, ALPHA).certified for x, y in zip(losses, wins, strict=True)) / 600
     assert 0.7 <= power <= 0.9, f"planned 80% power at n={n}, simulated {power:.2f}"
 
 

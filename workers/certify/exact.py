@@ -1,0 +1,265 @@
+"""The decision of a right/wrong certificate: an exact unconditional test that the paired drop is below b.
+
+n paired items, each *lost* (the reference right, the candidate wrong; probability p_lost), *won* (the
+reverse; p_won) or tied. The drop is p_lost - p_won. A budget b is certified when the test of
+
+    H0: drop >= b   (the candidate is at least b worse than the reference)   vs   H1: drop < b
+
+rejects H0 at level alpha. :func:`certify_paired` is the one public door: decision, p-value, bound.
+
+- **Order.** Outcomes are ordered by Tango's (1998) score statistic at drop = b,
+  ``Z_b = (lost - won - n b) / sqrt(n (2 p~ + b - b^2))`` with p~ the maximum-likelihood p_won under
+  drop = b: a small Z_b is evidence of a small drop. It weighs a difference by the discordance, so
+  a candidate that rarely disagrees with the reference is certified on far fewer items than by the
+  plain difference lost - won.
+- **p-value.** The largest probability, over the nuisance p_won in [0, (1 - b) / 2] at drop = b, of an
+  outcome at least as extreme: ``sup P(Z_b <= z_obs)``. Exact (Barnard/Suissa-Shuster style), valid at
+  every n: no normal approximation, no switch between methods. Drops above b make small Z_b rarer still
+  (``tests/workers/certify/test_exact.py`` enumerates both). Computed by conditioning on the discordant
+  count m ~ Binomial(n, 2 p_won + b): given m, lost ~ Binomial(m, (p_won + b) / (2 p_won + b)), and Z_b
+  rises with lost, so {Z_b <= z} given m is {lost <= l*(m)}: one binomial CDF per m, over the m that
+  carry mass. The sup is taken on a fixed grid of the nuisance (uniform, and geometric towards both ends,
+  where the tail bends fastest); the tests hold the type-I error to alpha on a 20,001-point grid.
+- **Bound.** The same test inverted: the smallest budget it would certify (bisection to 1e-4; never
+  below 1e-4, where the statistic degenerates). A description that agrees with the decision, not a
+  second decision.
+
+Knows counts, budgets and alpha; nothing about records, trials or the sweep. numpy and scipy's binomial
+functions (imported where used).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHOD = "exact-unconditional"
+BOUND_FLOOR = 1e-4  # the smallest budget the bound reports (Z_b degenerates at b = 0)
+_GRID = 96  # nuisance points: 2 x _GRID uniform, _GRID geometric towards each end
+_SD, _PAD = 8.0, 12.0  # discordant counts kept: mean +- (8 sd + 12); the +12 covers skewed, Poisson-like
+# binomials (s near 0 or 1), whose tails a normal sd underrates: the mass left out is < 1e-14 either way
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """A budget tested on paired right/wrong outcomes."""
+
+    certified: bool  # p_value <= alpha
+    p_value: float  # sup over the nuisance of P(an outcome at least as extreme | drop = budget)
+    budget: float
+    alpha: float
+    lost: int
+    won: int
+    n: int
+    method: str = METHOD
+
+    @functools.cached_property
+    def bound(self) -> float:
+        """The smallest budget this test would certify on these counts (a description; computed on first use)."""
+        return exact_bound(self.lost, self.won, self.n, self.alpha)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "bound": self.bound}
+
+
+def _check(lost: int, won: int, n: int, budget: float, alpha: float | None = None) -> None:
+    if min(lost, won, n) < 0 or lost + won > n or n < 1:
+        raise ValueError(f"counts must satisfy 0 <= lost + won <= n and n >= 1, got lost={lost}, won={won}, n={n}")
+    if not 0.0 < budget < 1.0:
+        raise ValueError(f"budget must be in (0, 1), got {budget}")
+    if alpha is not None and not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+
+
+def score_z(lost: Any, won: Any, n: int, budget: float) -> Any:
+    """Tango's score statistic at drop = ``budget`` (arrays broadcast): small = evidence of a small drop."""
+    import numpy as np
+
+    lost, won, b = np.asarray(lost, dtype=np.float64), np.asarray(won, dtype=np.float64), float(budget)
+    ties = n - lost - won
+    half = lost * (1.0 - b) + won * (1.0 - 3.0 * b) - 2.0 * ties * b
+    p_won = (half + np.sqrt(half * half + 8.0 * n * won * b * (1.0 - b))) / (4.0 * n)
+    return (lost - won - n * b) / np.sqrt(n * (2.0 * p_won + b - b * b))
+
+
+def _lost_limits(n: int, budget: float, z: float) -> Any:
+    """For every discordant count m = 0..n, the largest lost in [0, m] with Z_b(lost, m - lost) <= z, or -1.
+    Z_b rises with lost at fixed m (checked in the tests), so a vectorised bisection over lost finds it."""
+    import numpy as np
+
+    m = np.arange(n + 1)
+    lo = np.full(n + 1, -1)  # Z at lo is <= z (lo = -1: none yet)
+    hi = m + 1  # Z at hi is > z (hi = m + 1: past the end)
+    while True:
+        open_ = hi - lo > 1
+        if not open_.any():
+            return lo
+        mid = (lo + hi) // 2
+        below = score_z(np.clip(mid, 0, None), m - np.clip(mid, 0, None), n, budget) <= z
+        lo = np.where(open_ & below, mid, lo)
+        hi = np.where(open_ & ~below, mid, hi)
+
+
+def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = None) -> Any:
+    """P(Z_b <= z) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget);
+    ``limits`` from :func:`_lost_limits`."""
+    import numpy as np
+    from scipy.special import bdtr, gammaln, xlog1py, xlogy
+
+    p_won = np.asarray(p_won, dtype=np.float64)
+    drop = budget if drop is None else drop
+    disc = np.clip(2.0 * p_won + drop, 0.0, 1.0)  # P(discordant)
+    share = np.clip((p_won + drop) / np.where(disc > 0, disc, 1.0), 0.0, 1.0)  # P(lost | discordant)
+    sd = np.sqrt(n * disc * (1.0 - disc))
+    first = np.clip(np.floor(n * disc - _SD * sd - _PAD), 0, n).astype(np.int64)
+    last = np.clip(np.ceil(n * disc + _SD * sd + _PAD), 0, n).astype(np.int64)
+    width = int((last - first).max()) + 1
+    m = first[:, None] + np.arange(width)[None, :]
+    inside = m <= last[:, None]
+    m = np.minimum(m, n)
+    s = disc[:, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
+    mass = np.exp(gammaln(n + 1.0) - gammaln(m + 1.0) - gammaln(n - m + 1.0) + xlogy(m, s) + xlog1py(n - m, -s)) * inside
+    limit = limits[m]
+    below = np.where(limit < 0, 0.0, bdtr(np.clip(limit, 0, None), m, share[:, None]))
+    return (mass * below).sum(axis=1)
+
+
+def _nuisance_grid(budget: float) -> Any:
+    import numpy as np
+
+    top = (1.0 - budget) / 2.0
+    near = np.geomspace(1e-7, 0.5, _GRID)  # the tail bends fastest at either end of the range
+    return np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
+
+
+def _sup_tail(n: int, budget: float, z: float) -> float:
+    """sup over the nuisance grid of P(Z_b <= z) at drop = budget. The grid is fixed, so this is a maximum of
+    functions each nondecreasing in z: certified (p <= alpha) is exactly Z_b <= :func:`critical_z`."""
+    limits = _lost_limits(n, budget, z)
+    if (limits < 0).all():
+        return 0.0
+    return min(float(_tail(n, budget, limits, _nuisance_grid(budget)).max()), 1.0)
+
+
+@functools.lru_cache(maxsize=65536)
+def p_value(lost: int, won: int, n: int, budget: float) -> float:
+    """The exact unconditional p-value of H0: drop >= ``budget`` for ``lost`` / ``won`` of ``n`` paired items."""
+    _check(lost, won, n, budget)
+    return _sup_tail(n, budget, float(score_z(lost, won, n, budget)))
+
+
+@functools.lru_cache(maxsize=16384)
+def exact_bound(lost: int, won: int, n: int, alpha: float) -> float:
+    """The smallest budget in [BOUND_FLOOR, 1] that :func:`certify_paired` certifies on these counts, to 1e-4
+    (1.0 when none below 1 would); the bisection assumes the p-value falls as the budget grows, which the
+    tests check against the decision at every outcome of small n."""
+    _check(lost, won, n, 0.5, alpha)
+    if p_value(lost, won, n, BOUND_FLOOR) <= alpha:
+        return BOUND_FLOOR
+    lo, hi = BOUND_FLOOR, 1.0  # p(lo) > alpha; hi: certified or the largest possible drop
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2.0
+        if p_value(lost, won, n, round(mid, 12)) <= alpha:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def certify_paired(lost: int, won: int, n: int, budget: float, alpha: float) -> PairedTest:
+    """Is the paired drop below ``budget``, with confidence 1 - ``alpha``? ``lost``: items the reference got
+    right and the candidate wrong; ``won``: the reverse; ``n``: paired items (a failed item counts as
+    wrong in the arm that failed). Everything that certifies a right/wrong budget calls this."""
+    _check(lost, won, n, budget, alpha)
+    p = p_value(int(lost), int(won), int(n), float(budget))
+    return PairedTest(p <= alpha, p, float(budget), float(alpha), int(lost), int(won), int(n))
+
+
+@functools.lru_cache(maxsize=1024)
+def critical_z(n: int, budget: float, alpha: float) -> float:
+    """The largest z with p-value <= alpha (to 1e-10 relative): ``certify_paired`` certifies exactly the
+    outcomes with Z_b <= critical_z (none, where it lies below every attainable Z_b)."""
+    _check(0, 0, n, budget, alpha)
+    lo, hi = -3.0, -1.0  # near the normal quantile; widened until it brackets
+    while _sup_tail(n, budget, lo) > alpha:
+        lo = 2.0 * lo
+    while _sup_tail(n, budget, hi) <= alpha and hi < 1e6:
+        lo, hi = hi, abs(hi) * 2.0 + 1.0
+    while hi - lo > 1e-10 * max(1.0, abs(lo)):
+        mid = (lo + hi) / 2.0
+        if _sup_tail(n, budget, mid) <= alpha:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _outcomes(n: int) -> tuple[Any, Any]:
+    import numpy as np
+
+    lost, discordant = np.triu_indices(n + 1)  # every lost <= discordant <= n
+    return lost, discordant - lost
+
+
+def type_one_error(n: int, budget: float, alpha: float, p_won: Any, drop: float | None = None) -> Any:
+    """P(certified) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget,
+    where H0 is hardest to reject): the probability of Z_b <= :func:`critical_z`, what the tests hold to alpha."""
+    import numpy as np
+
+    drop = budget if drop is None else drop
+    z = critical_z(n, budget, alpha)
+    p_won = np.atleast_1d(np.asarray(p_won, dtype=np.float64))
+    if drop == budget:
+        return _tail(n, budget, _lost_limits(n, budget, z), p_won)
+    from scipy.stats import multinomial
+
+    lost, won = _outcomes(n)
+    region = score_z(lost, won, n, budget) <= z
+    counts = np.stack([lost[region], won[region], n - lost[region] - won[region]], axis=1)
+    return np.array([float(multinomial.pmf(counts, n, [pw + drop, pw, max(0.0, 1.0 - 2.0 * pw - drop)]).sum())
+                     for pw in p_won])
+
+
+def exact_power(n: int, budget: float, alpha: float, discordance: float, drop: float = 0.0) -> float:
+    """P(certified) on n items when the true discordance (P(lost) + P(won)) and drop (P(lost) - P(won)) are
+    these: the probability of Z_b <= :func:`critical_z`, summed exactly over every outcome."""
+    _check(0, 0, n, budget, alpha)
+    if not 0.0 <= abs(drop) <= discordance <= 1.0:
+        raise ValueError(f"need |drop| <= discordance <= 1, got drop={drop}, discordance={discordance}")
+    z = critical_z(n, budget, alpha)
+    return float(_tail(n, budget, _lost_limits(n, budget, z), [(discordance - drop) / 2.0], drop=drop)[0])
+
+
+def exact_plan(discordance: float, budget: float, drop: float = 0.0, alpha: float = 0.05, power: float = 0.8,
+               most: int = 200_000) -> int | None:
+    """The smallest n whose :func:`exact_power` reaches ``power``. Exact power is not monotone in n for a
+    discrete test, so this is the n a bisection finds between a failing and a passing n, bracketed from
+    the normal-approximation plan: power(n) >= ``power`` > power(n - 1), deterministic for given inputs.
+    None when the drop is at or above the budget, or no n up to ``most`` reaches it."""
+    from workers.certify.bounds import normal_plan
+
+    if drop >= budget:
+        return None
+    if not 0.0 < power < 1.0:
+        raise ValueError(f"power must be in (0, 1), got {power}")
+    start = normal_plan(min(max(discordance, 0.0), 1.0), budget, drop, alpha, power)
+
+    def enough(n: int) -> bool:
+        return exact_power(n, budget, alpha, discordance, drop) >= power
+
+    hi = max(1, int(start or 1))
+    while not enough(hi):
+        if hi >= most:
+            return None
+        hi = min(most, int(hi * 1.25) + 1)
+    lo = max(0, int(hi / 1.25))
+    while lo > 0 and enough(lo):
+        hi, lo = lo, int(lo / 1.25)
+    while hi - lo > 1:  # enough(hi), not enough(lo) (lo = 0: no items certify nothing)
+        mid = (lo + hi) // 2
+        if enough(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
