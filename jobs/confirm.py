@@ -7,9 +7,11 @@ alpha, stop at the first failure: family-wise error <= alpha). This module only 
 evaluations and assembles what the report, MLflow and Serve read; every decision about what
 counts as certified is ``workers.certify.decide``'s.
 
-Paired scores count a failed item as a failure (score 0) in the arm that failed, so a rule that
-crashes items never looks better for it. A candidate confirmed for one budget is not evaluated
-again for another (records are cached per decoding spec under ``<run dir>/confirm/``).
+A candidate is judged on the whole fixed confirmation item set (``confirmation_pairs``): a candidate
+item that failed or never came back counts as wrong, a reference item that failed counts as right
+(nothing flips to the candidate's side), and the failures are reported by arm. A candidate confirmed
+for one budget is not evaluated again for another (records are cached per decoding spec under
+``<run dir>/confirm/``); its futility stop tests the largest budget whose list holds it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from workers.certify.decide import (
     Certificate,
     DropBound,
     drop_bound,
+    first_prune,
     fixed_sequence,
     order_candidates,
     prune_test,
@@ -60,6 +63,40 @@ def ordered_prefix(order: Sequence[str], reference: dict[str, Record], trial: di
 def bound_between(reference: dict[str, Record], trial: dict[str, Record], alpha: float) -> DropBound:
     ref, got = paired(reference, trial)
     return drop_bound(ref, got, alpha)
+
+
+def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
+                       futility: tuple[float, float] | None = None) -> tuple[list[float], list[float], dict[str, int]]:
+    """Paired scores over the *whole* fixed confirmation item set, never a subset chosen by what finished.
+
+    Nothing flips sides: a reference item that failed (or is missing) counts as right, so a candidate
+    cannot win on it; a candidate item that failed or never came back (a timeout, an actor lost) counts
+    as wrong. A candidate stopped for futility (``futility`` = (budget, alpha) of its prune test) keeps
+    the items up to the first look at which the test fired and counts the rest as wrong: its evidence is
+    then the same whatever finished after the stop. Returns (reference scores, candidate scores, counts of
+    ``reference_failed``, ``reference_missing``, ``candidate_failed``, ``candidate_missing``, ``kept``)."""
+    keep = len(order)
+    if futility is not None:
+        a, b = ordered_prefix(order, reference, trial)
+        fired = first_prune(a, b, futility[0], futility[1]) if a else None
+        keep = len(order) if fired is None else fired
+    counts = dict.fromkeys(("reference_failed", "reference_missing", "candidate_failed", "candidate_missing"), 0)
+    ref_scores, got_scores = [], []
+    for i, key in enumerate(order):
+        r = reference.get(key)
+        if r is None or r.failed:
+            counts["reference_missing" if r is None else "reference_failed"] += 1
+            ref_scores.append(1.0)
+        else:
+            ref_scores.append(score_of(r))
+        t = trial.get(key) if i < keep else None
+        if t is None:
+            counts["candidate_missing"] += 1
+        elif t.failed:
+            counts["candidate_failed"] += 1
+        got_scores.append(0.0 if t is None else score_of(t))
+    counts["kept"] = keep
+    return ref_scores, got_scores, counts
 
 
 def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
@@ -145,14 +182,25 @@ class Confirmation:
         self.order = list(order) if order is not None else list(reference)  # the confirmation items' fixed order
         self.records: dict[str, dict[str, Record]] = {}  # candidate key -> confirmation records
         self.bounds: dict[str, DropBound] = {}
+        self.counts: dict[str, dict[str, int]] = {}  # candidate key -> failures and missing items, by arm
+        self.futility: dict[str, float] = {}  # candidate key -> the budget its futility stop tests against
+
+    def plan_futility(self, candidates: list[Candidate], budgets: Sequence[float]) -> dict[str, float]:
+        """Before any confirmation: each candidate's futility stop tests the *largest* budget whose
+        candidate list holds it (known from the search alone), so records cut short for one budget are
+        never what a larger budget is judged on."""
+        for budget in sorted(budgets):
+            for c in order_candidates(candidates, budget, limit=self.limit):
+                self.futility[c.key] = budget
+        return dict(self.futility)
 
     def records_of(self, candidate: Candidate, budget: float) -> dict[str, Record]:
         if candidate.key not in self.records:
-            ref = self.reference
+            ref, against = self.reference, self.futility.setdefault(candidate.key, budget)
 
             def hopeless(records: dict[str, Record]) -> bool:
                 a, b = ordered_prefix(self.order, ref, records)
-                return bool(a) and prune_test(a, b, budget, self.alpha)
+                return bool(a) and prune_test(a, b, against, self.alpha)
 
             self.records[candidate.key] = self.evaluate(candidate, hopeless)
         return self.records[candidate.key]
@@ -162,23 +210,30 @@ class Confirmation:
 
         def bound_of(c: Candidate) -> DropBound:
             if c.key not in self.bounds:
-                self.bounds[c.key] = bound_between(self.reference, self.records_of(c, budget), self.alpha)
+                records = self.records_of(c, budget)
+                ref, got, self.counts[c.key] = confirmation_pairs(self.order, self.reference, records,
+                                                                  (self.futility[c.key], self.alpha))
+                self.bounds[c.key] = drop_bound(ref, got, self.alpha)
             return self.bounds[c.key]
 
         return fixed_sequence(ordered, bound_of, budget, self.alpha)
 
 
-def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int) -> dict[str, Any]:
-    """What ``chosen/budget-<b>.json`` and the MLflow tags say about a budget's certificate."""
-    bound = cert.bound
-    return {
+def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
+                       counts: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """What ``chosen/budget-<b>.json`` and the MLflow tags say about a budget's certificate; ``counts``
+    (``Confirmation.counts``): each tested candidate's failed and missing items, by arm."""
+    bound, counts = cert.bound, counts or {}
+    shown = cert.chosen.key if cert.chosen else (cert.steps[0][0] if cert.steps else None)
+    return {**{k: v for k, v in counts.get(shown, {}).items()},
         "certified": bool(cert.certified), "alpha": cert.alpha, "reason": cert.reason,
         "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
         "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
         "p_value": None if bound is None or math.isnan(bound.p_value) else bound.p_value,
         "confirm_split": split.get("confirm"), "confirm_items": n_items,
-        "steps": [{"candidate": key, "passed": passed, **b.to_dict()} for key, b, passed in cert.steps],
+        "steps": [{"candidate": key, "passed": passed, **b.to_dict(), **counts.get(key, {})}
+                  for key, b, passed in cert.steps],
     }
 
 
@@ -232,11 +287,13 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
     def evaluate(c: Candidate, stop: Callable[[dict[str, Record]], bool]) -> dict[str, Record]:
         spec = specs[c.key] = sweep.spec_of(c.payload)
         store = RecordStore(sweep.dir / "confirm" / f"{slug(spec.label())}-{spec.key()}")
-        return sweep.run_items(spec, f"confirm {c.key} {spec.label()}", store, sweep.confirm_items, stop)
+        return sweep.run_items(spec, f"confirm {c.key} {spec.label()}", store, sweep.confirm_items, stop,
+                               timeout=False)
 
     confirmation = Confirmation(evaluate, reference, args.alpha, args.confirm_candidates,
                                 [it.id for it in sweep.confirm_items])
     candidates = candidates_from(frame)
+    confirmation.plan_futility(candidates, sweep.s["budgets"])
     chosen: dict[str, Any] = {}
     figures: dict[str, dict[str, float]] = {}  # candidate key -> its confirmation figures (bootstrap once)
     floors: dict[int, dict[str, Any]] = {}
@@ -257,7 +314,8 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         cert = confirmation.certify(candidates, budget)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
         choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
-                  "certification": certificate_fields(cert, sweep.split, len(sweep.confirm_items))}
+                  "certification": certificate_fields(cert, sweep.split, len(sweep.confirm_items),
+                                                      confirmation.counts)}
         if pick is None:
             choice.update(policy=None)
         else:

@@ -106,15 +106,23 @@ class Sweep:
         # references are per engine (same greedy tokens up to bf16 kernels, different timings)
         pair = self.args.pair if self.args.engine == "cpu" else f"{self.args.pair}@{self.args.engine}"
         store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.name, spec))
-        return self.run_items(spec, label, store, self.items if items is None else items)
+        return self.run_items(spec, label, store, self.items if items is None else items, retry_failed=True,
+                              timeout=False)
 
     def run_items(self, spec: DecodeSpec, label: str, store: RecordStore, items: list,
-                  stop: Any = None) -> dict[str, Record]:
-        """``spec`` on ``items``, resumable through ``store``; ``stop(records)`` may end it early."""
+                  stop: Any = None, *, retry_failed: bool = False, timeout: bool = True) -> dict[str, Record]:
+        """``spec`` on ``items``, resumable through ``store``; ``stop(records)`` may end it early.
+        ``retry_failed``: items whose stored record failed (an engine death, a parse failure) run again,
+        once per call, their new record replacing the old (references: a failed reference item would
+        otherwise stay cached for every later sweep). ``timeout``: whether ``--trial-timeout`` applies
+        (search trials only; a reference or a confirmation that dropped items would change the items a
+        certificate is decided on)."""
         from cluster.pair_actor import run_trial
 
         done = store.load()
-        missing = [it for it in items if it.id not in done]
+        missing = [it for it in items if it.id not in done or (retry_failed and done[it.id].failed)]
+        if retry_failed and any(it.id in done for it in missing):
+            log(f"{label}: retrying {sum(it.id in done for it in missing)} failed item(s)")
         if missing:
             ar = self.refs.get(TARGET_ONLY, {}) if spec.policy != TARGET_ONLY else {}
             refs = {**{k: r.outputs for k, r in ar.items()},
@@ -128,7 +136,8 @@ class Sweep:
                 return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
 
             run = run_trial(self.workers, f"{label}-{spec.key()}", self.bench.name, spec, missing, refs,
-                            on_record=on_record, timeout_s=self.args.trial_timeout, shard_size=self.shard_size(missing))
+                            on_record=on_record, timeout_s=self.args.trial_timeout if timeout else None,
+                            shard_size=self.shard_size(missing))
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
         store.write_parquet(done.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}

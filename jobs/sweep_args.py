@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--enqueue", action="append", default=[], metavar="RULE",
                     help="evaluate these settings first, e.g. dropmatch:k=5,p_drop=0.3,criterion=js "
                          "(repeatable; knobs not given take the rule's defaults; skipped if already in the study)")
-    ap.add_argument("--trial-timeout", type=float, default=None, help="seconds before a trial's stragglers are retried")
+    ap.add_argument("--trial-timeout", type=float, default=None,
+                    help="seconds a search trial may run; its items not done by then are left out of that trial's "
+                         "search figures (not retried). References and confirmation runs never time out")
     ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
     ap.add_argument("--runs-root", default=None,
                     help="default $SPECTUNE_RUNS, else ./runs; in a Ray job $SPECTUNE_RUNS on the head "

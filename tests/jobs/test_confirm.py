@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from jobs.confirm import Confirmation, ordered_prefix, paired, speed_figures
+from jobs.confirm import Confirmation, confirmation_pairs, ordered_prefix, paired, speed_figures
 from tests.workers.test_metrics import rec
-from workers.certify.decide import Candidate
+from workers.certify.decide import Candidate, first_prune
 
 
 def test_a_failed_item_counts_as_a_failure_in_the_arm_that_failed():
@@ -61,3 +61,44 @@ def test_fixed_sequence_evaluates_lazily_and_reuses_a_candidate_across_budgets()
     assert len(conf.records["risky"]) < 200, "a hopeless candidate stops early (anytime-valid futility)"
     conf.certify(cands, 0.2)
     assert calls == ["safe", "risky"], "each candidate is evaluated once across budgets"
+
+
+def test_a_failed_reference_item_never_becomes_a_win_for_the_candidate():
+    """Before: a failed target-only item scored 0, so a candidate right there 'won' it, and 5% failed
+    references could cancel 5% real losses. Now the failed reference counts as right."""
+    order = [f"i{k}" for k in range(200)]
+    ref = {k: rec(k, math.nan, error="engine died") if int(k[1:]) < 10 else rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 0.0) if 10 <= int(k[1:]) < 20 else rec(k, 1.0) for k in order}  # right where ref failed
+    a, b, counts = confirmation_pairs(order, ref, trial)
+    assert sum(x - y for x, y in zip(a, b, strict=True)) == 10, "10 losses, no wins"
+    assert counts["reference_failed"] == 10 and counts["candidate_failed"] == counts["candidate_missing"] == 0
+    old_ref, old_trial = paired(ref, trial)
+    assert sum(x - y for x, y in zip(old_ref, old_trial, strict=True)) == 0, "the old pairing netted them to zero"
+
+
+def test_items_that_never_came_back_count_against_the_candidate():
+    order = [f"i{k}" for k in range(100)]
+    ref = {k: rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 1.0) for k in order[:80]}  # 20 items lost to a timeout or an actor
+    a, b, counts = confirmation_pairs(order, ref, trial)
+    assert len(a) == len(b) == 100 and sum(b) == 80 and counts["candidate_missing"] == 20
+    assert len(paired(ref, trial)[0]) == 80, "the old pairing dropped them: n shrank, the drop stayed 0"
+
+
+def test_a_candidate_stopped_for_futility_keeps_only_the_items_up_to_the_stop():
+    order = [f"i{k}" for k in range(300)]
+    ref = {k: rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 0.0 if int(k[1:]) % 2 else 1.0) for k in order}  # loses half: hopeless at 5%
+    _, b, counts = confirmation_pairs(order, ref, trial, futility=(0.05, 0.05))
+    fired = first_prune([1.0] * 300, [0.0 if k % 2 else 1.0 for k in range(300)], 0.05, 0.05)
+    assert counts["kept"] == fired < 300 and sum(b) == sum(1 for k in range(fired) if k % 2 == 0)
+    assert counts["candidate_missing"] == 300 - fired, "what finished after the stop is not evidence"
+
+
+def test_futility_tests_the_largest_budget_whose_candidate_list_holds_the_candidate():
+    ref = {f"i{k}": rec(f"i{k}", 1.0) for k in range(10)}
+    conf = Confirmation(lambda c, stop: {}, ref, alpha=0.05, limit=2, order=list(ref))
+    cands = [Candidate("safe", 1.1, 0.0, 0.01), Candidate("mid", 1.5, 0.015, 0.03),
+             Candidate("fast", 2.0, 0.04, 0.06)]
+    assert conf.plan_futility(cands, [0.01, 0.02, 0.05]) == {"safe": 0.05, "mid": 0.05}
+    # "fast" is feasible only at 5%, where the limit of 2 keeps the two safer ones: it is never confirmed

@@ -51,8 +51,11 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
         assert isinstance(c["certified"], bool) and cert["alpha"] == 0.05 and "gsm8k test" in cert["confirm_split"]
         if cert["steps"]:
             first = cert["steps"][0]
-            assert first["passed"] == (first["upper"] <= float(budget)), "certified means the bound is within budget"
+            assert first["passed"] == (first["p_value"] <= 0.05), "certified means the exact test rejects"
+            assert first["passed"] == (first["upper"] <= float(budget) + 1e-4), "and its bound agrees"
             assert c["certified"] == any(step["passed"] for step in cert["steps"])
+            # judged on every confirmation item, with failures reported by arm
+            assert first["n"] == 6 and first["reference_failed"] == 0 and "candidate_missing" in first
             assert c["noise_floor"]["draft_len"] == c["draft_len"] and c["noise_floor"]["items"] == 6
     assert c["split"]["search"].startswith("gsm8k train") and "noise floor" in (report / "certification.md").read_text()
     confirm_dirs = list((run_dir / "confirm").glob("*/records.jsonl"))
