@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from jobs.attempts import AttemptLedger, attempt_of
 from workers.certify.decide import (
     Candidate,
     Certificate,
@@ -30,6 +31,7 @@ from workers.certify.decide import (
     drop_bound,
     first_prune,
     fixed_sequence,
+    items_needed,
     order_candidates,
     prune_test,
 )
@@ -65,38 +67,70 @@ def bound_between(reference: dict[str, Record], trial: dict[str, Record], alpha:
     return drop_bound(ref, got, alpha)
 
 
-def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
-                       futility: tuple[float, float] | None = None) -> tuple[list[float], list[float], dict[str, int]]:
-    """Paired scores over the *whole* fixed confirmation item set, never a subset chosen by what finished.
+def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
+                      futility: tuple[float, float] | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The per-item evidence of a candidate's certificate, over the *whole* fixed confirmation item set.
 
     Nothing flips sides: a reference item that failed (or is missing) counts as right, so a candidate
     cannot win on it; a candidate item that failed or never came back (a timeout, an actor lost) counts
     as wrong. A candidate stopped for futility (``futility`` = (budget, alpha) of its prune test) keeps
     the items up to the first look at which the test fired and counts the rest as wrong: its evidence is
-    then the same whatever finished after the stop. Returns (reference scores, candidate scores, counts of
-    ``reference_failed``, ``reference_missing``, ``candidate_failed``, ``candidate_missing``, ``kept``)."""
+    then the same whatever finished after the stop. Returns one row per item (``item_id``,
+    ``reference_score``, ``candidate_score``, ``reference``/``candidate`` status: ok, failed, missing, or
+    after_stop; ``divergence``: the first output token position where the two differ, -1 if identical)
+    and the counts of ``reference_failed``, ``reference_missing``, ``candidate_failed``,
+    ``candidate_missing`` and ``kept``."""
     keep = len(order)
     if futility is not None:
         a, b = ordered_prefix(order, reference, trial)
         fired = first_prune(a, b, futility[0], futility[1]) if a else None
         keep = len(order) if fired is None else fired
     counts = dict.fromkeys(("reference_failed", "reference_missing", "candidate_failed", "candidate_missing"), 0)
-    ref_scores, got_scores = [], []
+    rows = []
     for i, key in enumerate(order):
-        r = reference.get(key)
-        if r is None or r.failed:
-            counts["reference_missing" if r is None else "reference_failed"] += 1
-            ref_scores.append(1.0)
-        else:
-            ref_scores.append(score_of(r))
-        t = trial.get(key) if i < keep else None
-        if t is None:
-            counts["candidate_missing"] += 1
-        elif t.failed:
-            counts["candidate_failed"] += 1
-        got_scores.append(0.0 if t is None else score_of(t))
+        r, t = reference.get(key), trial.get(key)
+        ref_status = "missing" if r is None else "failed" if r.failed else "ok"
+        got_status = ("after_stop" if t is not None else "missing") if t is None or i >= keep else \
+            "failed" if t.failed else "ok"
+        if ref_status != "ok":
+            counts[f"reference_{ref_status}"] += 1
+        if got_status != "ok":
+            counts["candidate_failed" if got_status == "failed" else "candidate_missing"] += 1
+        divergence = None
+        if ref_status == "ok" and got_status == "ok":
+            a_ids = [x for turn in r.output_token_ids or [] for x in turn]  # every turn, in order
+            b_ids = [x for turn in t.output_token_ids or [] for x in turn]
+            divergence = next((j for j, (x, y) in enumerate(zip(a_ids, b_ids, strict=False)) if x != y),
+                              -1 if len(a_ids) == len(b_ids) else min(len(a_ids), len(b_ids)))
+        rows.append({"item_id": key, "reference_score": 1.0 if ref_status != "ok" else score_of(r),
+                     "candidate_score": score_of(t) if got_status == "ok" else 0.0,
+                     "reference": ref_status, "candidate": got_status, "divergence": divergence})
     counts["kept"] = keep
-    return ref_scores, got_scores, counts
+    return rows, counts
+
+
+def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
+                       futility: tuple[float, float] | None = None) -> tuple[list[float], list[float], dict[str, int]]:
+    """(reference scores, candidate scores, counts) of :func:`confirmation_rows`: what the certificate is
+    decided on."""
+    rows, counts = confirmation_rows(order, reference, trial, futility)
+    return [r["reference_score"] for r in rows], [r["candidate_score"] for r in rows], counts
+
+
+def write_evidence(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The per-item paired outcomes as CSV (via a temporary file): anyone can recompute the certificate."""
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=["item_id", "reference_score", "candidate_score", "reference", "candidate",
+                                             "divergence"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({**r, "divergence": "" if r["divergence"] is None else r["divergence"]} for r in rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".csv.tmp")
+    tmp.write_text(buf.getvalue())
+    tmp.replace(path)
 
 
 def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
@@ -164,7 +198,7 @@ def candidates_from(frame: Any) -> list[Candidate]:
         out.append(Candidate(key=f"trial-{row['trial']}", speed=float(row["speedup"]),
                              search_drop=float(row["accuracy_drop"]),
                              search_upper=float(row.get("accuracy_drop_upper", row["accuracy_drop"])),
-                             payload=dict(row)))
+                             payload=dict(row), search_discordance=float(row.get("discordance", math.nan))))
     return out
 
 
@@ -183,6 +217,7 @@ class Confirmation:
         self.records: dict[str, dict[str, Record]] = {}  # candidate key -> confirmation records
         self.bounds: dict[str, DropBound] = {}
         self.counts: dict[str, dict[str, int]] = {}  # candidate key -> failures and missing items, by arm
+        self.evidence: dict[str, list[dict[str, Any]]] = {}  # candidate key -> its per-item paired outcomes
         self.futility: dict[str, float] = {}  # candidate key -> the budget its futility stop tests against
 
     def plan_futility(self, candidates: list[Candidate], budgets: Sequence[float]) -> dict[str, float]:
@@ -211,9 +246,11 @@ class Confirmation:
         def bound_of(c: Candidate) -> DropBound:
             if c.key not in self.bounds:
                 records = self.records_of(c, budget)
-                ref, got, self.counts[c.key] = confirmation_pairs(self.order, self.reference, records,
-                                                                  (self.futility[c.key], self.alpha))
-                self.bounds[c.key] = drop_bound(ref, got, self.alpha)
+                rows, self.counts[c.key] = confirmation_rows(self.order, self.reference, records,
+                                                             (self.futility[c.key], self.alpha))
+                self.evidence[c.key] = rows
+                self.bounds[c.key] = drop_bound([r["reference_score"] for r in rows],
+                                                [r["candidate_score"] for r in rows], self.alpha)
             return self.bounds[c.key]
 
         return fixed_sequence(ordered, bound_of, budget, self.alpha)
@@ -231,7 +268,9 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
         "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
         "p_value": None if bound is None or math.isnan(bound.p_value) else bound.p_value,
-        "confirm_split": split.get("confirm"), "confirm_items": n_items,
+        "evidence": None if shown is None else f"evidence/{shown}.csv",
+        "confirm_split": split.get("confirm"), "confirm_items": n_items, "pool": split.get("pool"),
+        "pool_sources": split.get("pool_sources"),
         "steps": [{"candidate": key, "passed": passed, **b.to_dict(), **counts.get(key, {})}
                   for key, b, passed in cert.steps],
     }
@@ -268,6 +307,35 @@ def noise_floor_row(reference: dict[str, Record], lossless: dict[str, Record], a
             **{f"bound.{k}": v for k, v in bound.to_dict().items()}}
 
 
+def pool_outlook(candidates: list[Candidate], budgets: Sequence[float], limit: int | None, pool: int,
+                 used: int, alpha: float) -> list[dict[str, Any]]:
+    """Before confirmation, per budget: the first candidate of its sequence, the items a certificate of it
+    would need at its *search* discordance and drop (80% power, normal approximation: ``jobs.plan``
+    gives the exact figure), and the smallest budget the whole pool could certify for it."""
+    rows = []
+    for budget in budgets:
+        first = order_candidates(candidates, budget, limit=limit)[:1]
+        if not first:
+            rows.append({"budget": budget, "candidate": None})
+            continue
+        c = first[0]
+        d = float(c.payload.get("discordance", math.nan))
+        if not math.isfinite(d):
+            rows.append({"budget": budget, "candidate": c.key})
+            continue
+        drop = min(max(c.search_drop, -d), d)
+        d = min(max(d, abs(drop), 1e-6), 1.0)
+        need = items_needed(d, budget, drop, alpha)
+        lo, hi = max(drop, 0.0), 1.0  # the smallest budget whose plan fits in the pool
+        while hi - lo > 1e-4:
+            mid = (lo + hi) / 2
+            plan = items_needed(d, mid, drop, alpha) if mid > drop else None
+            lo, hi = (lo, mid) if plan is not None and plan <= pool else (mid, hi)
+        rows.append({"budget": budget, "candidate": c.key, "search_discordance": d, "search_drop": drop,
+                     "items_needed": need, "pool": pool, "used": used, "smallest_budget_for_pool": hi})
+    return rows
+
+
 def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], str]:
     """Confirm every budget of ``sweep`` (a ``jobs.sweep.Sweep``) and write what was decided:
     ``<out>/chosen-budget-<b>.json`` and ``certification.json``. Returns the chosen policies by
@@ -294,6 +362,16 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                 [it.id for it in sweep.confirm_items])
     candidates = candidates_from(frame)
     confirmation.plan_futility(candidates, sweep.s["budgets"])
+    outlook = pool_outlook(candidates, sweep.s["budgets"], args.confirm_candidates, sweep.split.get("pool", 0),
+                           len(sweep.confirm_items), args.alpha)
+    for row in outlook:
+        if row.get("items_needed", -1) != -1:
+            need = "never (its search drop is at or above the budget)" if row["items_needed"] is None \
+                else f"~{row['items_needed']:,} items"
+            print(f"[sweep] budget {row['budget'] * 100:g}%: {row['candidate']} first (search discordance "
+                  f"{row['search_discordance']:.3f}, drop {row['search_drop'] * 100:+.2f}%): a certificate needs {need} "
+                  f"(80% power, normal approximation); the pool of {row['pool']:,} ({row['used']:,} used) can certify "
+                  f"down to ~{row['smallest_budget_for_pool'] * 100:.2f}%", flush=True)
     chosen: dict[str, Any] = {}
     figures: dict[str, dict[str, float]] = {}  # candidate key -> its confirmation figures (bootstrap once)
     floors: dict[int, dict[str, Any]] = {}
@@ -310,8 +388,18 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                          {"confirmed": "true"})
         return figures.get(key, {})
 
+    ledger = AttemptLedger(sweep.root, sweep.bench.name, args.pair, args.dtype)
     for budget in sweep.s["budgets"]:
-        cert = confirmation.certify(candidates, budget)
+        ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
+        attempt = attempt_of(sweep.name, budget, args.alpha, [sweep.spec_of(c.payload).key() for c in ordered],
+                             [it.id for it in sweep.confirm_items])
+        recorded, refusal = ledger.check(attempt)
+        if refusal is not None:
+            cert = Certificate(budget, args.alpha, False, None, None, [], None, f"refused: {refusal}")
+        else:
+            cert = confirmation.certify(candidates, budget)
+            if ordered and not recorded:
+                ledger.record(attempt, cert.certified, cert.reason)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
         choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
                   "certification": certificate_fields(cert, sweep.split, len(sweep.confirm_items),
@@ -335,7 +423,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             figures_of(key_)
         chosen[str(budget)] = choice
         write_json(out / f"chosen-budget-{budget}.json", choice)
-        state = "CERTIFIED" if cert.certified else "not certified"
+        state = "CERTIFIED" if cert.certified else "REFUSED" if cert.reason.startswith("refused") else "not certified"
         what = f"{choice['policy']} (trial {choice.get('trial')})" if choice.get("policy") else "no candidate"
         bound = cert.bound
         print(f"[sweep] budget {budget * 100:g}%: {state}: {what}; "
@@ -344,5 +432,10 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                  f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget)" if bound is not None else cert.reason)
               + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"),
               flush=True)
-    write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values())})
+    for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/
+        write_evidence(out / "evidence" / f"{key_}.csv", rows)
+    write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values()),
+                                            "pool": {k: sweep.split.get(k) for k in ("pool", "pool_sources",
+                                                                                      "confirm_used", "search_sample")},
+                                            "outlook": outlook})
     return chosen, certification_table(list(chosen.values()), list(floors.values()))

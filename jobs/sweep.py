@@ -65,9 +65,15 @@ class Sweep:
         self.dir = Path(args.run_dir) if args.run_dir else self.root / "sweeps" / self.name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.items = self.bench.items(limit=args.items or None, seed=args.subset_seed, split="search")
+        # the confirmation pool: every item held apart from the search sample (the confirm split and the
+        # search-split rows the sample did not use), in seeded order; --confirm-items takes its first N
+        pool, sources = self.bench.confirmation_pool(self.items, args.subset_seed)
         n_confirm = args.items if args.confirm_items is None else args.confirm_items
-        self.confirm_items = self.bench.items(limit=n_confirm or None, seed=args.subset_seed, split="confirm")
-        self.split = self.bench.split_info()
+        self.confirm_items = pool[:n_confirm] if n_confirm else pool
+        self.split = {**self.bench.split_info(), "pool": len(pool), "pool_sources": sources,
+                      "confirm_used": len(self.confirm_items), "search_sample": len(self.items)}
+        log(f"search sample: {len(self.items)} items; confirmation pool: {len(pool)} held-apart items "
+            f"({', '.join(f'{k} {v}' for k, v in sources.items())}), {len(self.confirm_items)} used")
         init_ray(args.address)
         n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
         log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
@@ -93,6 +99,7 @@ class Sweep:
             self.name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(self.items),
                         "confirm_items": len(self.confirm_items), "alpha": args.alpha,
                         "split.search": self.split["search"], "split.confirm": self.split["confirm"],
+                        "split.pool": self.split["pool"], "split.pool_sources": json.dumps(self.split["pool_sources"]),
                         "budgets": s["budgets"], "policies": s["families"], "draft_len_range": list(s["draft_len"]),
                         **s["decode"], "objective": args.objective, "cost_ratio": self.cost_ratio, "actors": n},
             {"machine": platform.node(), "python": platform.python_version(), "study": self.name,

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
     ap.add_argument("--items", type=int, default=40, help="search-split items per trial (0 = all)")
     ap.add_argument("--confirm-items", type=int, default=None,
-                    help="confirmation-split items that certify a budget (default: --items; 0 = all)")
+                    help="items that certify a budget, the first N of the held-apart pool (the confirmation split "
+                         "plus the search-split items the search did not use; default: --items; 0 = the whole pool)")
     ap.add_argument("--confirm-candidates", type=int, default=3,
                     help="candidates per budget confirmed at most (fixed sequence, safest first)")
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
@@ -168,10 +169,18 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
+POOL = "held-apart: confirm split + unused search rows"  # how the confirmation pool is made (see jobs.sweep)
+
+
 def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
+    # everything that changes what is certified: rerunning with any of it changed is another study (its own
+    # run directory), never an overwrite of this one's certificates. --trials is not: a rerun with more trials
+    # extends the search; a second confirmation of a budget is then caught by jobs.attempts
     key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
                       "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
-                      "subset_seed": args.subset_seed, "split": s["bench"].split_info(),
+                      "subset_seed": args.subset_seed, "split": s["bench"].split_info(), "pool": POOL,
+                      "confirm_items": args.confirm_items, "alpha": args.alpha,
+                      "confirm_candidates": args.confirm_candidates,
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")

@@ -82,11 +82,13 @@ class SweepTracker:
             cert = choice.get("certification") or {}
             mlflow.set_tag(f"chosen.{budget}", json.dumps(
                 {**{k: choice.get(k) for k in ("policy", "params", "draft_len", "trial", "certified")},
-                 **{k: cert.get(k) for k in ("bound", "alpha", "n", "discordance", "items_needed", "confirm_split")}},
+                 **{k: cert.get(k) for k in ("p_value", "bound", "alpha", "n", "discordance", "items_needed",
+                                             "confirm_split", "pool", "evidence")}},
                 default=str)[:5000])
             mlflow.set_tag(f"certified.{budget}", str(bool(choice.get("certified"))).lower())
-            figures = {"bound": cert.get("bound"), "n": cert.get("n"), "discordance": cert.get("discordance"),
-                       "items_needed": cert.get("items_needed")}
+            figures = {"p_value": cert.get("p_value"), "bound": cert.get("bound"), "n": cert.get("n"),
+                       "discordance": cert.get("discordance"), "items_needed": cert.get("items_needed"),
+                       "pool": cert.get("pool")}
             mlflow.log_metrics({f"confirm.budget_{budget}.{k}": float(v) for k, v in figures.items()
                                 if isinstance(v, (int, float)) and math.isfinite(v)})
 

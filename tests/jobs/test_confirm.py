@@ -7,9 +7,17 @@ import math
 
 import pytest
 
-from jobs.confirm import Confirmation, confirmation_pairs, ordered_prefix, paired, speed_figures
+from jobs.confirm import (
+    Confirmation,
+    confirmation_pairs,
+    ordered_prefix,
+    paired,
+    speed_figures,
+    write_evidence,
+)
 from tests.workers.test_metrics import rec
-from workers.certify.decide import Candidate, first_prune
+from workers.certify.decide import Candidate, drop_bound, first_prune
+from workers.certify.exact import certify_paired
 
 
 def test_a_failed_item_counts_as_a_failure_in_the_arm_that_failed():
@@ -102,3 +110,21 @@ def test_futility_tests_the_largest_budget_whose_candidate_list_holds_the_candid
              Candidate("fast", 2.0, 0.04, 0.06)]
     assert conf.plan_futility(cands, [0.01, 0.02, 0.05]) == {"safe": 0.05, "mid": 0.05}
     # "fast" is feasible only at 5%, where the limit of 2 keeps the two safer ones: it is never confirmed
+
+
+def test_the_evidence_rows_recompute_the_certificate(tmp_path):
+    import csv
+
+    order = [f"i{k}" for k in range(120)]
+    ref = {k: rec(k, math.nan, error="boom") if k == "i3" else rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 0.0 if k in ("i5", "i9") else 1.0) for k in order if k != "i7"}
+    conf = Confirmation(lambda c, stop: trial, ref, alpha=0.05, limit=1, order=order)
+    cert = conf.certify([Candidate("c", 1.5, 0.0, 0.01)], 0.1)
+    write_evidence(tmp_path / "c.csv", conf.evidence["c"])
+    with (tmp_path / "c.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 120 and {r["candidate"] for r in rows} == {"ok", "missing"}
+    assert next(r for r in rows if r["item_id"] == "i3")["reference"] == "failed"
+    again = drop_bound([float(r["reference_score"]) for r in rows], [float(r["candidate_score"]) for r in rows])
+    assert (again.losses, again.wins, again.n) == (3, 0, 120) == (cert.bound.losses, cert.bound.wins, cert.bound.n)
+    assert certify_paired(again.losses, again.wins, again.n, 0.1, 0.05).p_value == cert.bound.p_value

@@ -59,11 +59,23 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
             assert c["noise_floor"]["draft_len"] == c["draft_len"] and c["noise_floor"]["items"] == 6
     assert c["split"]["search"].startswith("gsm8k train") and "noise floor" in (report / "certification.md").read_text()
     confirm_dirs = list((run_dir / "confirm").glob("*/records.jsonl"))
-    assert confirm_dirs, "candidates were evaluated on the confirmation split"
-    assert all(line.count('"gsm8k/test/') for d in confirm_dirs for line in d.read_text().splitlines())
+    assert confirm_dirs, "candidates were evaluated on the confirmation pool"
+    confirm_items = {json.loads(line)["item_id"] for d in confirm_dirs for line in d.read_text().splitlines()}
     trial_items = {json.loads(line)["item_id"] for d in (run_dir / "trials").glob("*/records.jsonl")
                    for line in d.read_text().splitlines()}
     assert trial_items and all(i.startswith("gsm8k/train/") for i in trial_items), "the search never sees test items"
+    assert confirm_items and confirm_items.isdisjoint(trial_items), "nor does it see a confirmation item"
+    # the pool: every item held apart from the 6-item search sample (test rows and unused train rows)
+    whole = json.loads((report / "certification.json").read_text())
+    assert whole["pool"]["pool"] == 1319 + 7465 - 6 and whole["pool"]["pool_sources"] == {
+        "gsm8k/test": 1319, "gsm8k/train": 7465 - 6} and whole["pool"]["confirm_used"] == 6
+    # per-item evidence beside the certificates, recomputing each step's counts
+    for budget in ("0.05", "0.2"):
+        cert = json.loads((report / f"chosen-budget-{budget}.json").read_text())["certification"]
+        for step in cert["steps"]:
+            rows = (report / "evidence" / f"{step['candidate']}.csv").read_text().splitlines()[1:]
+            lost = sum(float(r.split(",")[1]) > float(r.split(",")[2]) for r in rows)
+            assert (len(rows), lost) == (step["n"], step["losses"])
     timing = [json.loads(line) for line in (run_dir / "timing.jsonl").read_text().splitlines()]
     assert [t["trial"] for t in timing] == sorted(t.number for t in finished)
     for t in timing:  # where each trial's time went
@@ -85,7 +97,12 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     assert any(k.startswith("chosen.") for k in parent.data.tags)
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
     assert {"report", "chosen"} <= artifacts
+    evidence = [a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id, "report/evidence")]
+    assert evidence and all(p.endswith(".csv") for p in evidence), "per-item evidence is in MLflow too"
+    assert parent.data.params["split.pool"] == str(1319 + 7465 - 6)
 
+    first_steps = {b: json.loads((report / f"chosen-budget-{b}.json").read_text())["certification"]["steps"]
+                   for b in ("0.05", "0.2")}
     # Rerun with a larger target: the 3 finished trials are kept, 2 more are run, same parent run.
     numbers_before = {t.number for t in finished}
     meta2 = sweep(tmp_path, "--trials", "5")
@@ -95,6 +112,13 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     nested = [r for r in mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")
               if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(nested) == 5, "finished trials are not redone or re-logged"
+    # the rerun's confirmation is a new attempt wherever the candidates changed: refused on the same items
+    for budget in ("0.05", "0.2"):
+        c = json.loads((report / f"chosen-budget-{budget}.json").read_text())
+        reason = c["certification"]["reason"]
+        assert reason.startswith("refused: budget") or c["certification"]["steps"] == first_steps[budget], reason
+    ledger = list((tmp_path / "attempts").glob("*.jsonl"))
+    assert len(ledger) == 1 and all('"items"' in line for line in ledger[0].read_text().splitlines())
 
 
 def test_interrupted_trial_is_redone_with_its_params(tmp_path):

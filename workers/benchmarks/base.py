@@ -155,6 +155,21 @@ class BenchmarkBase:
         keep = set(search)
         return [it for it in items if (it.id in keep) == (split == "search")]
 
+    def confirmation_pool(self, search: Sequence[Item], seed: int | None = None,
+                          cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[Item], dict[str, int]]:
+        """Every item held apart from a search sample: the confirm split and the search-split items the
+        sample did not use (its choice depended on the seed, never on outcomes), in seeded order;
+        few-shot exemplars are in neither split. Returns (items, count by source: the id up to its last
+        '/', e.g. {"gsm8k/test": 1319, "gsm8k/train": 7425})."""
+        used = {it.id for it in search}
+        pool = [it for s in ("confirm", "search") for it in self._split(s, cache_dir) if it.id not in used]
+        items = select(pool, None, None, seed)
+        by_source: dict[str, int] = {}
+        for it in items:
+            source = it.id.rsplit("/", 1)[0]
+            by_source[source] = by_source.get(source, 0) + 1
+        return items, dict(sorted(by_source.items()))
+
     def split_info(self) -> dict[str, Any]:
         """How the search and confirmation splits are made (part of a sweep's identity)."""
         return {"search": f"seeded half of {self.name} (split_ids seed {SPLIT_SEED})",

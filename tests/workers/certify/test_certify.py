@@ -358,3 +358,12 @@ def test_empty_input_is_an_uninformative_bound():
     for b in (drop_bound([], []), drop_bound([], [], binary=False)):
         assert b.n == 0 and b.upper == 1.0 and math.isnan(b.drop) and math.isnan(b.discordance)
         assert b.to_dict()["drop"] is None
+
+
+def test_an_uncertified_budget_is_planned_from_the_search_not_from_the_failed_confirmation():
+    """A candidate that failed its confirmation did so partly by bad luck; planning from its confirmation
+    drop would promise 'never' or an inflated n. The search's discordance and drop are the plan's inputs."""
+    c = Candidate("t", 1.5, 0.0, 0.02, search_discordance=0.1)
+    cert = fixed_sequence([c], lambda _: bound(upper=0.09, n=100, drop=0.06, d=0.12), 0.05)
+    assert not cert.certified and cert.items_needed == items_needed(0.1, 0.05, 0.0)
+    assert "search discordance 0.100" in cert.reason
