@@ -214,7 +214,9 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
         cells = [f"noise floor (lossless L={nf.get('draft_len')})", "—",
                  f"lossless vs target-only (outputs differ on {_pct_or_dash(nf.get('output_divergence'))})",
                  "—",
-                 _pct_or_dash(nf.get("bound.upper")), _pct_or_dash(nf.get("bound.drop"), True),
+                 (f"[{_pct_or_dash(nf['drop_lo'], True)}, {_pct_or_dash(nf['drop_hi'], True)}] (two-sided)"
+                  if isinstance(nf.get("drop_lo"), float) and isinstance(nf.get("drop_hi"), float)
+                  else _pct_or_dash(nf.get("bound.upper"))), _pct_or_dash(nf.get("bound.drop"), True),
                  str(nf.get("items", "—")),
                  f"{nf['bound.discordance']:.3f}" if isinstance(nf.get("bound.discordance"), float)
                  and math.isfinite(nf["bound.discordance"]) else "—",

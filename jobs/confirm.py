@@ -35,6 +35,8 @@ from workers.certify.decide import (
     order_candidates,
     prune_test,
 )
+from workers.certify.exact import METHOD as EXACT
+from workers.certify.exact import exact_bound
 from workers.evaluation import Record
 from workers.metrics import score_of
 
@@ -148,8 +150,9 @@ def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resampl
 
 def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost_ratio: float,
                   verify_factor: Callable[[int], float]) -> dict[str, float]:
-    """Speed vs the reference on the items both arms finished (a failed item has no time to compare),
-    as ratios of sums, never means of per-item ratios (one short item would swing those):
+    """Speed vs the reference on every item both arms attempted, a failed item with the time it took
+    (its tokens count as produced, its time as spent), as ratios of sums, never means of per-item
+    ratios (one short item would swing those):
 
     - ``measured_per_token``: (Σ tokens / Σ decode s) of the trial over the reference's;
     - ``measured_per_answer``: Σ reference decode s / Σ trial decode s (time to produce the answers);
@@ -157,9 +160,9 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
       units, c = ``cost_ratio`` per draft forward) in place of seconds.
     Each with ``_lo``/``_hi``: a paired bootstrap interval over items (descriptive).
     """
-    keys = [k for k in reference if k in records and not records[k].failed and not reference[k].failed
-            and records[k].decode_time_s > 0 and reference[k].decode_time_s > 0]
-    out: dict[str, float] = {"speed_items": float(len(keys))}
+    keys = [k for k in reference if k in records]
+    out: dict[str, float] = {"speed_items": float(len(keys)),
+                             "speed_failed_items": float(sum(records[k].failed for k in keys))}
     if not keys:
         return out
 
@@ -167,8 +170,11 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
         factor = verify_factor(r.draft_len) if r.draft_len else 1.0
         return factor * r.target_forwards + cost_ratio * r.draft_forwards
 
+    def seconds(r: Record) -> float:  # a failed item still took its time: a rule whose slow items fail
+        return r.decode_time_s if r.decode_time_s > 0 else max(r.wall_time_s, 0.0)  # must not look faster
+
     trial, ref = [records[k] for k in keys], [reference[k] for k in keys]
-    units: dict[str, Callable[[Record], float]] = {"measured": lambda r: r.decode_time_s, "modelled": cost}
+    units: dict[str, Callable[[Record], float]] = {"measured": seconds, "modelled": cost}
     for kind, unit in units.items():
         t_unit, r_unit = [unit(r) for r in trial], [unit(r) for r in ref]
         t_tok, r_tok = [r.tokens for r in trial], [r.tokens for r in ref]
@@ -289,22 +295,36 @@ def _confirm_metrics(bound: DropBound, speed: dict[str, float], records: dict[st
     scores = [score_of(r) for r in records.values()]
     out = {"accuracy": sum(scores) / len(scores) if scores else math.nan, "accuracy_drop": bound.drop,
            "accuracy_drop_upper": bound.upper, "discordance": bound.discordance, "items": float(bound.n),
-           "failures": float(sum(r.failed for r in records.values())),
-           "speedup_vs_ar_modelled": speed.get("modelled_per_token", math.nan),
-           "speedup_vs_ar_measured": speed.get("measured_per_token", math.nan)}
+           "failures": float(sum(r.failed for r in records.values()))}
+    # speed only as speed.<kind>_<per_token|per_answer> (ratios of sums): the search's speedup_vs_ar_* are
+    # other definitions (a mean of per-item ratios, measured), so they never share a name
     out.update({f"speed.{k}": v for k, v in speed.items()})
     return out
 
 
-def noise_floor_row(reference: dict[str, Record], lossless: dict[str, Record], alpha: float, draft_len: int
-                    ) -> dict[str, Any]:
-    """Lossless vs target-only on the confirmation items at ``draft_len``: its own row, never folded
-    into another number. A budget below its bound cannot be told apart from numerical noise."""
+def noise_floor_row(reference: dict[str, Record], lossless: dict[str, Record], alpha: float, draft_len: int,
+                    budgets: Sequence[float] = ()) -> dict[str, Any]:
+    """Lossless vs target-only on the confirmation items at ``draft_len``: its own row, never folded into
+    another number. What it measures is the *discordance* (the share of items whose correctness differs,
+    from numerics alone: the same rule, other kernels) and the *output divergence* (items whose tokens
+    differ). Its one-sided bound mostly reflects n (zero discordance still bounds 53% at n = 4, 6% at
+    n = 40), so it is not "the smallest budget that can be told from noise"; what the discordance does
+    tell is how many items a certificate at each budget needs even for a lossless-like rule
+    (``items_needed.<b>``, 80% power, normal approximation). ``drop_lo``/``drop_hi``: a two-sided
+    (1 - alpha) exact interval for the lossless drop (each side the exact bound at alpha / 2)."""
     bound = bound_between(reference, lossless, alpha)
     keys = [k for k in reference if k in lossless]
     differ = sum(reference[k].output_token_ids != lossless[k].output_token_ids for k in keys)
-    return {"draft_len": draft_len, "items": len(keys), "output_divergence": differ / len(keys) if keys else math.nan,
-            **{f"bound.{k}": v for k, v in bound.to_dict().items()}}
+    row: dict[str, Any] = {"draft_len": draft_len, "items": len(keys),
+                           "output_divergence": differ / len(keys) if keys else math.nan,
+                           "discordance": bound.discordance, **{f"bound.{k}": v for k, v in bound.to_dict().items()}}
+    if keys and bound.method == EXACT:
+        row["drop_hi"] = exact_bound(bound.losses, bound.wins, bound.n, alpha / 2)
+        row["drop_lo"] = -exact_bound(bound.wins, bound.losses, bound.n, alpha / 2)
+    if keys and math.isfinite(bound.discordance):
+        d = max(bound.mean_sq, 1.0 / len(keys))  # zero seen is not zero: at least one item in n
+        row.update({f"items_needed.{b:g}": items_needed(min(d, 1.0), b, 0.0, alpha) for b in budgets})
+    return row
 
 
 def pool_outlook(candidates: list[Candidate], budgets: Sequence[float], limit: int | None, pool: int,
@@ -412,7 +432,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             confirm = figures_of(pick.key)
             if spec.draft_len not in floors:
                 floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm"),
-                                                         args.alpha, spec.draft_len)
+                                                         args.alpha, spec.draft_len, sweep.s["budgets"])
             choice.update(policy=row["family"], params=json.loads(row["params"]), draft_len=row["draft_len"],
                           trial=row["trial"], search={k: v for k, v in row.items() if isinstance(v, float)},
                           confirm=confirm, noise_floor=floors[spec.draft_len])

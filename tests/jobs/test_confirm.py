@@ -10,6 +10,7 @@ import pytest
 from jobs.confirm import (
     Confirmation,
     confirmation_pairs,
+    noise_floor_row,
     ordered_prefix,
     paired,
     speed_figures,
@@ -128,3 +129,21 @@ def test_the_evidence_rows_recompute_the_certificate(tmp_path):
     again = drop_bound([float(r["reference_score"]) for r in rows], [float(r["candidate_score"]) for r in rows])
     assert (again.losses, again.wins, again.n) == (3, 0, 120) == (cert.bound.losses, cert.bound.wins, cert.bound.n)
     assert certify_paired(again.losses, again.wins, again.n, 0.1, 0.05).p_value == cert.bound.p_value
+
+
+def test_the_noise_floor_row_gives_discordance_a_two_sided_interval_and_the_items_budgets_need():
+    ref = {f"i{k}": rec(f"i{k}", 1.0) for k in range(40)}
+    lossless = {k: rec(k, 1.0) for k in ref}  # identical: zero discordance
+    row = noise_floor_row(ref, lossless, 0.05, 5, budgets=[0.02, 0.05])
+    assert row["discordance"] == 0.0 and row["drop_lo"] < 0.0 < row["drop_hi"] < 0.1
+    assert row["items_needed.0.02"] > row["items_needed.0.05"] > 40, "zero seen in 40 items is not zero"
+
+
+def test_a_failed_item_still_counts_its_time_so_a_rule_cannot_look_faster_by_failing():
+    ref = {"a": rec("a", 1.0, tokens=10, verify_s=1.0), "b": rec("b", 1.0, tokens=10, verify_s=1.0)}
+    fails_slowly = {"a": rec("a", 1.0, tokens=10, verify_s=0.5, draft_len=2),
+                    "b": rec("b", math.nan, error="timeout", tokens=0, verify_s=0.0, draft_len=2)}
+    fails_slowly["b"].wall_time_s = 30.0
+    s = speed_figures(fails_slowly, ref, cost_ratio=0.5, verify_factor=lambda _: 1.0)
+    assert s["speed_items"] == 2 and s["speed_failed_items"] == 1
+    assert s["measured_per_answer"] < 0.1, "2 s of reference work vs 30.5 s spent"
