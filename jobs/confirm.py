@@ -221,7 +221,8 @@ class Confirmation:
         self.evaluate, self.reference, self.alpha, self.limit = evaluate, reference, alpha, limit
         self.order = list(order) if order is not None else list(reference)  # the confirmation items' fixed order
         self.records: dict[str, dict[str, Record]] = {}  # candidate key -> confirmation records
-        self.bounds: dict[str, DropBound] = {}
+        self.bounds: dict[str, DropBound] = {}  # candidate key -> its latest bound (figures, reports)
+        self._bounds: dict[tuple[str, float], DropBound] = {}  # (key, alpha) -> bound
         self.counts: dict[str, dict[str, int]] = {}  # candidate key -> failures and missing items, by arm
         self.evidence: dict[str, list[dict[str, Any]]] = {}  # candidate key -> its per-item paired outcomes
         self.futility: dict[str, float] = {}  # candidate key -> the budget its futility stop tests against
@@ -246,20 +247,25 @@ class Confirmation:
             self.records[candidate.key] = self.evaluate(candidate, hopeless)
         return self.records[candidate.key]
 
-    def certify(self, candidates: list[Candidate], budget: float) -> Certificate:
+    def certify(self, candidates: list[Candidate], budget: float, alpha: float | None = None) -> Certificate:
+        """Confirm ``budget`` at ``alpha`` (default: the confirmation's; ``--joint`` passes its share)."""
+        alpha = self.alpha if alpha is None else alpha
         ordered = order_candidates(candidates, budget, limit=self.limit)
 
         def bound_of(c: Candidate) -> DropBound:
-            if c.key not in self.bounds:
+            if c.key not in self.evidence:
                 records = self.records_of(c, budget)
                 rows, self.counts[c.key] = confirmation_rows(self.order, self.reference, records,
                                                              (self.futility[c.key], self.alpha))
                 self.evidence[c.key] = rows
-                self.bounds[c.key] = drop_bound([r["reference_score"] for r in rows],
-                                                [r["candidate_score"] for r in rows], self.alpha)
+            if (c.key, alpha) not in self._bounds:
+                rows = self.evidence[c.key]
+                self._bounds[c.key, alpha] = drop_bound([r["reference_score"] for r in rows],
+                                                        [r["candidate_score"] for r in rows], alpha)
+            self.bounds[c.key] = self._bounds[c.key, alpha]
             return self.bounds[c.key]
 
-        return fixed_sequence(ordered, bound_of, budget, self.alpha)
+        return fixed_sequence(ordered, bound_of, budget, alpha)
 
 
 def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
@@ -409,21 +415,26 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         return figures.get(key, {})
 
     ledger = AttemptLedger(sweep.root, sweep.bench.name, args.pair, args.dtype)
+    # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
+    alpha_each = args.alpha / len(sweep.s["budgets"]) if getattr(args, "joint", False) else args.alpha
     for budget in sweep.s["budgets"]:
         ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
-        attempt = attempt_of(sweep.name, budget, args.alpha, [sweep.spec_of(c.payload).key() for c in ordered],
+        attempt = attempt_of(sweep.name, budget, alpha_each, [sweep.spec_of(c.payload).key() for c in ordered],
                              [it.id for it in sweep.confirm_items])
         recorded, refusal = ledger.check(attempt)
         if refusal is not None:
-            cert = Certificate(budget, args.alpha, False, None, None, [], None, f"refused: {refusal}")
+            cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal}")
         else:
-            cert = confirmation.certify(candidates, budget)
+            cert = confirmation.certify(candidates, budget, alpha_each)
             if ordered and not recorded:
                 ledger.record(attempt, cert.certified, cert.reason)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
         choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
-                  "certification": certificate_fields(cert, sweep.split, len(sweep.confirm_items),
-                                                      confirmation.counts)}
+                  "certification": {**certificate_fields(cert, sweep.split, len(sweep.confirm_items),
+                                                         confirmation.counts),
+                                    "statement": (f"joint: every certified budget at once, family alpha {args.alpha:g} "
+                                                  f"(Bonferroni, {alpha_each:g} each)") if alpha_each != args.alpha
+                                    else f"per budget, alpha {args.alpha:g} each"}}
         if pick is None:
             choice.update(policy=None)
         else:

@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--confirm-items", type=int, default=None,
                     help="items that certify a budget, the first N of the held-apart pool (the confirmation split "
                          "plus the search-split items the search did not use; default: --items; 0 = the whole pool)")
+    ap.add_argument("--joint", action="store_true",
+                    help="one family-wise statement across budgets: each budget confirmed at alpha / (number of "
+                         "budgets) (Bonferroni), so P(any certified budget is wrong) <= alpha; default: per budget")
     ap.add_argument("--confirm-candidates", type=int, default=3,
                     help="candidates per budget confirmed at most (fixed sequence, safest first)")
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
@@ -179,7 +182,7 @@ def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
     key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
                       "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
                       "subset_seed": args.subset_seed, "split": s["bench"].split_info(), "pool": POOL,
-                      "confirm_items": args.confirm_items, "alpha": args.alpha,
+                      "confirm_items": args.confirm_items, "alpha": args.alpha, "joint": args.joint,
                       "confirm_candidates": args.confirm_candidates,
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]

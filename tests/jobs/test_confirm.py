@@ -147,3 +147,16 @@ def test_a_failed_item_still_counts_its_time_so_a_rule_cannot_look_faster_by_fai
     s = speed_figures(fails_slowly, ref, cost_ratio=0.5, verify_factor=lambda _: 1.0)
     assert s["speed_items"] == 2 and s["speed_failed_items"] == 1
     assert s["measured_per_answer"] < 0.1, "2 s of reference work vs 30.5 s spent"
+
+
+def test_joint_alpha_is_shared_across_budgets_and_each_bound_is_kept_per_alpha():
+    order = [f"i{k}" for k in range(300)]
+    ref = {k: rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 0.0 if int(k[1:]) % 50 == 7 else 1.0) for k in order}  # loses 2%, spread out
+    conf = Confirmation(lambda c, stop: trial, ref, alpha=0.05, limit=1, order=order)
+    cand = [Candidate("c", 1.5, 0.0, 0.01)]
+    per_budget, joint = conf.certify(cand, 0.05), conf.certify(cand, 0.05, alpha=0.05 / 3)
+    assert per_budget.bound.p_value == joint.bound.p_value and joint.alpha == 0.05 / 3
+    assert per_budget.bound.upper < joint.bound.upper, "the bound at alpha/3 is wider"
+    assert per_budget.certified == (per_budget.bound.p_value <= 0.05)
+    assert joint.certified == (joint.bound.p_value <= 0.05 / 3)

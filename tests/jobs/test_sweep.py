@@ -223,3 +223,13 @@ def test_the_vllm_actors_python_is_found_and_checked(tmp_path, monkeypatch):
     script.chmod(0o755)
     with pytest.raises(ValueError, match="does not import"):
         vllm_python(str(script))
+
+
+def test_joint_is_part_of_the_study_identity():
+    from jobs import sweep as sweep_job
+
+    names = []
+    for extra in ([], ["--joint"]):
+        args = sweep_job.build_parser().parse_args([*BASE, *extra])
+        names.append(sweep_job.study_name(args, sweep_job.parse_settings(args)))
+    assert names[0] != names[1]
