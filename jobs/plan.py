@@ -7,7 +7,8 @@ From numbers, or from a pilot: two record directories (a trial run and its refer
 by ``jobs.records.RecordStore``), paired by item id; a failed item scores 0 in its arm. For right/wrong
 scores the plan is exact (``workers.certify.exact.exact_plan``): the smallest n at which the exact test
 that certifies reaches the wanted power, by summing over every outcome (the normal approximation, about
-6.2 d / (b - drop)^2 at alpha = .05, under-plans: 0.76-0.79 power where it promises 0.80). For bounded
+6.2 d / (b - drop)^2 at alpha = .05, under-plans: 0.67-0.79 power where it promises 0.80,
+``python -m jobs.bench.certify_level``). For bounded
 scores (a pilot whose scores are not all 0/1) it stays the normal approximation, and the betting bound
 that certifies them needs roughly twice that. The power is that of one candidate tested alone: the first
 of a fixed sequence. Knows nothing about models, Ray or MLflow.

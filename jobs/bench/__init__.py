@@ -9,4 +9,5 @@ machine's load beside them). Run as ``python -m jobs.bench.<name> --help``.
 - ``batch``: throughput of one shard: CPU engine at batch 1, vLLM at batch 1, vLLM batched.
 - ``sweep``: sweep throughput with 1 vs 2 pair actors.
 - ``load_serve``: a bounded load test of the Serve endpoint.
+- ``certify_level``: the certification decision's exact type-I error and the planner's exact power.
 """

@@ -88,3 +88,17 @@ def test_bench_step_times_each_rule_against_argmax(capsys):
     assert [r.split("|")[1].strip() for r in rows] == [
         "lossless (decide_step)", "kl_judge {'threshold': 0.5} (decide_step)", "argmax only (vLLM's greedy core)"]
     assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out
+
+
+def test_certify_level_prints_the_old_decision_above_alpha_and_the_exact_test_within(capsys):
+    from jobs.bench import certify_level
+
+    assert certify_level.main(["--n", "31", "--budgets", "0.2", "--grid", "401", "--plans", "0.05:0.05"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 31 | 0.2 |"))
+    old, new = (float(x) for x in row.strip("| ").split(" | ")[2:])
+    assert old > 0.06 and new <= 0.05, row
+    plan = next(line for line in out.splitlines() if line.startswith("| 0.05 | 0.05 |")).strip("| ").split(" | ")
+    assert float(plan[3]) < 0.8 <= float(plan[5]) and "load(1m)" in out
+    assert certify_level.main(["--plans", "0.1-0.02"]) == 2
+    assert "--plans must be discordance:budget pairs" in capsys.readouterr().err
