@@ -274,7 +274,7 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
     (``Confirmation.counts``): each tested candidate's failed and missing items, by arm."""
     bound, counts = cert.bound, counts or {}
     shown = cert.chosen.key if cert.chosen else (cert.steps[0][0] if cert.steps else None)
-    return {**{k: v for k, v in counts.get(shown, {}).items()},
+    return {**counts.get(shown, {}),
         "certified": bool(cert.certified), "alpha": cert.alpha, "reason": cert.reason,
         "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
@@ -345,7 +345,7 @@ def pool_outlook(candidates: list[Candidate], budgets: Sequence[float], limit: i
             rows.append({"budget": budget, "candidate": None})
             continue
         c = first[0]
-        d = float(c.payload.get("discordance", math.nan))
+        d = c.search_discordance
         if not math.isfinite(d):
             rows.append({"budget": budget, "candidate": c.key})
             continue
@@ -416,7 +416,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
 
     ledger = AttemptLedger(sweep.root, sweep.bench.name, args.pair, args.dtype)
     # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
-    alpha_each = args.alpha / len(sweep.s["budgets"]) if getattr(args, "joint", False) else args.alpha
+    alpha_each = args.alpha / len(sweep.s["budgets"]) if args.joint else args.alpha
     for budget in sweep.s["budgets"]:
         ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
         attempt = attempt_of(sweep.name, budget, alpha_each, [sweep.spec_of(c.payload).key() for c in ordered],

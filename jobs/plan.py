@@ -21,7 +21,7 @@ import json
 import math
 from typing import Any
 
-from workers.certify.decide import ALPHA, certifies, drop_bound, items_needed, passes
+from workers.certify.decide import ALPHA, DropBound, certifies, drop_bound, items_needed, passes
 from workers.certify.exact import METHOD as EXACT
 from workers.certify.exact import exact_plan
 from workers.cli import one_line_errors
@@ -60,7 +60,7 @@ def load_scores(directory: str, flag: str) -> dict[str, float]:
     return {item: 0.0 if rec.failed else float(rec.score) for item, rec in records.items()}
 
 
-def pilot(args: argparse.Namespace) -> dict[str, Any]:
+def pilot(args: argparse.Namespace) -> tuple[dict[str, Any], DropBound]:
     trial = load_scores(args.records, "--records")
     reference = load_scores(args.reference, "--reference")
     items = sorted(trial.keys() & reference.keys())
@@ -69,7 +69,7 @@ def pilot(args: argparse.Namespace) -> dict[str, Any]:
     bound = drop_bound([reference[i] for i in items], [trial[i] for i in items], args.alpha)
     return {"items": len(items), "only_in_records": len(trial.keys() - reference.keys()),
             "only_in_reference": len(reference.keys() - trial.keys()), "bound": bound.to_dict(),
-            "discordance": bound.discordance, "drop": bound.drop, "plan_d": bound.mean_sq, "tested": bound}
+            "discordance": bound.discordance, "drop": bound.drop, "plan_d": bound.mean_sq}, bound
 
 
 @one_line_errors
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if from_pilot:
         if args.records is None or args.reference is None:
             raise ValueError("a pilot needs both --records DIR and --reference DIR")
-        observed = pilot(args)
+        observed, pilot_bound = pilot(args)
         d, drop = observed["plan_d"], observed["drop"]
     else:
         if not 0.0 <= args.discordance <= 1.0:
@@ -100,12 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         need = exact_plan(d, b, drop, args.alpha, args.power) if exact and normal is not None else normal
         row: dict[str, Any] = {"budget": b, "items_needed": need, "plan": "exact power" if exact else "normal approximation"}
         if observed is not None:
-            tested = passes(observed["tested"], b)
+            tested = passes(pilot_bound, b)
             row["certified_by_pilot"] = certifies(tested)
             row["p_value"] = None if math.isnan(tested.p_value) else tested.p_value
         rows.append(row)
-    if observed is not None:
-        observed.pop("tested")
     out = {"alpha": args.alpha, "power": args.power, "discordance": d if observed is None else observed["discordance"],
            "drop": drop, "pilot": observed, "budgets": rows}
     print(json.dumps(out, indent=2) if args.json else render(out))

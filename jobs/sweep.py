@@ -128,8 +128,9 @@ class Sweep:
 
         done = store.load()
         missing = [it for it in items if it.id not in done or (retry_failed and done[it.id].failed)]
-        if retry_failed and any(it.id in done for it in missing):
-            log(f"{label}: retrying {sum(it.id in done for it in missing)} failed item(s)")
+        retried = sum(it.id in done for it in missing)
+        if retried:
+            log(f"{label}: retrying {retried} failed item(s)")
         if missing:
             ar = self.refs.get(TARGET_ONLY, {}) if spec.policy != TARGET_ONLY else {}
             refs = {**{k: r.outputs for k, r in ar.items()},
