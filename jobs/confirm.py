@@ -28,15 +28,18 @@ from workers.certify.decide import (
     Candidate,
     Certificate,
     DropBound,
+    certifies,
     drop_bound,
     first_prune,
     fixed_sequence,
     items_needed,
     order_candidates,
     prune_test,
+    sequential_bound,
 )
 from workers.certify.exact import METHOD as EXACT
 from workers.certify.exact import exact_bound
+from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.evaluation import Record
 from workers.metrics import score_of
 
@@ -91,10 +94,10 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
     rows = []
     for i, key in enumerate(order):
         r, t = reference.get(key), trial.get(key)
-        ref_status = "missing" if r is None else "failed" if r.failed else "ok"
+        ref_status = ("not_run" if i >= keep else "missing") if r is None else "failed" if r.failed else "ok"
         got_status = ("after_stop" if t is not None else "missing") if t is None or i >= keep else \
             "failed" if t.failed else "ok"
-        if ref_status != "ok":
+        if ref_status in ("missing", "failed"):
             counts[f"reference_{ref_status}"] += 1
         if got_status != "ok":
             counts["candidate_failed" if got_status == "failed" else "candidate_missing"] += 1
@@ -216,36 +219,75 @@ class Confirmation:
     declaring failure early only makes the procedure more conservative).
     """
 
-    def __init__(self, evaluate: Callable[..., dict[str, Record]], reference: dict[str, Record],
-                 alpha: float, limit: int | None, order: Sequence[str] | None = None) -> None:
-        self.evaluate, self.reference, self.alpha, self.limit = evaluate, reference, alpha, limit
-        self.order = list(order) if order is not None else list(reference)  # the confirmation items' fixed order
+    def __init__(self, evaluate: Callable[..., dict[str, Record]],
+                 reference: dict[str, Record] | Callable[[int], dict[str, Record]],
+                 alpha: float, limit: int | None, order: Sequence[str] | None = None, looks: int = 1,
+                 rho: float = RHO) -> None:
+        # reference: the target-only records, or a callable giving those of the first n items of ``order``
+        # (run look by look: a candidate that certifies early never waits for the rest)
+        self._reference_upto = reference if callable(reference) else None
+        self.reference: dict[str, Record] = {} if callable(reference) else reference
+        self.evaluate, self.alpha, self.limit, self.looks, self.rho = evaluate, alpha, limit, looks, rho
+        self.order = list(order) if order is not None else list(self.reference)  # the items' fixed order
         self.records: dict[str, dict[str, Record]] = {}  # candidate key -> confirmation records
         self.bounds: dict[str, DropBound] = {}  # candidate key -> its latest bound (figures, reports)
-        self._bounds: dict[tuple[str, float], DropBound] = {}  # (key, alpha) -> bound
+        self._bounds: dict[tuple[str, float, float], DropBound] = {}  # (key, alpha, budget) -> bound
         self.counts: dict[str, dict[str, int]] = {}  # candidate key -> failures and missing items, by arm
         self.evidence: dict[str, list[dict[str, Any]]] = {}  # candidate key -> its per-item paired outcomes
         self.futility: dict[str, float] = {}  # candidate key -> the budget its futility stop tests against
+        self.success: dict[str, tuple[float, float]] = {}  # candidate key -> (budget, alpha) of its success stop
+        self.stopped: dict[str, int] = {}  # candidate key -> the look size it stopped at on success
 
-    def plan_futility(self, candidates: list[Candidate], budgets: Sequence[float]) -> dict[str, float]:
+    def plan(self, alpha: float, budget: float | None = None) -> LookPlan:
+        """The looks over the confirmation items at ``alpha``, their levels calibrated for ``budget``
+        (one look: the fixed-n test)."""
+        return look_plan(max(1, len(self.order)), self.looks, alpha, self.rho, budget)
+
+    def reference_upto(self, n: int) -> dict[str, Record]:
+        if self._reference_upto is not None:
+            self.reference = self._reference_upto(n)
+        return self.reference
+
+    def plan_futility(self, candidates: list[Candidate], budgets: Sequence[float],
+                      alpha: float | None = None) -> dict[str, float]:
         """Before any confirmation: each candidate's futility stop tests the *largest* budget whose
         candidate list holds it (known from the search alone), so records cut short for one budget are
-        never what a larger budget is judged on."""
+        never what a larger budget is judged on; its success stop (group-sequential looks) tests the
+        *smallest*, at ``alpha`` (default: the confirmation's): passing there passes every larger one."""
         for budget in sorted(budgets):
             for c in order_candidates(candidates, budget, limit=self.limit):
                 self.futility[c.key] = budget
+                self.success.setdefault(c.key, (budget, self.alpha if alpha is None else alpha))
         return dict(self.futility)
 
     def records_of(self, candidate: Candidate, budget: float) -> dict[str, Record]:
-        if candidate.key not in self.records:
-            ref, against = self.reference, self.futility.setdefault(candidate.key, budget)
+        """The candidate's confirmation records, look by look: after each look's items it stops if the
+        futility test fired or if it certifies its success budget at that look's level."""
+        if candidate.key in self.records:
+            return self.records[candidate.key]
+        against = self.futility.setdefault(candidate.key, budget)
+        success_budget, success_alpha = self.success.setdefault(candidate.key, (budget, self.alpha))
+        plan = self.plan(success_alpha, success_budget)
+        records: dict[str, Record] = {}
+        for n in plan.sizes:
+            ref, order = self.reference_upto(n), self.order[:n]
 
-            def hopeless(records: dict[str, Record]) -> bool:
-                a, b = ordered_prefix(self.order, ref, records)
+            def hopeless(recs: dict[str, Record], ref=ref, order=order) -> bool:
+                a, b = ordered_prefix(order, ref, recs)
                 return bool(a) and prune_test(a, b, against, self.alpha)
 
-            self.records[candidate.key] = self.evaluate(candidate, hopeless)
-        return self.records[candidate.key]
+            records = self.evaluate(candidate, hopeless, n)
+            if hopeless(records):
+                break
+            if n < plan.n:
+                rows, _ = confirmation_rows(order, ref, records)
+                look = sequential_bound([r["reference_score"] for r in rows], [r["candidate_score"] for r in rows],
+                                        plan, success_budget)
+                if certifies(look):
+                    self.stopped[candidate.key] = n
+                    break
+        self.records[candidate.key] = records
+        return records
 
     def certify(self, candidates: list[Candidate], budget: float, alpha: float | None = None) -> Certificate:
         """Confirm ``budget`` at ``alpha`` (default: the confirmation's; ``--joint`` passes its share)."""
@@ -255,26 +297,32 @@ class Confirmation:
         def bound_of(c: Candidate) -> DropBound:
             if c.key not in self.evidence:
                 records = self.records_of(c, budget)
-                rows, self.counts[c.key] = confirmation_rows(self.order, self.reference, records,
+                order = self.order[: self.stopped.get(c.key, len(self.order))]  # a success stop: its looks' items
+                rows, self.counts[c.key] = confirmation_rows(order, self.reference, records,
                                                              (self.futility[c.key], self.alpha))
                 self.evidence[c.key] = rows
-            if (c.key, alpha) not in self._bounds:
+            if (c.key, alpha, budget) not in self._bounds:
                 rows = self.evidence[c.key]
-                self._bounds[c.key, alpha] = drop_bound([r["reference_score"] for r in rows],
-                                                        [r["candidate_score"] for r in rows], alpha)
-            self.bounds[c.key] = self._bounds[c.key, alpha]
+                self._bounds[c.key, alpha, budget] = sequential_bound(
+                    [r["reference_score"] for r in rows], [r["candidate_score"] for r in rows], self.plan(alpha, budget),
+                    budget)
+            self.bounds[c.key] = self._bounds[c.key, alpha, budget]
             return self.bounds[c.key]
 
         return fixed_sequence(ordered, bound_of, budget, alpha)
 
 
 def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
-                       counts: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+                       counts: dict[str, dict[str, int]] | None = None, plan: LookPlan | None = None,
+                       stopped: dict[str, int] | None = None) -> dict[str, Any]:
     """What ``chosen/budget-<b>.json`` and the MLflow tags say about a budget's certificate; ``counts``
-    (``Confirmation.counts``): each tested candidate's failed and missing items, by arm."""
+    (``Confirmation.counts``): each tested candidate's failed and missing items, by arm; ``plan`` and
+    ``stopped``: the group-sequential design and where each candidate stopped on success."""
     bound, counts = cert.bound, counts or {}
     shown = cert.chosen.key if cert.chosen else (cert.steps[0][0] if cert.steps else None)
-    return {**counts.get(shown, {}),
+    design = None if plan is None else {**plan.to_dict(), "look": None if bound is None else bound.look,
+                                        "stopped_at": (stopped or {}).get(shown)}
+    return {**counts.get(shown, {}), "sequential": design,
         "certified": bool(cert.certified), "alpha": cert.alpha, "reason": cert.reason,
         "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
@@ -372,22 +420,34 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
 
     args, decode = sweep.args, sweep.s["decode"]
     key = "confirm:" + TARGET_ONLY
-    if key not in sweep.refs:
-        sweep.refs[key] = sweep.reference(DecodeSpec.make(TARGET_ONLY, **decode), "target-only reference (confirm)",
-                                          sweep.confirm_items)
-    reference = sweep.refs[key]
+    ref_spec = DecodeSpec.make(TARGET_ONLY, **decode)
+
+    def reference_upto(n: int) -> dict[str, Record]:  # look by look: the first n confirmation items
+        got = sweep.reference(ref_spec, "target-only reference (confirm)", sweep.confirm_items[:n])
+        sweep.refs[key] = {**sweep.refs.get(key, {}), **got}
+        return {it.id: sweep.refs[key][it.id] for it in sweep.confirm_items if it.id in sweep.refs[key]}
+
     specs: dict[str, DecodeSpec] = {}
 
-    def evaluate(c: Candidate, stop: Callable[[dict[str, Record]], bool]) -> dict[str, Record]:
+    def evaluate(c: Candidate, stop: Callable[[dict[str, Record]], bool], n: int) -> dict[str, Record]:
         spec = specs[c.key] = sweep.spec_of(c.payload)
         store = RecordStore(sweep.dir / "confirm" / f"{slug(spec.label())}-{spec.key()}")
-        return sweep.run_items(spec, f"confirm {c.key} {spec.label()}", store, sweep.confirm_items, stop,
-                               timeout=False)
+        return sweep.run_items(spec, f"confirm {c.key} {spec.label()} (items {n:,})", store,
+                               sweep.confirm_items[:n], stop, timeout=False)
 
-    confirmation = Confirmation(evaluate, reference, args.alpha, args.confirm_candidates,
-                                [it.id for it in sweep.confirm_items])
+    confirmation = Confirmation(evaluate, reference_upto, args.alpha, args.confirm_candidates,
+                                [it.id for it in sweep.confirm_items], looks=args.looks)
     candidates = candidates_from(frame)
-    confirmation.plan_futility(candidates, sweep.s["budgets"])
+    # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
+    alpha_each = args.alpha / len(sweep.s["budgets"]) if args.joint else args.alpha
+    confirmation.plan_futility(candidates, sweep.s["budgets"], alpha_each)
+    if args.looks > 1:
+        for budget in sweep.s["budgets"]:
+            plan = confirmation.plan(alpha_each, budget)
+            print(f"[sweep] budget {budget * 100:g}%: group-sequential looks at {', '.join(f'{n:,}' for n in plan.sizes)} "
+                  f"items, levels {', '.join(f'{a:.4g}' for a in plan.alphas)} (alpha {alpha_each:g} spent as "
+                  f"alpha * t^{plan.rho:g}, {'calibrated exactly' if plan.budget is not None else 'union bound'}); "
+                  "a candidate that certifies at a look stops there", flush=True)
     outlook = pool_outlook(candidates, sweep.s["budgets"], args.confirm_candidates, sweep.split.get("pool", 0),
                            len(sweep.confirm_items), args.alpha)
     for row in outlook:
@@ -406,7 +466,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         bound = confirmation.bounds.get(key)
         if key not in figures and bound is not None:
             recs = confirmation.records.get(key, {})
-            figures[key] = _confirm_metrics(bound, speed_figures(recs, reference, sweep.cost_ratio,
+            figures[key] = _confirm_metrics(bound, speed_figures(recs, confirmation.reference, sweep.cost_ratio,
                                                                  sweep.verify_factor), recs)
             run_id = next(c for c in candidates if c.key == key).payload.get("mlflow_run_id")
             if run_id:  # the figures on the candidate's own trial run, next to its search.<m>
@@ -415,8 +475,6 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         return figures.get(key, {})
 
     ledger = AttemptLedger(sweep.root, sweep.bench.name, args.pair, args.dtype)
-    # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
-    alpha_each = args.alpha / len(sweep.s["budgets"]) if args.joint else args.alpha
     for budget in sweep.s["budgets"]:
         ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
         attempt = attempt_of(sweep.name, budget, alpha_each, [sweep.spec_of(c.payload).key() for c in ordered],
@@ -431,7 +489,8 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
         choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
                   "certification": {**certificate_fields(cert, sweep.split, len(sweep.confirm_items),
-                                                         confirmation.counts),
+                                                         confirmation.counts, confirmation.plan(alpha_each, budget),
+                                                         confirmation.stopped),
                                     "statement": (f"joint: every certified budget at once, family alpha {args.alpha:g} "
                                                   f"(Bonferroni, {alpha_each:g} each)") if alpha_each != args.alpha
                                     else f"per budget, alpha {args.alpha:g} each"}}
@@ -441,8 +500,10 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             row = pick.payload
             spec = sweep.spec_of(row)
             confirm = figures_of(pick.key)
-            if spec.draft_len not in floors:
-                floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm"),
+            if spec.draft_len not in floors:  # on the items the candidate's certificate used
+                used = confirmation.stopped.get(pick.key, len(sweep.confirm_items))
+                reference = confirmation.reference_upto(used)
+                floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm", used),
                                                          args.alpha, spec.draft_len, sweep.s["budgets"])
             choice.update(policy=row["family"], params=json.loads(row["params"]), draft_len=row["draft_len"],
                           trial=row["trial"], search={k: v for k, v in row.items() if isinstance(v, float)},
@@ -460,7 +521,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         print(f"[sweep] budget {budget * 100:g}%: {state}: {what}; "
               + ((f"p = {bound.p_value:.3g}, " if not math.isnan(bound.p_value) else "")
                  + f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
-                 f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget)" if bound is not None else cert.reason)
+                 f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget"
+                 + (f"; look {bound.look} of {bound.looks} at level {bound.alpha:.4g}" if bound.looks > 1 else "") + ")"
+                 if bound is not None else cert.reason)
               + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"),
               flush=True)
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/

@@ -157,11 +157,12 @@ class Sweep:
             return None
         return math.ceil(len(items) / max(1, len(self.workers)))
 
-    def lossless(self, draft_len: int, split: str = "search") -> dict[str, Record]:
-        key = f"lossless-{draft_len}" if split == "search" else f"confirm:lossless-{draft_len}"
+    def lossless(self, draft_len: int, split: str = "search", n: int | None = None) -> dict[str, Record]:
+        """Lossless at ``draft_len`` on the search items, or on the first ``n`` (default all) confirmation items."""
+        key = f"lossless-{draft_len}" if split == "search" else f"confirm:lossless-{draft_len}-{n}"
         if key not in self.refs:
             spec = DecodeSpec.make("lossless", {}, draft_len, **self.s["decode"])
-            items = self.items if split == "search" else self.confirm_items
+            items = self.items if split == "search" else self.confirm_items[:n]
             self.refs[key] = self.reference(spec, f"lossless L={draft_len} reference ({split})", items)
         return self.refs[key]
 
@@ -390,7 +391,9 @@ class Sweep:
                 self.run_one()
                 if self.finished() % 4 == 0:
                     self.report()
-            chosen = self.report(final=True)
+            chosen = self.report(final=not self.args.search_only)
+            if self.args.search_only:
+                log("--search-only: the search is done; the same command without it confirms")
             self.tracker.end()
         finally:  # Ctrl-C or SIGTERM too: the engines' processes go with the actors
             release(self.workers)

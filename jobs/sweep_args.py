@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--joint", action="store_true",
                     help="one family-wise statement across budgets: each budget confirmed at alpha / (number of "
                          "budgets) (Bonferroni), so P(any certified budget is wrong) <= alpha; default: per budget")
+    ap.add_argument("--looks", type=int, default=1,
+                    help="group-sequential confirmation: looks at 1/K, 2/K, ... of --confirm-items, each at its share "
+                         "of alpha (alpha spending); a candidate that certifies at a look stops there (default 1: one "
+                         "look at the whole set)")
+    ap.add_argument("--search-only", action="store_true",
+                    help="stop after the search (report written, nothing confirmed); the same command without it "
+                         "resumes and confirms")
     ap.add_argument("--confirm-candidates", type=int, default=3,
                     help="candidates per budget confirmed at most (fixed sequence, safest first)")
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
@@ -124,7 +131,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c with `python -m workers.models.calibrate` or from your serving logs)")
-    require_positive(args, "trials", "min_items_to_prune", "confirm_candidates")
+    require_positive(args, "trials", "min_items_to_prune", "confirm_candidates", "looks")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")
     if args.confirm_items is not None and args.confirm_items < 0:
@@ -184,6 +191,7 @@ def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
                       "subset_seed": args.subset_seed, "split": s["bench"].split_info(), "pool": POOL,
                       "confirm_items": args.confirm_items, "alpha": args.alpha, "joint": args.joint,
                       "confirm_candidates": args.confirm_candidates,
+                      **({"looks": args.looks} if args.looks != 1 else {}),
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")

@@ -52,7 +52,7 @@ def test_fixed_sequence_evaluates_lazily_and_reuses_a_candidate_across_budgets()
                 "risky": {k: rec(k, 0.0 if int(k[1:]) % 10 < 3 else 1.0) for k in ref}}
     calls = []
 
-    def evaluate(c: Candidate, stop):
+    def evaluate(c: Candidate, stop, n=None):
         calls.append(c.key)
         done = {}
         for k, r in outcomes[c.key].items():
@@ -106,7 +106,7 @@ def test_a_candidate_stopped_for_futility_keeps_only_the_items_up_to_the_stop():
 
 def test_futility_tests_the_largest_budget_whose_candidate_list_holds_the_candidate():
     ref = {f"i{k}": rec(f"i{k}", 1.0) for k in range(10)}
-    conf = Confirmation(lambda c, stop: {}, ref, alpha=0.05, limit=2, order=list(ref))
+    conf = Confirmation(lambda c, stop, n=None: {}, ref, alpha=0.05, limit=2, order=list(ref))
     cands = [Candidate("safe", 1.1, 0.0, 0.01), Candidate("mid", 1.5, 0.015, 0.03),
              Candidate("fast", 2.0, 0.04, 0.06)]
     assert conf.plan_futility(cands, [0.01, 0.02, 0.05]) == {"safe": 0.05, "mid": 0.05}
@@ -119,7 +119,7 @@ def test_the_evidence_rows_recompute_the_certificate(tmp_path):
     order = [f"i{k}" for k in range(120)]
     ref = {k: rec(k, math.nan, error="boom") if k == "i3" else rec(k, 1.0) for k in order}
     trial = {k: rec(k, 0.0 if k in ("i5", "i9") else 1.0) for k in order if k != "i7"}
-    conf = Confirmation(lambda c, stop: trial, ref, alpha=0.05, limit=1, order=order)
+    conf = Confirmation(lambda c, stop, n=None: trial, ref, alpha=0.05, limit=1, order=order)
     cert = conf.certify([Candidate("c", 1.5, 0.0, 0.01)], 0.1)
     write_evidence(tmp_path / "c.csv", conf.evidence["c"])
     with (tmp_path / "c.csv").open() as fh:
@@ -153,10 +153,45 @@ def test_joint_alpha_is_shared_across_budgets_and_each_bound_is_kept_per_alpha()
     order = [f"i{k}" for k in range(300)]
     ref = {k: rec(k, 1.0) for k in order}
     trial = {k: rec(k, 0.0 if int(k[1:]) % 50 == 7 else 1.0) for k in order}  # loses 2%, spread out
-    conf = Confirmation(lambda c, stop: trial, ref, alpha=0.05, limit=1, order=order)
+    conf = Confirmation(lambda c, stop, n=None: trial, ref, alpha=0.05, limit=1, order=order)
     cand = [Candidate("c", 1.5, 0.0, 0.01)]
     per_budget, joint = conf.certify(cand, 0.05), conf.certify(cand, 0.05, alpha=0.05 / 3)
     assert per_budget.bound.p_value == joint.bound.p_value and joint.alpha == 0.05 / 3
     assert per_budget.bound.upper < joint.bound.upper, "the bound at alpha/3 is wider"
     assert per_budget.certified == (per_budget.bound.p_value <= 0.05)
     assert joint.certified == (joint.bound.p_value <= 0.05 / 3)
+
+
+def test_group_sequential_confirmation_stops_at_the_first_look_that_certifies():
+    """With two looks a clean candidate runs (and its reference is computed) only on look 1's items; its
+    evidence is those items; a candidate that does not pass at look 1 runs on to every item."""
+    ids = [f"i{k}" for k in range(80)]
+    asked: list[int] = []
+
+    def reference_upto(n: int):
+        asked.append(n)
+        return {k: rec(k, 1.0) for k in ids[:n]}
+
+    outcomes = {"clean": {k: rec(k, 1.0) for k in ids},
+                "late": {k: rec(k, 0.0 if int(k[1:]) < 3 else 1.0) for k in ids}}  # 3 lost among look 1's items
+    runs: list[tuple[str, int]] = []
+
+    def evaluate(c: Candidate, stop, n=None):
+        runs.append((c.key, n))
+        return {k: outcomes[c.key][k] for k in ids[:n]}
+
+    clean = Candidate("clean", speed=1.5, search_drop=0.0, search_upper=0.05)
+    conf = Confirmation(evaluate, reference_upto, alpha=0.05, limit=1, order=ids, looks=2)
+    conf.plan_futility([clean], [0.2])
+    cert = conf.certify([clean], 0.2)
+    assert cert.certified and (cert.bound.look, cert.bound.looks, cert.bound.n) == (1, 2, 40)
+    assert runs == [("clean", 40)] and asked == [40], "nothing past look 1 was run"
+    assert conf.stopped == {"clean": 40} and len(conf.evidence["clean"]) == 40
+
+    runs.clear()
+    late = Candidate("late", speed=1.5, search_drop=0.0, search_upper=0.05)
+    conf = Confirmation(evaluate, reference_upto, alpha=0.05, limit=1, order=ids, looks=2)
+    conf.plan_futility([late], [0.2])
+    cert = conf.certify([late], 0.2)
+    assert runs == [("late", 40), ("late", 80)] and "late" not in conf.stopped
+    assert cert.bound.look == 2 and cert.bound.n == 80 and len(conf.evidence["late"]) == 80

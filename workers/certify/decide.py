@@ -17,6 +17,9 @@ Methods:
   distribution on [0, 1]; needs about twice the items.
 - early stopping: an anytime-valid betting test (confidence sequence; Waudby-Smith & Ramdas 2023,
   Howard et al. 2021) on the paired differences, checkable after every item without correction.
+- group-sequential confirmation (``workers.certify.sequential``): a few looks on the fixed item order,
+  each the exact test at its share of alpha (power-family spending; a union bound over looks), the
+  first look that passes certifies (:func:`sequential_bound`).
 - several candidates per budget: fixed-sequence testing (Maurer et al. 1995; Westfall & Krishen
   2001): test in a pre-set order at full alpha, stop at the first failure; family-wise error <= alpha.
 - planning: a normal approximation (n ~ 6.2 d / (b - drop)^2 at alpha = .05 and 80% power); it
@@ -57,6 +60,8 @@ class DropBound:
     mean_sq: float = math.nan  # mean((reference - trial)^2): the planner's d (= discordance for right/wrong)
     budget: float = math.nan  # set once tested against a budget (fixed_sequence): the budget ...
     p_value: float = math.nan  # ... and the exact test's p-value there (right/wrong; nan for betting)
+    look: int = 1  # group-sequential confirmation: the look this bound was taken at (alpha: that look's share)
+    looks: int = 1  # ... of this many planned looks (1: a fixed-n test on every item)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: nan becomes None."""
@@ -118,6 +123,24 @@ def drop_bound(reference: Sequence[float], trial: Sequence[float], alpha: float 
     upper = 2.0 * betting_upper([(1.0 + d) / 2.0 for d in diffs], alpha) - 1.0
     return DropBound("betting", alpha, n, sum(diffs) / n, min(upper, 1.0), losses, wins, (losses + wins) / n,
                      sum(d * d for d in diffs) / n)
+
+
+def sequential_bound(reference: Sequence[float], trial: Sequence[float], plan: Any, budget: float) -> DropBound:
+    """The deciding look of a group-sequential confirmation (``plan``: a ``sequential.LookPlan``): the bound on
+    the first n_k items at the look's level alpha_k, tested against ``budget`` (:func:`passes`), for the first
+    look that certifies; if none does, the last look whose n_k items are all here (or, with fewer items than
+    the first look, every item at the first look's level). One look is the fixed-n test at ``plan.alpha``."""
+    ref, tri = _paired(reference, trial)
+    taken: DropBound | None = None
+    for k, (n, a) in enumerate(zip(plan.sizes, plan.alphas, strict=True), start=1):
+        if n > len(ref):
+            break
+        taken = replace(passes(drop_bound(ref[:n], tri[:n], a), budget), look=k, looks=len(plan.sizes))
+        if certifies(taken):
+            return taken
+    if taken is None:
+        taken = replace(passes(drop_bound(ref, tri, plan.alphas[0]), budget), look=1, looks=len(plan.sizes))
+    return taken
 
 
 def first_prune(reference: Sequence[float], trial: Sequence[float], budget: float,
@@ -242,9 +265,11 @@ def certifies(bound: DropBound) -> bool:
 
 def _evidence(bound: DropBound) -> str:
     """How a tested bound reads in a reason: the exact test's p-value with its bound, or the betting bound."""
+    look = f" at look {bound.look} of {bound.looks} (its share of alpha)" if bound.looks > 1 else ""
     if bound.method == EXACT:
-        return f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}), confirmation upper bound {bound.upper:.4f},"
-    return f"confirmation upper bound {bound.upper:.4f}"
+        return (f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}{look}), confirmation upper bound "
+                f"{bound.upper:.4f},")
+    return f"confirmation upper bound {bound.upper:.4f}{look}"
 
 
 def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate], DropBound], budget: float,

@@ -1,0 +1,97 @@
+"""Group-sequential confirmation: the looks' levels hold the whole procedure's type-I error to alpha
+(exact enumeration over a dense nuisance grid), one look is the fixed-n test, the decision stops at the
+first look that passes and reads only that look's items, and the design saves items against a fixed-n
+design of the same power."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from workers.certify.decide import certifies, drop_bound, passes, sequential_bound
+from workers.certify.exact import critical_z, exact_plan, exact_power
+from workers.certify.sequential import LookPlan, look_plan, sequential_power
+
+
+def _worst(plan: LookPlan, budget: float, points: int = 201) -> float:
+    """The procedure's largest P(certified) at drop = budget over a dense uniform nuisance grid (and both ends)."""
+    grid = np.unique(np.r_[np.linspace(0.0, (1 - budget) / 2, points), np.geomspace(1e-6, 0.02, 12)])
+    return max(sequential_power(plan, budget, 2 * pw + budget, budget)[0] for pw in grid)
+
+
+def test_looks_fall_at_equal_steps_and_spend_alpha_along_the_power_family():
+    plan = look_plan(240, 2, 0.05)
+    assert plan.sizes == (120, 240)
+    assert plan.spent == pytest.approx((0.05 / 4, 0.05))
+    assert plan.alphas == pytest.approx((0.0125, 0.0375)), "without a budget: the union bound's increments"
+    assert look_plan(3, 5, 0.05).sizes == (1, 2, 3), "never more looks than items"
+    assert look_plan(50, 1, 0.05, budget=0.05).alphas == (0.05,), "one look: the fixed-n test at alpha"
+    for bad in ({"n": 0}, {"looks": 0}, {"alpha": 0.0}, {"rho": 0.0}):
+        with pytest.raises(ValueError):
+            look_plan(**{"n": 10, "looks": 2, "alpha": 0.05, **bad})
+
+
+@pytest.mark.parametrize("n", [30, 100])
+def test_one_look_is_the_fixed_n_exact_test(n):
+    got, expected = sequential_power(look_plan(n, 1, 0.05), 0.05, 0.1, 0.0)
+    assert got == pytest.approx(exact_power(n, 0.05, 0.05, 0.1, 0.0), abs=1e-9)
+    assert expected == pytest.approx(n)
+
+
+@pytest.mark.parametrize(("n", "looks", "budget"), [(5, 2, 0.2), (31, 3, 0.05), (60, 4, 0.1), (100, 2, 0.05)])
+def test_calibrated_looks_hold_the_type_one_error_over_the_nuisance(n, looks, budget):
+    plan = look_plan(n, looks, 0.05, budget=budget)
+    assert plan.budget == budget, "small enough to calibrate exactly"
+    assert _worst(plan, budget) <= 0.05
+    first = LookPlan(plan.sizes[:1], plan.alphas[:1], 0.05)
+    assert _worst(first, budget) <= plan.spent[0] + 1e-12, "by look 1 no more than its share is spent"
+    union = look_plan(n, looks, 0.05)
+    assert all(critical_z(m, budget, c) >= critical_z(m, budget, u)
+               for m, c, u in zip(plan.sizes, plan.alphas, union.alphas, strict=True)), \
+        "the exact levels use the looks' correlation: they certify whatever the union bound's would"
+
+
+def test_alpha_at_every_look_would_not_hold_its_level():
+    """The check above can fail: testing each look at the full alpha exceeds it."""
+    plan = look_plan(60, 4, 0.05, budget=0.1)
+    naive = LookPlan(plan.sizes, (0.05,) * len(plan.sizes), 0.05)
+    assert _worst(naive, 0.1, points=61) > 0.06
+
+
+def test_the_union_bound_plan_is_valid_for_a_budget_it_was_not_calibrated_for():
+    assert _worst(look_plan(60, 3, 0.05), 0.1, points=61) <= 0.05
+
+
+def test_large_confirmations_fall_back_to_the_union_bound():
+    plan = look_plan(5000, 4, 0.05, budget=0.02)
+    assert plan.budget is None and sum(plan.alphas) == pytest.approx(0.05)
+    assert "union bound" in plan.to_dict()["spending"]
+
+
+def test_the_decision_stops_at_the_first_look_that_passes_and_reads_only_its_items():
+    plan = look_plan(200, 2, 0.05, budget=0.1)
+    ref = [1.0] * 200
+    clean = [1.0] * 100 + [0.0] * 100  # identical on look 1's items, hopeless after
+    got = sequential_bound(ref, clean, plan, 0.1)
+    assert certifies(got) and (got.look, got.looks, got.n) == (1, 2, 100)
+    assert got.alpha == pytest.approx(plan.alphas[0])
+    late = [0.0] * 8 + [1.0] * 192  # 8 lost in the first 100: not at look 1, yes at look 2
+    got = sequential_bound(ref, late, plan, 0.1)
+    assert (got.look, got.n) == (2, 200) and certifies(got)
+    short = sequential_bound(ref[:40], clean[:40], plan, 0.1)  # fewer items than the first look
+    assert (short.look, short.n) == (1, 40) and short.alpha == pytest.approx(plan.alphas[0])
+
+
+def test_one_look_decides_exactly_as_the_fixed_n_test():
+    ref, cand = [1.0] * 60, [1.0] * 57 + [0.0] * 3
+    one = sequential_bound(ref, cand, look_plan(60, 1, 0.05, budget=0.2), 0.2)
+    fixed = passes(drop_bound(ref, cand, 0.05), 0.2)
+    assert (one.p_value, certifies(one), one.n) == (fixed.p_value, certifies(fixed), 60)
+
+
+def test_a_safe_candidate_uses_fewer_items_than_a_fixed_design_of_the_same_power():
+    fixed80 = exact_plan(0.05, 0.05)  # 161
+    plan = look_plan(2 * fixed80, 4, 0.05, rho=1.0, budget=0.05)
+    power, expected = sequential_power(plan, 0.05, 0.05, 0.0)
+    same = exact_plan(0.05, 0.05, power=power)
+    assert power >= 0.9 and expected <= 0.8 * same, (power, expected, same)
