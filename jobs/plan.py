@@ -11,7 +11,9 @@ that certifies reaches the wanted power, by summing over every outcome (the norm
 ``python -m jobs.bench.certify_level``). For bounded
 scores (a pilot whose scores are not all 0/1) it stays the normal approximation, and the betting bound
 that certifies them needs roughly twice that. The power is that of one candidate tested alone: the first
-of a fixed sequence. Knows nothing about models, Ray or MLflow.
+of a fixed sequence. ``--looks K`` also plans a group-sequential confirmation (the sweep's ``--looks``): the
+smallest largest-N whose K looks reach the power, and the items it expects to use (exact enumeration,
+``workers.certify.sequential``). Knows nothing about models, Ray or MLflow.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 from workers.certify.decide import ALPHA, DropBound, certifies, drop_bound, items_needed, passes
 from workers.certify.exact import METHOD as EXACT
 from workers.certify.exact import exact_plan
+from workers.certify.sequential import sequential_plan
 from workers.cli import one_line_errors
 
 
@@ -37,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget", required=True, help="budget(s) as fractions, comma-separated: 0.01,0.02,0.05")
     ap.add_argument("--alpha", type=float, default=ALPHA, help="one-sided error of the certificate (default 0.05)")
     ap.add_argument("--power", type=float, default=0.8, help="wanted probability of certifying (default 0.8)")
+    ap.add_argument("--looks", type=int, default=1,
+                    help="also plan a group-sequential confirmation with this many looks (the sweep's --looks): its "
+                         "largest N and the items it expects to use (right/wrong scores)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap
 
@@ -76,6 +82,8 @@ def pilot(args: argparse.Namespace) -> tuple[dict[str, Any], DropBound]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     budgets = parse_budgets(args.budget)
+    if args.looks < 1:
+        raise ValueError(f"--looks must be >= 1, got {args.looks}")
     for flag, value in (("--alpha", args.alpha), ("--power", args.power)):
         if not 0.0 < value < 1.0:
             raise ValueError(f"{flag} must be in (0, 1), got {value}")
@@ -103,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
             tested = passes(pilot_bound, b)
             row["certified_by_pilot"] = certifies(tested)
             row["p_value"] = None if math.isnan(tested.p_value) else tested.p_value
+        if args.looks > 1 and exact and normal is not None:
+            seq = sequential_plan(d, b, args.looks, drop, args.alpha, args.power)
+            if seq is not None:
+                plan, got, expected = seq
+                row["sequential"] = {"looks": list(plan.sizes), "levels": list(plan.alphas), "power": got,
+                                     "expected_items": expected, "max_items": plan.n,
+                                     "fixed_items_same_power": exact_plan(d, b, drop, args.alpha, min(got, 0.999))}
         rows.append(row)
     out = {"alpha": args.alpha, "power": args.power, "discordance": d if observed is None else observed["discordance"],
            "drop": drop, "pilot": observed, "budgets": rows}
@@ -129,6 +144,12 @@ def render(out: dict[str, Any]) -> str:
             need = "never" if row["items_needed"] is None else f"{row['items_needed']:,}"
             lines.append(f"{row['budget']:>8g}  {need:>12}"
                          + (f"  {'yes' if row['certified_by_pilot'] else 'no'}" if p else ""))
+    for row in rows:
+        seq = row.get("sequential")
+        if seq:
+            lines.append(f"  {row['budget']:g} with {len(seq['looks'])} looks (at {', '.join(f'{n:,}' for n in seq['looks'])} "
+                         f"items): {seq['power']:.0%} power, {seq['expected_items']:,.0f} items expected; a fixed-n "
+                         f"design with that power needs {seq['fixed_items_same_power']:,}")
     drop = out["drop"]
     how = rows[0]["plan"] if rows else "exact power"
     lines.append(f"Paired items for a certificate at alpha {out['alpha']:g} with {out['power']:.0%} power at true drop "

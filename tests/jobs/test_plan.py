@@ -69,6 +69,15 @@ def test_pilot_pairs_items_counts_failures_as_zero_and_plans_at_the_observed_dis
     assert "pilot: 40 paired items (1 only in --records" in text and "exact-unconditional" in text
 
 
+def test_looks_plan_a_group_sequential_design_that_reaches_the_power(capsys):
+    assert main(["--discordance", "0.1", "--budget", "0.1", "--looks", "3", "--json"]) == 0
+    seq = json.loads(capsys.readouterr().out)["budgets"][0]["sequential"]
+    assert len(seq["looks"]) == 3 and seq["power"] >= 0.8
+    assert seq["expected_items"] <= seq["max_items"] and seq["expected_items"] < seq["fixed_items_same_power"]
+    assert main(["--discordance", "0.1", "--budget", "0.1", "--looks", "3"]) == 0
+    assert "with 3 looks" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--budget", "0.02"], "--discordance"),
     (["--discordance", "0.1", "--budget", "2"], "--budget"),
@@ -78,6 +87,7 @@ def test_pilot_pairs_items_counts_failures_as_zero_and_plans_at_the_observed_dis
     (["--discordance", "0.1", "--budget", "0.02", "--alpha", "1"], "--alpha"),
     (["--discordance", "0.1", "--budget", "0.02", "--power", "0"], "--power"),
     (["--records", "somewhere", "--budget", "0.02"], "--reference"),
+    (["--discordance", "0.1", "--budget", "0.1", "--looks", "0"], "--looks"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(args, message, capsys):
     assert main(args) == 2

@@ -204,18 +204,22 @@ def sequential_power(plan: LookPlan, budget: float, discordance: float, drop: fl
 
 
 def sequential_plan(discordance: float, budget: float, looks: int, drop: float = 0.0, alpha: float = 0.05,
-                    power: float = 0.8, rho: float = RHO, most: int = 4000) -> tuple[int, float] | None:
-    """The smallest N (over a 5% grid) whose K-look design reaches ``power``, with its expected items.
+                    power: float = 0.8, rho: float = RHO, most: int = 20_000) -> tuple[LookPlan, float, float] | None:
+    """The smallest N (on a 10% grid from 0.8x the fixed-n plan) whose K-look design, calibrated for
+    ``budget``, reaches ``power`` at this discordance and drop: (its plan, its power, its expected items).
     None when the drop is at or above the budget or no N up to ``most`` reaches it."""
     from workers.certify.exact import exact_plan
 
     if drop >= budget:
         return None
-    fixed = exact_plan(discordance, budget, drop, alpha, power) or most
+    fixed = exact_plan(discordance, budget, drop, alpha, power)
+    if fixed is None:
+        return None
     n = max(looks, int(fixed * 0.8))
     while n <= most:
-        got, expected = sequential_power(look_plan(n, looks, alpha, rho), budget, discordance, drop)
+        plan = look_plan(n, looks, alpha, rho, budget)
+        got, expected = sequential_power(plan, budget, discordance, drop)
         if got >= power:
-            return n, expected
-        n = int(n * 1.05) + 1
+            return plan, got, expected
+        n = int(n * 1.1) + 1
     return None
