@@ -27,8 +27,10 @@ import ray
 from workers.benchmarks import Item, get_benchmark
 from workers.evaluation import DecodeSpec, Record, evaluate_item
 
-
 # max_concurrency=2: a trial's stop() must run while consume() is busy in the other thread.
+MAX_SHARD_RETRIES = 2  # attempts a shard gets on an actor Ray is restarting, before the actor is given up
+
+
 @ray.remote(max_restarts=2, max_task_retries=0, max_concurrency=2)
 class PairWorker:
     """Hosts one pair (loaded once) and evaluates items with any DecodeSpec."""
@@ -180,7 +182,8 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
     shard, so fast actors take more. ``on_record`` runs on the driver for every record and
     returns True to stop the trial early (no new shards go out; running ones stop after their
     current item). A shard whose actor dies is re-queued for a live actor and the failure is
-    recorded; a trial fails only when no actor is left.
+    recorded; an actor Ray restarts (``max_restarts``) stays in use, its shard retried up to
+    ``MAX_SHARD_RETRIES`` times; a trial fails only when no actor is left.
     """
     t0 = time.perf_counter()
     out = TrialRun()
@@ -194,6 +197,7 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
     refs = ray.put(references)
     live = list(workers)
     running: dict[Any, tuple[Any, int]] = {}
+    retries: dict[int, int] = {}  # shard id -> failed attempts
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while queue_ or running:
         while queue_ and not out.stopped_early:
@@ -214,7 +218,11 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
             records = ray.get(ready[0])
         except ray.exceptions.RayError as err:
             out.actor_failures.append(f"shard {shard_id}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
-            if isinstance(err, ray.exceptions.RayActorError):
+            retries[shard_id] = retries.get(shard_id, 0) + 1
+            # an actor Ray is restarting (killed for memory, say) comes back within its max_restarts: keep it
+            # and give the shard another go on it; one that died for good, or keeps failing, is dropped
+            restarting = isinstance(err, ray.exceptions.ActorUnavailableError) and retries[shard_id] <= MAX_SHARD_RETRIES
+            if isinstance(err, ray.exceptions.RayActorError) and not restarting:
                 live = [w for w in live if w is not worker]
             if not live:
                 raise RuntimeError(f"trial {tag}: every pair actor failed; last error: {err}") from err

@@ -500,7 +500,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             row = pick.payload
             spec = sweep.spec_of(row)
             confirm = figures_of(pick.key)
-            if spec.draft_len not in floors:  # on the items the candidate's certificate used
+            if args.skip_noise_floor:
+                floors.setdefault(spec.draft_len, {"draft_len": spec.draft_len, "skipped": True})
+            elif spec.draft_len not in floors:  # on the items the candidate's certificate used
                 used = confirmation.stopped.get(pick.key, len(sweep.confirm_items))
                 reference = confirmation.reference_upto(used)
                 floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm", used),
@@ -532,4 +534,4 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                             "pool": {k: sweep.split.get(k) for k in ("pool", "pool_sources",
                                                                                       "confirm_used", "search_sample")},
                                             "outlook": outlook})
-    return chosen, certification_table(list(chosen.values()), list(floors.values()))
+    return chosen, certification_table(list(chosen.values()), [f for f in floors.values() if not f.get("skipped")])

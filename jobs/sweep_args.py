@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--search-only", action="store_true",
                     help="stop after the search (report written, nothing confirmed); the same command without it "
                          "resumes and confirms")
+    ap.add_argument("--skip-noise-floor", action="store_true",
+                    help="do not run lossless on the confirmation items (the noise-floor row: an arm as long as the "
+                         "candidate's; certificates do not depend on it)")
     ap.add_argument("--confirm-candidates", type=int, default=3,
                     help="candidates per budget confirmed at most (fixed sequence, safest first)")
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")

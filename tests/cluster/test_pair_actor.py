@@ -76,3 +76,26 @@ def test_killed_actor_loses_neither_the_items_nor_the_trial(items):
     assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
     assert run.actor_failures, "the dead actor is recorded as a failure"
     assert all(not r.failed for r in run.records.values())
+
+
+def test_an_actor_ray_restarts_keeps_the_trial_going(items):
+    """Killed with a restart allowed (what Ray's memory monitor does): the only actor comes back and the
+    trial finishes on it instead of failing with "every pair actor failed"."""
+    init_ray(num_cpus=2)
+    (victim,) = make_workers(1, "tiny-random", "fp32", cpus_per_actor=0.5)
+    first = threading.Event()
+
+    def on_record(_):
+        first.set()
+        return False
+
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("run", run_trial(
+        [victim], "restart", "gsm8k", spec(max_new_tokens=48), items, {}, on_record=on_record, shard_size=2)))
+    th.start()
+    assert first.wait(120), "no record arrived"
+    ray.kill(victim, no_restart=False)
+    th.join(300)
+    run = result["run"]
+    assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
+    assert run.actor_failures and all(not r.failed for r in run.records.values())
