@@ -6,6 +6,7 @@ layout: target-only and lossless runs keyed by (pair, dtype, benchmark, decoding
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -53,8 +54,14 @@ def persistent_dir(path: str | os.PathLike[str], what: str) -> Path:
     return resolved
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_")[:80]
+def slug(text: str, limit: int = 80) -> str:
+    """A file-name-safe, readable form of ``text`` that never merges two texts: where characters had to be
+    replaced or the name cut to ``limit``, a hash of the whole text is appended (two long local pair paths,
+    or one pair in bf16 and fp32, once shared a study and a reference cache through the cut)."""
+    safe = re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_")
+    if safe == text and len(safe) <= limit:
+        return safe
+    return f"{safe[: limit - 11]}-{hashlib.sha1(text.encode()).hexdigest()[:10]}"
 
 
 class RecordStore:
