@@ -150,6 +150,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
                      (["--draft-len", "5,2"], "--draft-len"), (["--benchmark", "nope"], "unknown benchmark"),
                      (["--pair", "nope"], "unknown pair"), (["--alpha", "0.7"], "--alpha"),
                      (["--confirm-items", "-1"], "--confirm-items"), (["--confirm-candidates", "0"], "--confirm"),
+                     (["--looks", "0"], "--looks"),
                      (["--engine", "vllm", "--draft-len", "3", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                      (["--engine", "vllm", "--draft-len", "3", "--vllm-python", "/nonexistent/python"],
                       "not an executable")):
@@ -229,7 +230,28 @@ def test_joint_is_part_of_the_study_identity():
     from jobs import sweep as sweep_job
 
     names = []
-    for extra in ([], ["--joint"]):
+    for extra in ([], ["--joint"], ["--looks", "3"], ["--search-only"], ["--skip-noise-floor"]):
         args = sweep_job.build_parser().parse_args([*BASE, *extra])
         names.append(sweep_job.study_name(args, sweep_job.parse_settings(args)))
-    assert names[0] != names[1]
+    assert len({names[0], names[1], names[2]}) == 3, "--joint and --looks change what is certified"
+    assert names[3] == names[4] == names[0], "stopping after the search or skipping the noise floor does not"
+
+
+def test_search_only_then_a_group_sequential_confirmation(tmp_path):
+    """--search-only confirms nothing; the same command without it resumes the study and confirms with
+    two looks: the certificate records the design and its evidence holds the items up to the stop."""
+    extra = ("--trials", "1", "--looks", "2", "--confirm-items", "8", "--policies", "kl_judge")
+    meta = sweep(tmp_path, *extra, "--search-only")
+    report = tmp_path / "sweep" / "report"
+    assert (report / "report.md").is_file() and not list(report.glob("chosen-budget-*.json"))
+    assert sweep(tmp_path, *extra)["parent_run_id"] == meta["parent_run_id"]
+    assert len([t for t in trials(tmp_path / "sweep") if t.state.name in ("COMPLETE", "PRUNED")]) == 1
+    for budget in ("0.05", "0.2"):
+        cert = json.loads((report / f"chosen-budget-{budget}.json").read_text())["certification"]
+        seq = cert["sequential"]
+        assert seq["sizes"] == [4, 8] and len(seq["alphas"]) == 2 and seq["spent"][-1] == 0.05
+        if cert["steps"]:
+            step = cert["steps"][0]
+            assert step["looks"] == 2 and step["n"] == seq["sizes"][step["look"] - 1]
+            rows = (report / cert["evidence"]).read_text().strip().splitlines()[1:]
+            assert len(rows) == (seq["stopped_at"] or 8)
