@@ -48,6 +48,7 @@ saves every call's inputs and outputs.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from pathlib import Path
@@ -91,7 +92,7 @@ class _Step(threading.local):
     model: Any = None
     req_ids: list[str] | None = None  # vLLM's request ids in batch order (the rows' order)
     rules: list[Any] | None = None  # per request: its own rule (extra_args), or None for the rule file's
-    request_seeds: list[int] | None = None  # per request: SamplingParams.seed (0 if unset)
+    request_seeds: list[int] | None = None  # per request: SamplingParams.seed, else a hash of its id
     positions: list[int] | None = None  # per request: tokens computed before this step
     draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
     snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
@@ -238,6 +239,15 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
 
 
 
+def request_seed(req_id: str, seed: int | None) -> int:
+    """The request's part of its random stream: ``SamplingParams.seed`` when set, else a hash of the request
+    id (the same on every rank: the scheduler names requests). ``seed or 0`` once gave every unseeded
+    request, the children of one ``n > 1`` request among them, the same numbers."""
+    if seed is not None:
+        return int(seed)
+    return int.from_bytes(hashlib.sha256(f"request:{req_id}".encode()).digest()[:8], "little") >> 1
+
+
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
     """Once per step: each request's own rule, seed and position (``STEP.rules`` None when no request
     of the step carries a rule: the common case costs one dict lookup per request)."""
@@ -252,7 +262,7 @@ def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
         spec = args.get(RULE_ARG) if isinstance(args, dict) else None
         rules.append(None if spec is None else REQUEST_RULES.for_request(rid, spec, len(req_ids)))
         any_rule = any_rule or spec is not None
-        seeds.append(int(getattr(sp, "seed", None) or 0))
+        seeds.append(request_seed(rid, getattr(sp, "seed", None)))
         positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
     STEP.rules, STEP.request_seeds, STEP.positions = (rules, seeds, positions) if any_rule else (None, None, None)
 

@@ -186,3 +186,27 @@ def test_an_invalid_request_rule_falls_back_to_lossless():
     good = REQUEST_RULES.get({"policy": "top_k", "params": {"k": 4}, "seed": 2})
     assert good.policy.name == "top_k" and good.spec == {"policy": "top_k", "params": {"k": 4}, "seed": 2}
     assert REQUEST_RULES.get({"policy": "top_k", "params": {"k": 4}, "seed": 2}) is good, "built once"
+
+
+def test_unseeded_requests_draw_from_streams_of_their_own():
+    """``seed or 0`` gave every unseeded request (the children of one ``n > 1`` request among them) the
+    same numbers; now an unseeded request's stream is keyed by its id, and a set seed (0 included) is kept."""
+    from types import SimpleNamespace
+
+    from workers.vllm.plugin import STEP, _read_request_rules, request_seed
+
+    rule = {"policy": "top_k", "params": {"k": 4}, "seed": 2}
+
+    def state(seed):
+        return SimpleNamespace(sampling_params=SimpleNamespace(seed=seed, extra_args={"spectune_rule": rule}),
+                               num_computed_tokens=5)
+
+    runner = SimpleNamespace(requests={"0_parent": state(None), "1_parent": state(None), "s": state(0)})
+    _read_request_rules(runner, ["0_parent", "1_parent", "s"])
+    try:
+        a, b, seeded = STEP.request_seeds
+        assert a != b, "two children of one request must not share a stream"
+        assert seeded == 0 and request_seed("0_parent", None) == a, "a set seed is kept; ids key the rest"
+        assert keyed_seed(2, a, 5) != keyed_seed(2, b, 5)
+    finally:
+        STEP.rules = STEP.request_seeds = STEP.positions = None
