@@ -474,7 +474,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                          {"confirmed": "true"})
         return figures.get(key, {})
 
-    ledger = AttemptLedger(sweep.root, sweep.bench.name, args.pair, args.dtype)
+    ledger = AttemptLedger(sweep.root, sweep.bench.key, args.pair, args.dtype)
     for budget in sweep.s["budgets"]:
         ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
         attempt = attempt_of(sweep.name, budget, alpha_each, [sweep.spec_of(c.payload).key() for c in ordered],

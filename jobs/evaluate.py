@@ -96,7 +96,7 @@ def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Evaluate one acceptance rule on one benchmark (no Ray).")
-    ap.add_argument("--benchmark", required=True, help=f"one of {sorted(BENCHMARKS)}")
+    ap.add_argument("--benchmark", required=True, help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT_DIR+TARGET_DIR)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
@@ -147,19 +147,19 @@ def _main(args: argparse.Namespace) -> int:
 
     ar_spec = DecodeSpec.make(TARGET_ONLY, **settings)
     ar = run_items(engine, bench, items, ar_spec,
-                   RecordStore(reference_dir(root, args.pair, args.dtype, bench.name, ar_spec)), TARGET_ONLY)
+                   RecordStore(reference_dir(root, args.pair, args.dtype, bench.key, ar_spec)), TARGET_ONLY)
     lossless = None
     if spec.policy != TARGET_ONLY and not args.no_lossless_ref:
         ll_spec = DecodeSpec.make("lossless", {}, args.draft_len, **settings)
         lossless = run_items(engine, bench, items, ll_spec,
-                             RecordStore(reference_dir(root, args.pair, args.dtype, bench.name, ll_spec)),
+                             RecordStore(reference_dir(root, args.pair, args.dtype, bench.key, ll_spec)),
                              f"lossless L={args.draft_len}", references=ar)
     if spec.policy == TARGET_ONLY:
         records = ar
     elif spec.policy == "lossless" and lossless is not None and not spec.params:
         records = lossless
     else:
-        run_dir = root / "eval" / slug(f"{bench.name}-{args.pair}-{args.dtype}") / f"{slug(spec.label())}-{spec.key()}"
+        run_dir = root / "eval" / slug(f"{bench.key}-{args.pair}-{args.dtype}") / f"{slug(spec.label())}-{spec.key()}"
         records = run_items(engine, bench, items, spec, RecordStore(run_dir), spec.label(), references=ar)
     metrics = aggregate(list(records.values()), list(ar.values()), list(lossless.values()) if lossless else None,
                         cost_ratio=cost_ratio, verify_factor=profile.verify_factor)

@@ -112,7 +112,7 @@ class Sweep:
     def reference(self, spec: DecodeSpec, label: str, items: list | None = None) -> dict[str, Record]:
         # references are per engine (same greedy tokens up to bf16 kernels, different timings)
         pair = self.args.pair if self.args.engine == "cpu" else f"{self.args.pair}@{self.args.engine}"
-        store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.name, spec))
+        store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.key, spec))
         return self.run_items(spec, label, store, self.items if items is None else items, retry_failed=True,
                               timeout=False)
 
@@ -143,7 +143,7 @@ class Sweep:
                 bar.update(rec)
                 return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
 
-            run = run_trial(self.workers, f"{label}-{spec.key()}", self.bench.name, spec, missing, refs,
+            run = run_trial(self.workers, f"{label}-{spec.key()}", self.bench.ref, spec, missing, refs,
                             on_record=on_record, timeout_s=self.args.trial_timeout if timeout else None,
                             shard_size=self.shard_size(missing))
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
@@ -220,7 +220,7 @@ class Sweep:
             return prune_test(ref, got, budget, self.args.alpha)
 
         todo = [it for it in self.items if it.id not in records]
-        run = run_trial(self.workers, f"trial-{trial.number}", self.bench.name, spec, todo,
+        run = run_trial(self.workers, f"trial-{trial.number}", self.bench.ref, spec, todo,
                         {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout,
                         shard_size=self.shard_size(todo))
         bar.close()

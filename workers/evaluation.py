@@ -145,7 +145,8 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
     try:
         previous: list[tuple[str, str]] = []
         for turn in range(len(item.turns)):
-            ids = encode_chat(engine.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn, previous=previous))
+            ids = encode_chat(engine.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn, previous=previous),
+                              getattr(bench, "chat", None))
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           seed=spec.seed + turn, stop=list(bench.stop) or None)
             if policy is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -21,7 +22,10 @@ def summaries(tmp_path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted((tmp_path / "eval" / "summaries").glob("*.json"))]
 
 
-@pytest.mark.parametrize("benchmark", ["gsm8k", "mmlu", "humaneval", "ifeval", "mtbench"])
+TASK = str(Path(__file__).resolve().parents[2] / "examples" / "gsm8k" / "task.yaml")
+
+
+@pytest.mark.parametrize("benchmark", ["gsm8k", "mmlu", "humaneval", "ifeval", "mtbench", TASK])
 def test_tiny_pair_end_to_end_per_benchmark(tmp_path, benchmark, capsys):
     rc = run(tmp_path, "--benchmark", benchmark, "--policy", "kl_judge", "--param", "threshold=1.0",
              "--draft-len", "3", "--limit", "2", "--max-new-tokens", "12")
@@ -34,6 +38,13 @@ def test_tiny_pair_end_to_end_per_benchmark(tmp_path, benchmark, capsys):
     assert metrics["mean_acceptance_length"] >= 1.0
     parquet = list(tmp_path.glob("eval/*/*/records.parquet"))
     assert len(parquet) == 1, "the rule's per-item records are written as parquet"
+
+
+def test_a_bad_task_file_is_one_line(tmp_path, capsys):
+    (tmp_path / "t.yaml").write_text("name: x\ndata: none.jsonl\nprompt: '{q}'\nreference: a\nscorer: exact\n")
+    assert run(tmp_path, "--benchmark", str(tmp_path / "t.yaml"), "--limit", "1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: task file") and "data:" in err and "\n" not in err
 
 
 def test_references_are_cached_and_reused(tmp_path, capsys):

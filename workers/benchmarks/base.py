@@ -54,6 +54,13 @@ class Benchmark(Protocol):
     name: str
     stop: tuple[str, ...]
     default_max_new_tokens: int
+    chat: bool | None  # chat template (True), plain text (False), or whichever the tokenizer has (None)
+
+    @property
+    def ref(self) -> str: ...  # what get_benchmark resolves in an actor: the name, or a task file's path
+
+    @property
+    def key(self) -> str: ...  # what caches are keyed by: the name, or a task file's name and content hash
 
     def items(self, limit: int | None = None, shard: tuple[int, int] | None = None, seed: int | None = None,
               cache_dir: str | os.PathLike[str] | None = None, split: str | None = None) -> list[Item]: ...
@@ -80,9 +87,38 @@ def register(cls: type[_B]) -> type[_B]:
 
 
 def get_benchmark(name: str) -> Benchmark:
+    """A built-in benchmark by name, or a task file by path (``*.yaml``: ``workers.benchmarks.taskfile``)."""
+    if isinstance(name, str) and name.lower().endswith((".yaml", ".yml")):
+        from workers.benchmarks.taskfile import load_task
+
+        return load_task(name)
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)}")
+        load_entry_points()
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)} or a task file (PATH.yaml)")
     return BENCHMARKS[name]
+
+
+ENTRY_POINTS = "spectune.benchmarks"  # [project.entry-points."spectune.benchmarks"] name = "module:Class"
+
+
+def load_entry_points() -> None:
+    """Register the benchmarks installed packages declare under the ``spectune.benchmarks`` entry point
+    group (a ``Benchmark`` class or instance each, under the entry point's name)."""
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINTS):
+        if ep.name in BENCHMARKS:
+            continue
+        try:
+            obj = ep.load()
+            bench = obj() if isinstance(obj, type) else obj
+        except Exception as err:  # noqa: BLE001 - named, on one line
+            raise ValueError(f"benchmark entry point {ep.name} = {ep.value} failed to load: {err}") from None
+        if not isinstance(bench, Benchmark):
+            raise ValueError(f"benchmark entry point {ep.name} = {ep.value} is not a Benchmark "
+                             "(needs name, stop, default_max_new_tokens, items, split_info, messages, score)")
+        BENCHMARKS[ep.name] = bench
 
 
 SPLITS = ("search", "confirm")
@@ -128,6 +164,17 @@ class BenchmarkBase:
     default_max_new_tokens: int = 512
     max_shots: ClassVar[int] = 0
     needs_reference_outputs: ClassVar[bool] = False  # True: score() needs the target-only outputs
+    chat: bool | None = None  # prompts through the chat template (True), as plain text (False), or auto (None)
+
+    @property
+    def ref(self) -> str:
+        """What ``get_benchmark`` resolves in another process (an actor)."""
+        return self.name
+
+    @property
+    def key(self) -> str:
+        """What reference caches and attempt ledgers are keyed by."""
+        return self.name
 
     def path(self, dest: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         """The verified cached file ``dest`` (fetched if missing; AssetError if corrupt)."""

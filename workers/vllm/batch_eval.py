@@ -53,7 +53,8 @@ def evaluate_items(decoder: Any, bench: Any, items: Sequence[Any], spec: Any,
                 continue
             try:
                 prompts.append(encode_chat(decoder.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn,
-                                                                             previous=previous[i])))
+                                                                             previous=previous[i]),
+                                           getattr(bench, "chat", None)))
                 idx.append(i)
             except Exception as err:  # noqa: BLE001 - recorded on the item by evaluate_item
                 results[i].append(err)
