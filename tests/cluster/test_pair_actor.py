@@ -56,9 +56,8 @@ def test_early_stop_ends_the_trial(workers, items):
     assert len(run.records) < len(items)
 
 
-def test_killed_actor_loses_neither_the_items_nor_the_trial(items):
-    init_ray(num_cpus=2)
-    victims = make_workers(2, "tiny-random", "fp32", cpus_per_actor=0.5)
+def kill_mid_trial(workers, victim, items, *, restart: bool, **kw):
+    """Run a trial in a thread, kill ``victim`` once the first record is in, return the trial's outcome."""
     first = threading.Event()
 
     def on_record(_):
@@ -67,12 +66,18 @@ def test_killed_actor_loses_neither_the_items_nor_the_trial(items):
 
     result = {}
     th = threading.Thread(target=lambda: result.setdefault("run", run_trial(
-        victims, "kill", "gsm8k", spec(max_new_tokens=48), items, {}, on_record=on_record)))
+        workers, "kill", "gsm8k", spec(max_new_tokens=48), items, {}, on_record=on_record, **kw)))
     th.start()
     assert first.wait(120), "no record arrived"
-    ray.kill(victims[1], no_restart=True)
+    ray.kill(victim, no_restart=not restart)
     th.join(300)
-    run = result["run"]
+    return result["run"]
+
+
+def test_killed_actor_loses_neither_the_items_nor_the_trial(items):
+    init_ray(num_cpus=2)
+    victims = make_workers(2, "tiny-random", "fp32", cpus_per_actor=0.5)
+    run = kill_mid_trial(victims, victims[1], items, restart=False)
     assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
     assert run.actor_failures, "the dead actor is recorded as a failure"
     assert all(not r.failed for r in run.records.values())
@@ -83,19 +88,6 @@ def test_an_actor_ray_restarts_keeps_the_trial_going(items):
     trial finishes on it instead of failing with "every pair actor failed"."""
     init_ray(num_cpus=2)
     (victim,) = make_workers(1, "tiny-random", "fp32", cpus_per_actor=0.5)
-    first = threading.Event()
-
-    def on_record(_):
-        first.set()
-        return False
-
-    result = {}
-    th = threading.Thread(target=lambda: result.setdefault("run", run_trial(
-        [victim], "restart", "gsm8k", spec(max_new_tokens=48), items, {}, on_record=on_record, shard_size=2)))
-    th.start()
-    assert first.wait(120), "no record arrived"
-    ray.kill(victim, no_restart=False)
-    th.join(300)
-    run = result["run"]
+    run = kill_mid_trial([victim], victim, items, restart=True, shard_size=2)
     assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
     assert run.actor_failures and all(not r.failed for r in run.records.values())
