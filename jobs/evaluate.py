@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -97,6 +98,8 @@ def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Evaluate one acceptance rule on one benchmark (no Ray).")
     ap.add_argument("--benchmark", required=True, help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
+    ap.add_argument("--judge-url", default=None,
+                    help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT_DIR+TARGET_DIR)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
@@ -128,6 +131,8 @@ def _main(args: argparse.Namespace) -> int:
     from workers.models.assets import AssetError
     from workers.models.pair import load_pair
 
+    if args.judge_url:
+        os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url
     bench = get_benchmark(args.benchmark)
     max_new = args.max_new_tokens or bench.default_max_new_tokens
     if args.limit is not None and args.limit < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -38,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT_DIR+TARGET_DIR")
     ap.add_argument("--dtype", default="auto",
                     help="bf16, fp32 or auto (bf16 where the CPU has bf16 instructions or on a GPU, else fp32)")
+    ap.add_argument("--judge-url", default=None,
+                    help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
     ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
@@ -103,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
+    if args.judge_url:
+        os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url  # before Ray starts: the actors inherit it
     bench = get_benchmark(args.benchmark)
     from workers.models.pair import check_pair_name, native_dtype
 

@@ -244,3 +244,23 @@ def test_the_official_openai_client_works_unchanged(server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=10_000)
     assert "max_tokens" in str(info.value)
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_the_judge_scorer_asks_a_real_endpoint_and_caches_its_answer(server, tmp_path, monkeypatch):
+    """A task file's ``judge`` scorer against this Serve app (the tiny pair: its replies carry no rating,
+    so the score is 0 with the reply kept); the same prompt again is answered from the cache."""
+    from workers.benchmarks.scorers import make_scorer
+
+    monkeypatch.setenv("SPECTUNE_JUDGE_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECTUNE_JUDGE_URL", raising=False)
+    judge = make_scorer("judge", {"url": f"{server}/v1", "model": MODEL, "rubric": "Rate {output} vs {reference}: [[n]]",
+                                  "max_tokens": 8, "retries": 1})
+    first = judge("42", "42", {})
+    assert first.score == 0.0 and first.reason == "no rating in the judge's reply"
+    assert first.details["cached"] is False and isinstance(first.details["reply"], str)
+    again = judge("42", "42", {})
+    assert again.details["cached"] is True and again.details["reply"] == first.details["reply"]
+    assert len(list(tmp_path.rglob("*.json"))) == 1
+    wrong_model = make_scorer("judge", {"url": f"{server}/v1", "model": "nope", "rubric": "{output}", "retries": 0})
+    with pytest.raises(ValueError, match="refused the request: HTTP 4"):
+        wrong_model("x", "y", {})

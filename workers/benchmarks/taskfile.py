@@ -6,7 +6,7 @@ In the spirit of lm-evaluation-harness's YAML tasks::
     data: items.jsonl                      # .jsonl / .json / .csv / .parquet, relative to this file (read with `datasets`)
     prompt: "Question: {question}\\nAnswer:" # a format string over the row's fields (the user turn of a chat model)
     reference: answer                      # the field holding the reference
-    scorer: numeric                        # exact | numeric | regex:<pattern> | code | similarity | python:<module>:<function>
+    scorer: numeric                        # exact | numeric | regex:<pattern> | code | similarity | judge | python:<module>:<function>
     # optional
     id: qid                                # the field naming each row (default: its row index); ids must be unique
     fewshot: 4                             # the first n rows are exemplars, reserved out of both splits (or a file of rows)
@@ -16,6 +16,7 @@ In the spirit of lm-evaluation-harness's YAML tasks::
     max_new_tokens: 256
     split: part                            # a column naming each row's split: search / confirm (default: a seeded half each)
     chat: auto                             # true: the pair's chat template; false: the plain prompt; auto: the template if the tokenizer has one
+    judge: {url: "http://127.0.0.1:8000/v1", model: judge-model, rubric: "...{prompt}...{reference}...{output}...", scale: 10}
 
 A bad task file is one ``ValueError`` naming the file, the key and the problem. Items are
 ``<name>/<id>``. The task's identity (its caches, its sweeps' study names) includes a hash of the task
@@ -36,7 +37,7 @@ from workers.benchmarks.base import BENCHMARKS, SPLITS, BenchmarkBase, Item, Sco
 from workers.benchmarks.scorers import make_scorer
 
 KEYS = ("name", "data", "prompt", "reference", "scorer", "id", "fewshot", "fewshot_target", "system", "stop",
-        "max_new_tokens", "split", "chat")
+        "max_new_tokens", "split", "chat", "judge")
 REQUIRED = ("name", "data", "prompt", "reference", "scorer")
 FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 SUFFIXES = (".yaml", ".yml")
@@ -115,9 +116,9 @@ class TaskFile(BenchmarkBase):
         except ValueError as err:
             raise bad("prompt", f"not a valid format string ({err})") from None
         try:
-            self.scorer = make_scorer(spec["scorer"])
+            self.scorer = make_scorer(spec["scorer"], spec.get("judge"))
         except ValueError as err:
-            raise bad("scorer", str(err)) from None
+            raise bad("judge" if str(err).startswith("judge:") else "scorer", str(err)) from None
         self.scorer_name = spec["scorer"]
         self.id_field = spec.get("id")
         self.system = spec.get("system")
@@ -230,7 +231,7 @@ class TaskFile(BenchmarkBase):
 
     def score(self, item: Item, outputs: list[str], reference_outputs: list[str] | None = None) -> Score:
         self._check_outputs(item, outputs)
-        return self.scorer(outputs[0], item.reference, self._rows()[item.meta["row"]])
+        return self.scorer(outputs[0], item.reference, {**self._rows()[item.meta["row"]], "prompt": item.turns[0]})
 
 
 @functools.lru_cache(maxsize=64)

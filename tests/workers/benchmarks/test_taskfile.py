@@ -168,3 +168,26 @@ def test_python_benchmarks_register_through_the_entry_point(tmp_path, monkeypatc
     finally:
         BENCHMARKS.pop("mine-ep", None)
         sys.modules.pop("mybench_pkg", None)
+
+
+def test_the_judge_scorer_is_configured_by_the_task_file_and_retries_a_dead_endpoint(tmp_path, monkeypatch):
+    import socket
+
+    from workers.benchmarks.scorers import make_scorer
+
+    monkeypatch.delenv("SPECTUNE_JUDGE_URL", raising=False)
+    monkeypatch.setenv("SPECTUNE_JUDGE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match="judge: needs the endpoint's base url"):
+        get_benchmark(_task(tmp_path, ROWS, scorer="judge", judge={"model": "m"}))
+    with pytest.raises(ValueError, match=r"judge: judge.rubric must .*\{output\}"):
+        get_benchmark(_task(tmp_path, ROWS, scorer="judge", judge={"url": "http://127.0.0.1:9/v1", "model": "m",
+                                                                   "rubric": "no slot"}))
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    judge = make_scorer("judge", {"url": f"http://127.0.0.1:{port}/v1", "model": "m", "retries": 1})
+    with pytest.raises(RuntimeError, match=f"judge at http://127.0.0.1:{port}/v1/chat/completions failed 2 times"):
+        judge("out", "ref", {"prompt": "q"})
+    monkeypatch.setenv("SPECTUNE_JUDGE_URL", f"http://127.0.0.1:{port}/v1")
+    task = get_benchmark(_task(tmp_path, ROWS, scorer="judge", judge={"model": "m"}))
+    assert task.scorer_name == "judge", "--judge-url (SPECTUNE_JUDGE_URL) stands in for judge.url"
