@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--benchmark", required=True, help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
     ap.add_argument("--judge-url", default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
-    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT_DIR+TARGET_DIR)")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT+TARGET: local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
     ap.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")

@@ -201,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--policy", help="a registered rule, or 'off' for target-only decoding (default lossless)")
     src.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
     src.add_argument("--draft-len", type=int, help="draft length L (default 5)")
-    ap.add_argument("--pair", help="pair name or DRAFT_DIR+TARGET_DIR (default: the sweep's, else the real pair)")
+    ap.add_argument("--pair", help="pair name or DRAFT+TARGET (directories or cached hub ids; default: the sweep's, else the real pair)")
     ap.add_argument("--dtype", help="bf16 or fp32 (default: the sweep's, else bf16)")
     ap.add_argument("--model-name", help="the OpenAI model id clients send (default spectune/<pair>)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

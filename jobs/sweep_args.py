@@ -36,7 +36,7 @@ def subset_seed(text: str) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
     ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
-    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT_DIR+TARGET_DIR")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="auto",
                     help="bf16, fp32 or auto (bf16 where the CPU has bf16 instructions or on a GPU, else fp32)")
     ap.add_argument("--judge-url", default=None,

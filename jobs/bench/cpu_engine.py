@@ -128,7 +128,7 @@ def summarize(result: dict) -> str:
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT_DIR+TARGET_DIR")
+    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
     ap.add_argument("--items", type=int, default=10, help="GSM8K test items (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,9 @@ REAL_PAIRS: dict[str, tuple[str, str]] = {
 }
 TINY_PAIR = "tiny-random"
 PAIRS: tuple[str, ...] = (*REAL_PAIRS, TINY_PAIR)
-LOCAL_FORM = "DRAFT_DIR+TARGET_DIR or DRAFT_DIR,TARGET_DIR (two local Hugging Face model directories)"
+LOCAL_FORM = ("DRAFT+TARGET or DRAFT,TARGET, each a local Hugging Face model directory or a hub id "
+              "(org/name or org/name@revision, read from the local Hugging Face cache)")
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?")
 
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
@@ -120,14 +123,41 @@ def pair_dirs(name: str, cache_dir: str | os.PathLike[str] | None = None) -> tup
     return dirs[0], dirs[1], pair_cache
 
 
+def resolve_model(piece: str) -> Path | None:
+    """A local model directory, or a hub id's snapshot in the local Hugging Face cache (never downloaded:
+    as with ``HF_HUB_OFFLINE=1``); None when ``piece`` is neither a directory nor shaped like a hub id.
+    ValueError naming the fix when it is a hub id the cache does not hold."""
+    path = Path(piece).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists() or not _HUB_ID.fullmatch(piece):
+        return None
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RevisionNotFoundError
+
+    repo, _, revision = piece.partition("@")
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True))
+    except (LocalEntryNotFoundError, RevisionNotFoundError, FileNotFoundError, OSError):
+        raise ValueError(f"{piece}: not in the local Hugging Face cache ({constants.HF_HUB_CACHE}; HF_HUB_CACHE moves "
+                         f"it) and nothing is downloaded at run time: fetch it where there is network "
+                         f"(`huggingface-cli download {repo}{f' --revision {revision}' if revision else ''}`) and "
+                         "copy the cache here, or pass the model's local directory") from None
+
+
 def _split_local(name: str) -> tuple[Path, Path] | None:
     # Paths may themselves contain the separator, so try every split point, not just the first.
     for sep in (",", "+"):
         pieces = name.split(sep)
         for i in range(1, len(pieces)):
-            draft, target = (Path(sep.join(p)).expanduser() for p in (pieces[:i], pieces[i:]))
+            draft_text, target_text = sep.join(pieces[:i]), sep.join(pieces[i:])
+            draft, target = Path(draft_text).expanduser(), Path(target_text).expanduser()
             if draft.is_dir() and target.is_dir():
                 return draft.resolve(), target.resolve()
+            if all(_HUB_ID.fullmatch(t) or Path(t).expanduser().is_dir() for t in (draft_text, target_text)):
+                got = resolve_model(draft_text), resolve_model(target_text)
+                if got[0] is not None and got[1] is not None:
+                    return got[0], got[1]
     return None
 
 

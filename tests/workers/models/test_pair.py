@@ -88,7 +88,7 @@ def test_unknown_pair_error_lists_valid_names():
         load_pair("no-such-pair")
     for name in PAIRS:
         assert name in str(err.value)
-    assert "DRAFT_DIR+TARGET_DIR" in str(err.value)
+    assert "DRAFT+TARGET" in str(err.value) and "hub id" in str(err.value)
 
 
 def _save(model, tokenizer, path):
@@ -108,6 +108,34 @@ def test_local_dirs_pair_reloads_the_same_models(tiny, tmp_path, sep):
         assert torch.equal(loaded.draft(x).logits, tiny.draft(x).logits)
     assert loaded.vocab_size == tiny.vocab_size and set(loaded.eos_token_ids) == set(tiny.eos_token_ids)
     assert loaded.cache_dir is not None and loaded.cache_dir.parent == tmp_path / "cache" / "pairs"
+
+
+def _hub_cache(root, repo: str, src, commit: str) -> None:
+    """``src`` laid out as the Hugging Face cache holds a downloaded snapshot of ``repo`` at ``commit``."""
+    import shutil
+
+    base = root / ("models--" + repo.replace("/", "--"))
+    shutil.copytree(src, base / "snapshots" / commit)
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+
+
+def test_hub_ids_resolve_from_the_local_cache_and_never_download(tiny, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    _hub_cache(cache, "acme/tiny-draft", _save(tiny.draft, tiny.tokenizer, tmp_path / "d"), "a" * 40)
+    _hub_cache(cache, "acme/tiny-target", _save(tiny.target, tiny.tokenizer, tmp_path / "t"), "b" * 40)
+    loaded = load_pair(f"acme/tiny-draft+acme/tiny-target@{'b' * 40}", dtype=torch.float32, cache_dir=tmp_path / "c")
+    x = torch.tensor([tiny.tokenizer.encode("hub")])
+    with torch.no_grad():
+        assert torch.equal(loaded.target(x).logits, tiny.target(x).logits)
+    pair_mod.check_pair_name("acme/tiny-draft,acme/tiny-target")
+    with pytest.raises(ValueError, match=r"acme/missing: not in the local Hugging Face cache.*huggingface-cli download"):
+        load_pair("acme/tiny-draft+acme/missing", cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache"):
+        load_pair("acme/tiny-draft+acme/tiny-target@nope", cache_dir=tmp_path / "c")
 
 
 def test_local_dirs_with_different_vocab_raise(tiny, tmp_path):
