@@ -397,7 +397,7 @@ def pool_outlook(candidates: list[Candidate], budgets: Sequence[float], limit: i
         if not math.isfinite(d):
             rows.append({"budget": budget, "candidate": c.key})
             continue
-        drop = min(max(c.search_drop, -d), d)
+        drop = min(max(c.search_drop, 0.0), d)  # never plan on the candidate beating the reference
         d = min(max(d, abs(drop), 1e-6), 1.0)
         need = items_needed(d, budget, drop, alpha)
         lo, hi = max(drop, 0.0), 1.0  # the smallest budget whose plan fits in the pool

@@ -17,9 +17,10 @@ Methods:
   distribution on [0, 1]; needs about twice the items.
 - early stopping: an anytime-valid betting test (confidence sequence; Waudby-Smith & Ramdas 2023,
   Howard et al. 2021) on the paired differences, checkable after every item without correction.
-- group-sequential confirmation (``workers.certify.sequential``): a few looks on the fixed item order,
-  each the exact test at its share of alpha (power-family spending; a union bound over looks), the
-  first look that passes certifies (:func:`sequential_bound`).
+- group-sequential confirmation (``workers.certify.sequential``): a few looks on the fixed item order;
+  look k certifies when Tango's Z_b on its items is within a threshold calibrated by exact enumeration
+  so the error spent by look k stays within alpha * t^rho (or, uncalibrated, the exact test at the alpha
+  the look spends: a union bound); the first look that passes certifies (:func:`sequential_bound`).
 - several candidates per budget: fixed-sequence testing (Maurer et al. 1995; Westfall & Krishen
   2001): test in a pre-set order at full alpha, stop at the first failure; family-wise error <= alpha.
 - planning: a normal approximation (n ~ 6.2 d / (b - drop)^2 at alpha = .05 and 80% power); it
@@ -60,8 +61,10 @@ class DropBound:
     mean_sq: float = math.nan  # mean((reference - trial)^2): the planner's d (= discordance for right/wrong)
     budget: float = math.nan  # set once tested against a budget (fixed_sequence): the budget ...
     p_value: float = math.nan  # ... and the exact test's p-value there (right/wrong; nan for betting)
-    look: int = 1  # group-sequential confirmation: the look this bound was taken at (alpha: that look's share)
+    look: int = 1  # group-sequential confirmation: the look this bound was taken at (alpha: that look's level)
     looks: int = 1  # ... of this many planned looks (1: a fixed-n test on every item)
+    z: float = math.nan  # calibrated looks: Tango's Z_b of these counts at the budget ...
+    z_max: float = math.nan  # ... and the look's threshold: certified iff z <= z_max (the calibrated region)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe: nan becomes None."""
@@ -131,16 +134,26 @@ def sequential_bound(reference: Sequence[float], trial: Sequence[float], plan: A
     look that certifies; if none does, the last look whose n_k items are all here (or, with fewer items than
     the first look, every item at the first look's level). One look is the fixed-n test at ``plan.alpha``."""
     ref, tri = _paired(reference, trial)
+    calibrated = plan.thresholds is not None and plan.budget == budget and len(plan.sizes) > 1
+
+    def look(k: int, n: int) -> DropBound:
+        level = max(plan.alphas[k - 1], 1e-12)  # 0: nothing may pass at this look (its bound: a description)
+        bound = replace(passes(drop_bound(ref[:n], tri[:n], level), budget), look=k, looks=len(plan.sizes))
+        if calibrated and bound.method == EXACT:
+            from workers.certify.exact import score_z
+
+            bound = replace(bound, z=float(score_z(bound.losses, bound.wins, bound.n, budget)),
+                            z_max=plan.thresholds[k - 1])
+        return bound
+
     taken: DropBound | None = None
-    for k, (n, a) in enumerate(zip(plan.sizes, plan.alphas, strict=True), start=1):
+    for k, n in enumerate(plan.sizes, start=1):
         if n > len(ref):
             break
-        taken = replace(passes(drop_bound(ref[:n], tri[:n], a), budget), look=k, looks=len(plan.sizes))
+        taken = look(k, n)
         if certifies(taken):
             return taken
-    if taken is None:
-        taken = replace(passes(drop_bound(ref, tri, plan.alphas[0]), budget), look=1, looks=len(plan.sizes))
-    return taken
+    return taken if taken is not None else look(1, len(ref))
 
 
 def first_prune(reference: Sequence[float], trial: Sequence[float], budget: float,
@@ -258,6 +271,8 @@ def certifies(bound: DropBound) -> bool:
     """Whether a bound returned by :func:`passes` certifies its budget."""
     if bound.n == 0 or math.isnan(bound.budget):
         return False
+    if not math.isnan(bound.z_max):  # a calibrated look: exactly the region its error was computed for
+        return bound.z <= bound.z_max
     if bound.method == EXACT:
         return bound.p_value <= bound.alpha
     return bound.upper <= bound.budget
@@ -265,7 +280,8 @@ def certifies(bound: DropBound) -> bool:
 
 def _evidence(bound: DropBound) -> str:
     """How a tested bound reads in a reason: the exact test's p-value with its bound, or the betting bound."""
-    look = f" at look {bound.look} of {bound.looks} (its share of alpha)" if bound.looks > 1 else ""
+    look = "" if bound.looks == 1 else f" at look {bound.look} of {bound.looks}" + (
+        " (the alpha it spends)" if math.isnan(bound.z_max) else f", Z_b {bound.z:.3f} vs its threshold {bound.z_max:.3f}")
     if bound.method == EXACT:
         return (f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}{look}), confirmation upper bound "
                 f"{bound.upper:.4f},")
@@ -310,7 +326,7 @@ def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate],
     if not math.isfinite(d):
         plan = "; no paired item was confirmed"
     else:
-        drop = min(max(drop, -1.0), 1.0)
+        drop = min(max(drop, 0.0), 1.0)  # an observed gain is not planned on: it may be noise
         need = items_needed(min(max(d, abs(drop)), 1.0), budget, drop, alpha)
         plan = (f"; about {need} items would certify it with 80% power at its {where} discordance {d:.3f} and "
                 f"drop {drop:.4f} (normal approximation)" if need is not None else

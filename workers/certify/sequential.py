@@ -1,21 +1,27 @@
 """Group-sequential confirmation: a few looks on the fixed item order, stopping early on success.
 
 A confirmation of up to N items, in an order fixed before any outcome is seen, is looked at K times:
-after the first n_1 < n_2 < ... < n_K = N items (``n_k = ceil(k N / K)``). At look k the exact test of
-``workers.certify.exact`` runs on the first n_k items at level alpha_k, and the candidate is certified at
-the first look that passes. The levels spend alpha along the power family ``alpha * (n_k / N) ** rho``
-(Kim & DeMets; ``rho`` = 2 by default, between Pocock's flat and O'Brien-Fleming's late spending):
+after the first n_1 < n_2 < ... < n_K = N items (``n_k = ceil(k N / K)``). The error is spent along the
+power family ``alpha * (n_k / N) ** rho`` (Kim & DeMets; ``rho`` = 2 by default, between Pocock's flat
+and O'Brien-Fleming's late spending), and the candidate is certified at the first look that passes.
 
-    alpha_k = alpha * ((n_k / N) ** rho - (n_{k-1} / N) ** rho),   sum_k alpha_k = alpha.
+**Calibrated looks** (:func:`calibrate`, with a budget). Look k passes when Tango's Z_b on the first n_k
+items is at most z_k. The distribution of (lost, won) among the candidates not yet certified is carried
+from look to look exactly (a 2-D convolution with the trinomial of the new items), and z_k is the largest
+attainable value with P(certified by look k | drop = b) <= alpha * (n_k / N) ** rho at every nuisance
+value of a grid; the thresholds are then checked on a dense grid (:func:`crossing`), any point that
+exceeds joins the grid and the calibration runs again. The decision *is* the threshold (the fixed-n
+p-value at z_k is reported as the look's nominal level, never used to decide: ties in that p-value would
+admit outcomes the calibration left out). Drops above b make small Z_b rarer still (a coupling; the
+tests check it).
 
-**Why the error stays <= alpha.** P(certified at some look | drop >= b) <= sum_k P(look k passes) <=
-sum_k alpha_k = alpha (a union bound over looks, each an exact test valid at its n). It does not use the
-looks' correlation, so it is conservative; the decision itself is ``decide.sequential_bound``; :func:`sequential_power` computes the procedure's exact
-probability of certifying (joint enumeration over the looks), which the tests hold to alpha over the
-nuisance and which shows how much the union bound gives away. One look (K = 1) is the fixed-n test.
+**Union bound** (no budget, or N too large to carry in memory). Look k runs the exact test of
+``workers.certify.exact`` at level alpha_k = the alpha spent at look k (spent_k - spent_{k-1}); P(certified
+at some look | drop >= b) <= sum_k alpha_k = alpha. Valid, more conservative.
 
 A candidate may also stop for *futility* (``decide.prune_test``, anytime-valid): stopping to declare
-failure only lowers the chance of certifying, so it keeps the error <= alpha.
+failure only lowers the chance of certifying. The decision itself is ``decide.sequential_bound``. One look
+(K = 1) is the fixed-n test.
 
 Knows counts, budgets and alpha; nothing about records, trials or the sweep. numpy and scipy (imported
 where used).
@@ -29,30 +35,35 @@ from dataclasses import dataclass
 from typing import Any
 
 RHO = 2.0  # power-family spending exponent
-_CALIBRATION_GRID = 16  # x 4: the nuisance points calibration takes from ``exact``'s grid (both ends kept)
+_CALIBRATION_GRID = 16  # x 4: the nuisance points calibration starts from (a thinner copy of ``exact``'s grid)
+_CHECK_GRID = 1001  # uniform nuisance points (plus both ends, geometric) every calibration is checked on
 _CALIBRATION_CELLS = 25_000_000  # nuisance points x (N + 1)^2 states at most (memory): larger N, the union bound
+_ROUNDS = 4  # calibrate, check on the dense grid, add the points that exceed, again (then the union bound)
 
 
 @dataclass(frozen=True)
 class LookPlan:
-    """Where the looks fall, the alpha spent by each, and each look's nominal level."""
+    """Where the looks fall, the alpha spent by each, and what certifies at each look."""
 
     sizes: tuple[int, ...]  # items at each look, increasing, the last = N
-    alphas: tuple[float, ...]  # nominal level of each look's exact test (certify_paired at this level)
+    alphas: tuple[float, ...]  # each look's nominal level (the union bound: certify_paired at this level)
     alpha: float
     rho: float = RHO
     spent: tuple[float, ...] = ()  # the error spent by the end of each look: alpha * (n_k / N) ** rho
-    budget: float | None = None  # the budget the levels were calibrated for (None: the union bound)
+    budget: float | None = None  # the budget the looks were calibrated for (None: the union bound)
+    thresholds: tuple[float, ...] | None = None  # calibrated: look k certifies iff Z_b <= thresholds[k]
 
     @property
     def n(self) -> int:
         return self.sizes[-1]
 
     def to_dict(self) -> dict[str, Any]:
-        how = ("exact: each look's level the largest whose cumulative P(certified) stays within the spent alpha "
-               "over the nuisance" if self.budget is not None else "union bound over looks")
+        how = ("exact: each look certifies Z_b <= z_k, the largest z_k whose cumulative P(certified) stays within "
+               "the spent alpha over the nuisance (checked on a dense grid)" if self.thresholds is not None
+               else "union bound over looks (each look's exact test at the alpha its look spends)")
         return {"sizes": list(self.sizes), "alphas": list(self.alphas), "spent": list(self.spent),
                 "alpha": self.alpha, "rho": self.rho, "budget": self.budget,
+                "thresholds": None if self.thresholds is None else [None if math.isinf(z) else z for z in self.thresholds],
                 "spending": f"alpha * t^{self.rho:g} (power family); {how}"}
 
 
@@ -74,19 +85,22 @@ def _sizes(n: int, looks: int, alpha: float, rho: float) -> tuple[tuple[int, ...
 def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float | None = None) -> LookPlan:
     """K = ``looks`` looks over ``n`` items (fewer when n < K: every look adds at least one item).
 
-    With ``budget``: each look's level is calibrated exactly (:func:`calibrate`), so the procedure's
-    probability of certifying by look k is at most ``spent[k]`` at every nuisance value of the grid. Without:
-    the union bound (level_k = spent_k - spent_{k-1}), valid for any budget but conservative. One look is
-    the fixed-n test at ``alpha`` either way."""
+    With ``budget``: each look's region {Z_b <= z_k} is calibrated exactly (:func:`calibrate`), so the
+    procedure's probability of certifying by look k is at most ``spent[k]`` at every nuisance value of a
+    dense grid. Without (or where N is too large to carry): the union bound (each look's exact test at the
+    alpha its look spends, spent_k - spent_{k-1}), valid for any budget but conservative. One look is the
+    fixed-n test at ``alpha`` either way."""
     sizes, spent = _sizes(n, looks, alpha, rho)
     if len(sizes) == 1:
         return LookPlan(sizes, (float(alpha),), float(alpha), float(rho), spent, budget)
-    if budget is not None and len(_calibration_grid(float(budget))) * (n + 1) ** 2 > _CALIBRATION_CELLS:
-        budget = None  # too many states to carry here: the union bound (valid, more conservative)
-    if budget is None:
-        return LookPlan(sizes, (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False)),
-                        float(alpha), float(rho), spent, None)
-    return LookPlan(sizes, calibrate(sizes, spent, float(budget)), float(alpha), float(rho), spent, float(budget))
+    union = (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
+    calibrated = None
+    if budget is not None and len(_calibration_grid(float(budget))) * (n + 1) ** 2 <= _CALIBRATION_CELLS:
+        calibrated = calibrate(sizes, spent, float(budget))
+    if calibrated is None:  # too many states to carry here, or no calibration held: the union bound
+        return LookPlan(sizes, union, float(alpha), float(rho), spent, None)
+    levels, thresholds = calibrated
+    return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
 
 
 def _state_z(n: int, budget: float) -> Any:
@@ -111,51 +125,101 @@ def _calibration_grid(budget: float) -> Any:
     return np.unique(np.concatenate([grid[::step], grid[:3], grid[-3:]]))
 
 
-@functools.lru_cache(maxsize=256)
-def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float) -> tuple[float, ...]:
-    """Nominal levels a_1..a_K for looks at ``sizes``: look k certifies when the exact test on the first n_k
-    items has p <= a_k (Z_b <= z_k), each z_k the largest attainable value with
+def _check_grid(budget: float) -> Any:
+    import numpy as np
 
-        max over the nuisance grid of P(certified at some look <= k | drop = budget) <= spent[k],
+    top = (1.0 - budget) / 2.0
+    near = np.geomspace(1e-7, 0.02, 24)
+    return np.unique(np.concatenate([np.linspace(0.0, top, _CHECK_GRID), top * near, top * (1.0 - near)]))
 
-    computed exactly by carrying the distribution of (lost, won) of the candidates not yet certified from
-    look to look (a 2-D convolution with the trinomial of the new items). Uses the looks' correlation,
-    so the levels are larger than the union bound's and more candidates stop early at the same error."""
+
+def _carry(state: Any, m: int, p_lost: float, p_won: float, n: int) -> Any:
+    """The distribution of (lost, won) after m more items (cells with lost + won > n masked to 0)."""
     import numpy as np
     from scipy.signal import fftconvolve
 
-    from workers.certify.exact import _sup_tail
+    state = np.clip(fftconvolve(state, _kernel(m, p_lost, p_won)), 0.0, None)[: n + 1, : n + 1]
+    lost, won = np.ogrid[: n + 1, : n + 1]
+    return np.where(lost + won <= n, state, 0.0)
 
-    grid = _calibration_grid(budget)
+
+def crossing(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_won: float,
+             drop: float | None = None) -> list[float]:
+    """P(certified by look k) for each k, when each look certifies Z_b <= its threshold (exact enumeration,
+    drop = ``budget`` unless given)."""
+    import numpy as np
+
+    drop = budget if drop is None else drop
+    state, out, total, prev = np.ones((1, 1)), [], 0.0, 0
+    for n, z in zip(sizes, thresholds, strict=True):
+        state = _carry(state, n - prev, p_won + drop, p_won, n)
+        passed = _state_z(n, budget) <= z
+        total += float(state[passed].sum())
+        out.append(total)
+        state = np.where(passed, 0.0, state)
+        prev = n
+    return out
+
+
+def _calibrate_on(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float, grid: Any) -> tuple[float, ...]:
+    """The largest attainable thresholds z_k such that, at every point of ``grid``, P(certified by look k)
+    <= spent[k] (-inf where nothing may pass)."""
+    import numpy as np
+
     states = [np.ones((1, 1)) for _ in grid]
     crossed = np.zeros(len(grid))
-    levels, prev = [], 0
+    thresholds, prev = [], 0
     for n, target in zip(sizes, spent, strict=True):
-        z = _state_z(n, budget).ravel()
+        zgrid = _state_z(n, budget)
+        z = zgrid.ravel()
         order = np.argsort(z, kind="stable")
         zs = z[order]
-        finite = np.isfinite(zs)
-        ends = np.flatnonzero(np.r_[zs[1:] != zs[:-1], True] & finite)  # last index of each distinct finite Z
+        ends = np.flatnonzero(np.r_[zs[1:] != zs[:-1], True] & np.isfinite(zs))  # last index of each distinct Z
         best = len(ends) - 1
-        grown = []
         for i, pw in enumerate(grid):
-            state = np.clip(fftconvolve(states[i], _kernel(n - prev, pw + budget, pw)), 0.0, None)[: n + 1, : n + 1]
-            grown.append(state)
-            cum = np.cumsum(state.ravel()[order])[ends]
-            # the largest group index j with crossed + cum[j] <= target (cum is nondecreasing)
-            j = int(np.searchsorted(cum, target - crossed[i] + 1e-15, side="right")) - 1
-            best = min(best, j)
-        if best < 0:
-            z_k = -np.inf  # nothing can be certified at this look within its spending
-        else:
-            z_k = float(zs[ends[best]])
-        passed = _state_z(n, budget) <= z_k
-        for i, state in enumerate(grown):
-            crossed[i] += float(state[passed].sum())
-            states[i] = np.where(passed, 0.0, state)
-        levels.append(1e-12 if best < 0 else min(1.0, _sup_tail(n, budget, z_k)))  # 1e-12: nothing passes
+            states[i] = _carry(states[i], n - prev, pw + budget, pw, n)
+            cum = np.cumsum(states[i].ravel()[order])[ends]
+            # the largest group j with crossed + cum[j] <= target (cum is nondecreasing in j)
+            best = min(best, int(np.searchsorted(cum, target - crossed[i], side="right")) - 1)
+        z_k = -math.inf if best < 0 else float(zs[ends[best]])
+        passed = zgrid <= z_k
+        for i in range(len(grid)):
+            crossed[i] += float(states[i][passed].sum())
+            states[i] = np.where(passed, 0.0, states[i])
+        thresholds.append(z_k)
         prev = n
-    return tuple(levels)
+    return tuple(thresholds)
+
+
+@functools.lru_cache(maxsize=256)
+def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float
+              ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+    """(nominal levels, thresholds) of looks at ``sizes``: look k certifies when Tango's Z_b on the first n_k
+    items is <= z_k, each z_k the largest attainable value with
+
+        max over the nuisance of P(certified at some look <= k | drop = budget) <= spent[k],
+
+    computed exactly by carrying the distribution of (lost, won) of the candidates not yet certified from
+    look to look (a 2-D convolution with the trinomial of the new items). Calibrated on a grid, then checked
+    on a dense one (:func:`crossing`); points that exceed join the grid and it is calibrated again (None if
+    that does not settle: the caller falls back to the union bound). The decision is the threshold itself;
+    the nominal level (the fixed-n p-value at z_k) is reported beside it. Uses the looks' correlation, so
+    each look's region is at least the union bound's."""
+    import numpy as np
+
+    from workers.certify.exact import _sup_tail
+
+    grid, check = _calibration_grid(budget), _check_grid(budget)
+    for _ in range(_ROUNDS):
+        thresholds = _calibrate_on(sizes, spent, budget, grid)
+        over = [pw for pw in check
+                if any(c > t + 1e-12 for c, t in zip(crossing(sizes, thresholds, budget, float(pw)), spent, strict=True))]
+        if not over:
+            levels = tuple(0.0 if math.isinf(z) else min(1.0, _sup_tail(n, budget, z))
+                           for n, z in zip(sizes, thresholds, strict=True))
+            return levels, thresholds
+        grid = np.unique(np.concatenate([grid, over]))
+    return None
 
 
 def _kernel(m: int, p_lost: float, p_won: float) -> Any:
@@ -179,21 +243,17 @@ def sequential_power(plan: LookPlan, budget: float, discordance: float, drop: fl
     futility stops are not modelled: they only lower both figures). At drop = ``budget`` the first figure is
     the procedure's type-I error at that nuisance (the tests hold it to alpha)."""
     import numpy as np
-    from scipy.signal import fftconvolve
 
-    from workers.certify.exact import critical_z, score_z
-
+    from workers.certify.exact import critical_z
     if not 0.0 <= abs(drop) <= discordance <= 1.0:
         raise ValueError(f"need |drop| <= discordance <= 1, got drop={drop}, discordance={discordance}")
     p_lost, p_won = (discordance + drop) / 2.0, (discordance - drop) / 2.0
     state = np.ones((1, 1))  # P(lost, won) among the candidates still running
     power, expected, prev = 0.0, 0.0, 0
-    for n, a in zip(plan.sizes, plan.alphas, strict=True):
-        state = np.clip(fftconvolve(state, _kernel(n - prev, p_lost, p_won)), 0.0, None)[: n + 1, : n + 1]
-        lost, won = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-        valid = lost + won <= n
-        z = critical_z(n, budget, a)
-        passed = valid & (score_z(lost, np.where(valid, won, 0), n, budget) <= z)
+    for k, (n, a) in enumerate(zip(plan.sizes, plan.alphas, strict=True)):
+        state = _carry(state, n - prev, p_lost, p_won, n)
+        z = plan.thresholds[k] if plan.thresholds is not None and plan.budget == budget else critical_z(n, budget, a)
+        passed = _state_z(n, budget) <= z
         stop = float(state[passed].sum())
         power += stop
         expected += stop * n
