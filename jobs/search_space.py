@@ -21,11 +21,60 @@ def check_families(families: list[str]) -> list[str]:
     return families
 
 
-def suggest(trial: Any, families: list[str], draft_len: tuple[int, int]) -> tuple[str, dict[str, Any], int]:
-    """Ask ``trial`` (an optuna Trial) for a family, its knobs and a draft length."""
+def search_ranges(families: list[str], overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Each family's knob ranges: the rule's own (``search_space()``), with ``overrides`` (a sweep config's
+    ``search:`` block) in their place: ``{family: {knob: [low, high] | {low, high, log} | [choice, ...]}}``.
+    ValueError naming the family, knob and problem (a range outside what the rule accepts, say)."""
+    from dataclasses import replace
+
+    from policies import make_policy
+
+    ranges = {f: dict(POLICIES[f].config_cls.search_space()) for f in families}
+    for family, knobs in (overrides or {}).items():
+        if family not in ranges:
+            raise ValueError(f"search: {family!r} is not among the searched --policies {families}")
+        if not isinstance(knobs, dict):
+            raise ValueError(f"search: {family}: expected a mapping of knob: range, got {knobs!r}")
+        for knob, value in knobs.items():
+            where = f"search: {family}.{knob}"
+            if knob not in ranges[family]:
+                raise ValueError(f"{where}: not a searched knob of {family}; valid: {sorted(ranges[family])}")
+            base = ranges[family][knob]
+            if base.choices is not None:
+                choices = tuple(value) if isinstance(value, list | tuple) else ()
+                if not choices or any(c not in base.choices for c in choices):
+                    raise ValueError(f"{where}: a list drawn from {list(base.choices)}, got {value!r}")
+                ranges[family][knob] = replace(base, choices=choices)
+                continue
+            if isinstance(value, list | tuple) and len(value) == 2:
+                low, high, log = value[0], value[1], base.log
+            elif isinstance(value, dict) and set(value) <= {"low", "high", "log"} and {"low", "high"} <= set(value):
+                low, high, log = value["low"], value["high"], bool(value.get("log", base.log))
+            else:
+                raise ValueError(f"{where}: expected [low, high] or {{low, high, log}}, got {value!r}")
+            if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (low, high)) or not low < high:
+                raise ValueError(f"{where}: need numbers low < high, got [{low!r}, {high!r}]")
+            if base.integer and not (float(low).is_integer() and float(high).is_integer()):
+                raise ValueError(f"{where}: an integer knob needs integer bounds, got [{low!r}, {high!r}]")
+            if log and low <= 0:
+                raise ValueError(f"{where}: a log range needs low > 0, got {low!r}")
+            for v in (low, high):
+                try:
+                    make_policy(family, **{knob: int(v) if base.integer else float(v)})
+                except ValueError as err:
+                    raise ValueError(f"{where}: {v!r} is not a value {family} accepts ({err})") from None
+            ranges[family][knob] = replace(base, low=low, high=high, log=log)
+    return ranges
+
+
+def suggest(trial: Any, families: list[str], draft_len: tuple[int, int],
+            ranges: dict[str, dict[str, Any]] | None = None) -> tuple[str, dict[str, Any], int]:
+    """Ask ``trial`` (an optuna Trial) for a family, its knobs (``ranges``: :func:`search_ranges`, default
+    the rules' own) and a draft length."""
     family = trial.suggest_categorical("family", families) if len(families) > 1 else families[0]
     params: dict[str, Any] = {}
-    for knob, rng in POLICIES[family].config_cls.search_space().items():
+    space = (ranges or {}).get(family) or POLICIES[family].config_cls.search_space()
+    for knob, rng in space.items():
         name = f"{family}.{knob}"
         if rng.choices is not None:
             params[knob] = trial.suggest_categorical(name, list(rng.choices))

@@ -40,6 +40,7 @@ from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_param
     enqueued_params,
     log,
     make_sampler,
+    parse_args,
     parse_settings,
     study_name,
     vllm_options,
@@ -200,7 +201,7 @@ class Sweep:
 
         t_trial = time.perf_counter()
         trial = self.study.ask()
-        family, params, draft_len = suggest(trial, self.s["families"], self.s["draft_len"])
+        family, params, draft_len = suggest(trial, self.s["families"], self.s["draft_len"], self.s.get("ranges"))
         spec = DecodeSpec.make(family, params, draft_len, **self.s["decode"])
         ar, ll = self.refs[TARGET_ONLY], self.lossless(draft_len)
         store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
@@ -416,7 +417,11 @@ def _exit_on_sigterm() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     _exit_on_sigterm()
     try:
         settings = parse_settings(args)

@@ -33,8 +33,66 @@ def subset_seed(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer seed or 'file', got {text!r}") from None
 
 
+def load_config(path: str, ap: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """A sweep config file: the flags' values by name (``budgets: [0.02, 0.05]`` or ``confirm-items: 300``)
+    plus an optional ``search:`` block of knob ranges (``jobs.search_space.search_ranges``). Returns
+    (parser defaults, search overrides); ValueError naming the file and the key otherwise."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(open(path).read()) or {}
+    except OSError as err:
+        raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: must be a mapping of flag: value")
+    actions = {a.dest: a for a in ap._actions if a.dest not in ("help", "config")}
+    defaults: dict[str, Any] = {}
+    search = data.pop("search", None)
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            raise ValueError(f"--config {path}: {key}: unknown key; valid: search, {', '.join(sorted(actions))}")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key}: must be true or false, got {value!r}")
+        elif isinstance(action, argparse._AppendAction):
+            value = [str(v) for v in (value if isinstance(value, list) else [value])]
+        else:
+            if isinstance(value, list):
+                value = ",".join(str(v) for v in value)
+            if value is not None and action.type is not None:
+                try:
+                    value = action.type(str(value))
+                except (ValueError, argparse.ArgumentTypeError):
+                    kind = getattr(action.type, "__name__", "value")
+                    raise ValueError(f"--config {path}: {key}: invalid {kind} value {value!r}") from None
+        defaults[dest] = value
+    if search is not None and not isinstance(search, dict):
+        raise ValueError(f"--config {path}: search: expected a mapping of rule: {{knob: range}}, got {search!r}")
+    return defaults, search
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, over a ``--config`` file's values where one is given (the command line wins)."""
+    ap = build_parser()
+    pre, _ = ap.parse_known_args(argv)
+    search = None
+    if pre.config:
+        defaults, search = load_config(pre.config, ap)
+        ap.set_defaults(**defaults)
+    args = ap.parse_args(argv)
+    args.search = search
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
+    ap.add_argument("--config", default=None,
+                    help="a YAML file of these flags' values (keys as the flags, e.g. confirm-items: 300) and an "
+                         "optional search: block of knob ranges; flags given on the command line win (docs/sweep-config.md)")
     ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="auto",
@@ -123,6 +181,9 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not budgets or any(not (0 < b < 1) for b in budgets):
         raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
     families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
+    from jobs.search_space import search_ranges
+
+    ranges = search_ranges(families, getattr(args, "search", None))
     bounds = [int(x) for x in args.draft_len.split(",")]
     lo, hi = (bounds[0], bounds[-1])
     if not (1 <= lo <= hi <= 16):
@@ -147,6 +208,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 < args.alpha < 0.5:
         raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
     return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,
+            "ranges": ranges, "search_overrides": getattr(args, "search", None) or None,
             "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
 
@@ -200,6 +262,7 @@ def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
                       "confirm_items": args.confirm_items, "alpha": args.alpha, "joint": args.joint,
                       "confirm_candidates": args.confirm_candidates,
                       **({"looks": args.looks} if args.looks != 1 else {}),
+                      **({"search": s["search_overrides"]} if s.get("search_overrides") else {}),
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")

@@ -255,3 +255,49 @@ def test_search_only_then_a_group_sequential_confirmation(tmp_path):
             assert step["looks"] == 2 and step["n"] == seq["sizes"][step["look"] - 1]
             rows = (report / cert["evidence"]).read_text().strip().splitlines()[1:]
             assert len(rows) == (seq["stopped_at"] or 8)
+
+
+def test_a_config_file_sets_the_flags_and_the_command_line_wins(tmp_path):
+    from jobs.sweep_args import parse_args, parse_settings, study_name
+
+    args = parse_args(["--config", str(ROOT / "examples" / "sweep.yaml"), "--trials", "5", "--pair", "tiny-random"])
+    assert (args.trials, args.budgets, args.looks, args.confirm_items) == (5, "0.02,0.05,0.1", 4, 2000)
+    assert args.enqueue == ["kl_judge:threshold=0.5,confidence=0.9"] and args.pair == "tiny-random"
+    s = parse_settings(args)
+    assert (s["ranges"]["kl_judge"]["threshold"].low, s["ranges"]["kl_judge"]["threshold"].log) == (0.02, True)
+    assert s["ranges"]["dropmatch"]["criterion"].choices == ("js",)
+    plain = parse_args(["--config", str(ROOT / "examples" / "sweep.yaml"), "--pair", "tiny-random"])
+    plain.search = None
+    assert study_name(args, s) != study_name(plain, parse_settings(plain)), "the ranges are part of the identity"
+
+
+def test_search_ranges_from_the_config_are_what_optuna_samples():
+    import optuna
+
+    from jobs.search_space import search_ranges, suggest
+
+    ranges = search_ranges(["kl_judge"], {"kl_judge": {"threshold": [0.2, 0.3], "confidence": [0.6, 0.61]}})
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(20):
+        _, params, _ = suggest(study.ask(), ["kl_judge"], (5, 5), ranges)
+        assert 0.2 <= params["threshold"] <= 0.3 and 0.6 <= params["confidence"] <= 0.61
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("colour: blue\n", "colour: unknown key"),
+    ("trials: many\n", "trials: invalid int value"),
+    ("joint: 3\n", "joint: must be true or false"),
+    ("search:\n  top_k:\n    k: [1, 9]\n", "'top_k' is not among the searched --policies"),
+    ("search:\n  kl_judge:\n    threshold: [1.0, 0.1]\n", "search: kl_judge.threshold: need numbers low < high"),
+    ("search:\n  kl_judge:\n    confidence: [0.5, 1.5]\n", "1.5 is not a value kl_judge accepts"),
+    ("search:\n  kl_judge:\n    nope: [1, 2]\n", "not a searched knob"),
+    ("- a list\n", "must be a mapping"),
+])
+def test_a_bad_config_is_one_line_naming_the_key(tmp_path, capsys, text, message):
+    from jobs import sweep as sweep_job
+
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(text)
+    assert sweep_job.main([*BASE, "--policies", "kl_judge", "--runs-root", str(tmp_path), "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err, err
