@@ -82,7 +82,8 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
     the items up to the first look at which the test fired and counts the rest as wrong: its evidence is
     then the same whatever finished after the stop. Returns one row per item (``item_id``,
     ``reference_score``, ``candidate_score``, ``reference``/``candidate`` status: ok, failed, missing, or
-    after_stop; ``divergence``: the first output token position where the two differ, -1 if identical)
+    after_stop; ``divergence``: the first output token position where the two differ, -1 if identical;
+    ``*_answer`` / ``*_reason``: what each arm's scorer extracted and why it scored so)
     and the counts of ``reference_failed``, ``reference_missing``, ``candidate_failed``,
     ``candidate_missing`` and ``kept``."""
     keep = len(order)
@@ -109,9 +110,22 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
                               -1 if len(a_ids) == len(b_ids) else min(len(a_ids), len(b_ids)))
         rows.append({"item_id": key, "reference_score": 1.0 if ref_status != "ok" else score_of(r),
                      "candidate_score": score_of(t) if got_status == "ok" else 0.0,
-                     "reference": ref_status, "candidate": got_status, "divergence": divergence})
+                     "reference": ref_status, "candidate": got_status, "divergence": divergence,
+                     # why: what each arm's scorer extracted and said (an error for a failed item)
+                     "reference_answer": _answer(r), "candidate_answer": _answer(t) if i < keep else "",
+                     "reference_reason": _why(r), "candidate_reason": _why(t) if i < keep else ""})
     counts["kept"] = keep
     return rows, counts
+
+
+def _answer(r: Record | None) -> str:
+    return "" if r is None or r.extracted is None else str(r.extracted)[:200]
+
+
+def _why(r: Record | None) -> str:
+    if r is None:
+        return ""
+    return (f"failed: {r.error}" if r.failed and r.error else r.reason or "")[:300]
 
 
 def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
@@ -128,10 +142,12 @@ def write_evidence(path: Path, rows: list[dict[str, Any]]) -> None:
     import io
 
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=["item_id", "reference_score", "candidate_score", "reference", "candidate",
-                                             "divergence"], lineterminator="\n")
+    fields = ["item_id", "reference_score", "candidate_score", "reference", "candidate", "divergence",
+              "reference_answer", "candidate_answer", "reference_reason", "candidate_reason"]
+    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
-    writer.writerows({**r, "divergence": "" if r["divergence"] is None else r["divergence"]} for r in rows)
+    writer.writerows({**dict.fromkeys(fields, ""), **r, "divergence": "" if r["divergence"] is None else r["divergence"]}
+                     for r in rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".csv.tmp")
     tmp.write_text(buf.getvalue())

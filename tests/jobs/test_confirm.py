@@ -126,6 +126,8 @@ def test_the_evidence_rows_recompute_the_certificate(tmp_path):
         rows = list(csv.DictReader(fh))
     assert len(rows) == 120 and {r["candidate"] for r in rows} == {"ok", "missing"}
     assert next(r for r in rows if r["item_id"] == "i3")["reference"] == "failed"
+    assert next(r for r in rows if r["item_id"] == "i3")["reference_reason"].startswith("failed:"), "why, per arm"
+    assert set(rows[0]) >= {"reference_answer", "candidate_answer", "reference_reason", "candidate_reason"}
     again = drop_bound([float(r["reference_score"]) for r in rows], [float(r["candidate_score"]) for r in rows])
     assert (again.losses, again.wins, again.n) == (3, 0, 120) == (cert.bound.losses, cert.bound.wins, cert.bound.n)
     assert certify_paired(again.losses, again.wins, again.n, 0.1, 0.05).p_value == cert.bound.p_value
