@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--gpu-memory-utilization", type=float, default=None,
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
     ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for (default 4096)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM: requests decoded at once (default vLLM's); lower it when a large shard's batch runs "
+                         "out of memory (the rules' full-vocabulary rows grow with it)")
     ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
     ap.add_argument("--kv-cache-gb", type=float, default=None,
                     help="vLLM: KV cache per engine in GiB (overrides the memory fraction; vLLM-CPU: size it, "
@@ -244,7 +247,7 @@ def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
     given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
-             "enforce_eager": args.enforce_eager or None,
+             "enforce_eager": args.enforce_eager or None, "max_num_seqs": getattr(args, "max_num_seqs", None),
              "kv_cache_memory_bytes": None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)}
     return {k: v for k, v in given.items() if v is not None}
 

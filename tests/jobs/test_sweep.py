@@ -151,6 +151,7 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
                      (["--pair", "nope"], "unknown pair"), (["--alpha", "0.7"], "--alpha"),
                      (["--confirm-items", "-1"], "--confirm-items"), (["--confirm-candidates", "0"], "--confirm"),
                      (["--looks", "0"], "--looks"),
+                     (["--engine", "vllm", "--draft-len", "3", "--max-num-seqs", "0"], "max_num_seqs"),
                      (["--engine", "vllm", "--draft-len", "3", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                      (["--engine", "vllm", "--draft-len", "3", "--vllm-python", "/nonexistent/python"],
                       "not an executable")):
