@@ -50,6 +50,10 @@ def load_config(path: str, ap: argparse.ArgumentParser) -> tuple[dict[str, Any],
     actions = {a.dest: a for a in ap._actions if a.dest not in ("help", "config")}
     defaults: dict[str, Any] = {}
     search = data.pop("search", None)
+    if "search_space" in data:  # the name other tools use for the same block
+        if search is not None:
+            raise ValueError(f"--config {path}: give search or search_space, not both")
+        search = data.pop("search_space")
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = actions.get(dest)
