@@ -28,7 +28,7 @@ from workers.benchmarks import Item, get_benchmark
 from workers.evaluation import DecodeSpec, Record, evaluate_item
 
 # max_concurrency=2: a trial's stop() must run while consume() is busy in the other thread.
-MAX_SHARD_RETRIES = 2  # attempts a shard gets on an actor Ray is restarting, before the actor is given up
+RESTART_WAIT_S = 900.0  # how long an actor Ray is restarting may take to come back (a vLLM engine start is minutes)
 
 
 @ray.remote(max_restarts=2, max_task_retries=0, max_concurrency=2)
@@ -182,8 +182,8 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
     shard, so fast actors take more. ``on_record`` runs on the driver for every record and
     returns True to stop the trial early (no new shards go out; running ones stop after their
     current item). A shard whose actor dies is re-queued for a live actor and the failure is
-    recorded; an actor Ray restarts (``max_restarts``) stays in use, its shard retried up to
-    ``MAX_SHARD_RETRIES`` times; a trial fails only when no actor is left.
+    recorded; an actor Ray restarts (``max_restarts``) stays in use, its shard retried with backoff for
+    up to ``RESTART_WAIT_S``; a trial fails only when no actor is left.
     """
     t0 = time.perf_counter()
     out = TrialRun()
@@ -197,16 +197,21 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
     refs = ray.put(references)
     live = list(workers)
     running: dict[Any, tuple[Any, int]] = {}
-    retries: dict[int, int] = {}  # shard id -> failed attempts
+    back_at: dict[int, float] = {}  # id(actor) -> when an actor Ray is restarting may be tried again
+    gone_since: dict[int, float] = {}  # id(actor) -> when it first became unavailable (cleared once it answers)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while queue_ or running:
+        now = time.monotonic()
         while queue_ and not out.stopped_early:
-            idle = [w for w in live if all(w is not v[0] for v in running.values())]
+            idle = [w for w in live if all(w is not v[0] for v in running.values()) and back_at.get(id(w), 0.0) <= now]
             if not idle:
                 break
             shard_id = queue_.popleft()
             running[idle[0].consume.remote(tag, benchmark, spec, shards[shard_id], refs)] = (idle[0], shard_id)
         if not running:
+            if queue_ and not out.stopped_early and back_at:  # only restarting actors left: wait for the first
+                time.sleep(max(0.05, min(back_at.values()) - time.monotonic()))
+                continue
             break
         wait = None if deadline is None else max(0.0, deadline - time.monotonic())
         ready, _ = ray.wait(list(running), num_returns=1, timeout=wait)
@@ -218,17 +223,24 @@ def run_trial(workers: list[Any], tag: str, benchmark: str, spec: DecodeSpec, it
             records = ray.get(ready[0])
         except ray.exceptions.RayError as err:
             out.actor_failures.append(f"shard {shard_id}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
-            retries[shard_id] = retries.get(shard_id, 0) + 1
-            # an actor Ray is restarting (killed for memory, say) comes back within its max_restarts: keep it
-            # and give the shard another go on it; one that died for good, or keeps failing, is dropped
-            restarting = isinstance(err, ray.exceptions.ActorUnavailableError) and retries[shard_id] <= MAX_SHARD_RETRIES
-            if isinstance(err, ray.exceptions.RayActorError) and not restarting:
+            # an actor Ray is restarting (its memory monitor killed it, say) comes back within its max_restarts
+            # and a model load: keep it, try again with backoff for up to RESTART_WAIT_S; one that died for
+            # good, or does not come back, is dropped
+            now = time.monotonic()
+            first = gone_since.setdefault(id(worker), now)
+            restarting = isinstance(err, ray.exceptions.ActorUnavailableError) and now - first < RESTART_WAIT_S
+            if restarting:
+                back_at[id(worker)] = now + min(30.0, 1.0 + 0.5 * (now - first))
+            elif isinstance(err, ray.exceptions.RayActorError):
                 live = [w for w in live if w is not worker]
+                back_at.pop(id(worker), None)
             if not live:
                 raise RuntimeError(f"trial {tag}: every pair actor failed; last error: {err}") from err
             queue_.appendleft(shard_id)
             out.retried_items += shards[shard_id].count()
             continue
+        gone_since.pop(id(worker), None)
+        back_at.pop(id(worker), None)
         for record in records:
             if record.item_id in out.records:
                 continue
