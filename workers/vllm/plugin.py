@@ -48,8 +48,8 @@ saves every call's inputs and outputs.
 
 from __future__ import annotations
 
-import hashlib
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -239,13 +239,18 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
 
 
 
+_CHILD = re.compile(r"(\d+)_.")  # vLLM names the children of an n > 1 request "<index>_<parent id>"
+
+
 def request_seed(req_id: str, seed: int | None) -> int:
-    """The request's part of its random stream: ``SamplingParams.seed`` when set, else a hash of the request
-    id (the same on every rank: the scheduler names requests). ``seed or 0`` once gave every unseeded
-    request, the children of one ``n > 1`` request among them, the same numbers."""
+    """The request's part of its random stream: ``SamplingParams.seed`` when set (vLLM gives the children of a
+    seeded n > 1 request seed + index), else 0, or index + 1 for the children of an unseeded n > 1 request:
+    ``seed or 0`` once gave those children the same numbers. A plain unseeded request keeps 0, so a rule
+    with its own seed decides the same in every batch and rerun (request ids are per call)."""
     if seed is not None:
         return int(seed)
-    return int.from_bytes(hashlib.sha256(f"request:{req_id}".encode()).digest()[:8], "little") >> 1
+    child = _CHILD.match(req_id)
+    return int(child.group(1)) + 1 if child else 0
 
 
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:

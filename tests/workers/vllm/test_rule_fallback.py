@@ -189,8 +189,9 @@ def test_an_invalid_request_rule_falls_back_to_lossless():
 
 
 def test_unseeded_requests_draw_from_streams_of_their_own():
-    """``seed or 0`` gave every unseeded request (the children of one ``n > 1`` request among them) the
-    same numbers; now an unseeded request's stream is keyed by its id, and a set seed (0 included) is kept."""
+    """``seed or 0`` gave the children of an unseeded ``n > 1`` request (vLLM names them "<index>_<parent>")
+    the same numbers; now each child has its own stream, while a plain unseeded request keeps stream 0 (a
+    rule with its own seed decides the same in every batch) and a set seed (0 included) is kept."""
     from types import SimpleNamespace
 
     from workers.vllm.plugin import STEP, _read_request_rules, request_seed
@@ -201,12 +202,14 @@ def test_unseeded_requests_draw_from_streams_of_their_own():
         return SimpleNamespace(sampling_params=SimpleNamespace(seed=seed, extra_args={"spectune_rule": rule}),
                                num_computed_tokens=5)
 
-    runner = SimpleNamespace(requests={"0_parent": state(None), "1_parent": state(None), "s": state(0)})
-    _read_request_rules(runner, ["0_parent", "1_parent", "s"])
+    runner = SimpleNamespace(requests={"0_parent": state(None), "1_parent": state(None), "17": state(None),
+                                       "s": state(7)})
+    _read_request_rules(runner, ["0_parent", "1_parent", "17", "s"])
     try:
-        a, b, seeded = STEP.request_seeds
+        a, b, plain, seeded = STEP.request_seeds
         assert a != b, "two children of one request must not share a stream"
-        assert seeded == 0 and request_seed("0_parent", None) == a, "a set seed is kept; ids key the rest"
+        assert plain == 0 and request_seed("23", None) == 0, "a plain request: the same stream in every call"
+        assert seeded == 7 and request_seed("x", 0) == 0, "a set seed is kept"
         assert keyed_seed(2, a, 5) != keyed_seed(2, b, 5)
     finally:
         STEP.rules = STEP.request_seeds = STEP.positions = None
