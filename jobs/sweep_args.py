@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one family-wise statement across budgets: each budget confirmed at alpha / (number of "
                          "budgets) (Bonferroni), so P(any certified budget is wrong) <= alpha; default: per budget")
     ap.add_argument("--looks", type=int, default=1,
-                    help="group-sequential confirmation: looks at 1/K, 2/K, ... of --confirm-items, each at its share "
-                         "of alpha (alpha spending); a candidate that certifies at a look stops there (default 1: one "
-                         "look at the whole set)")
+                    help="group-sequential confirmation: looks at 1/K, 2/K, ... of --confirm-items; each look's region "
+                         "is calibrated exactly so the error spent by look k stays within alpha * (k/K)^2; a candidate "
+                         "that certifies at a look stops there (default 1: one look at the whole set)")
     ap.add_argument("--search-only", action="store_true",
                     help="stop after the search (report written, nothing confirmed); the same command without it "
                          "resumes and confirms")
