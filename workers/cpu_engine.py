@@ -42,11 +42,23 @@ OnTokens = Callable[[list[int]], "bool | None"]
 class _LM:
     """A causal LM split into decoder + LM head, with its own KV cache and the ids it holds."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, width: int = 0, real: int = 0) -> None:
+        """``width``: pad the head's logits with -inf up to this many ids (a draft narrower than
+        its target). ``real``: set logits from this id on to -inf (the target of such a pair: those
+        ids are no tokens and the draft cannot score them, so neither model may put mass there)."""
         self.decoder = model.get_decoder()
-        self.head = model.get_output_embeddings()
+        self._head = model.get_output_embeddings()
+        self.width, self.real = width, real
         self.cache: Any = None
         self.ids: list[int] = []  # the token ids whose keys/values the cache holds, in order
+
+    def head(self, hidden: Tensor) -> Tensor:
+        logits = self._head(hidden)
+        if self.width > logits.shape[-1]:
+            logits = torch.nn.functional.pad(logits, (0, self.width - logits.shape[-1]), value=float("-inf"))
+        if self.real:
+            logits[..., self.real:] = float("-inf")
+        return logits
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -150,11 +162,19 @@ class SpecDecoder:
         prompt under another rule) instead of recomputing them. Off, every prefill starts empty."""
         self.pair = pair
         self.prefix_cache = prefix_cache
-        self.target = _LM(pair.target)
-        self.draft = _LM(pair.draft)
+        # A narrower draft (pair.padded): its logits are padded with -inf to the target's width and
+        # the target's logits past the draft's width are -inf too (also in target-only decoding and in
+        # DropMatch's dropout heads, through the bias), so both distributions are zero on ids that are
+        # no tokens: KL stays finite and lossless output equals target-only.
+        real = pair.draft_width if pair.padded else 0
+        self.target = _LM(pair.target, real=real)
+        self.draft = _LM(pair.draft, width=pair.vocab_size)
         head = pair.target.get_output_embeddings()
         self.lm_head_weight = head.weight.detach()  # [V, d]
         self.lm_head_bias = None if head.bias is None else head.bias.detach()
+        if real:
+            bias = torch.zeros(pair.vocab_size, dtype=head.weight.dtype) if head.bias is None else head.bias.detach().clone()
+            self.lm_head_bias = bias.index_fill_(0, torch.arange(real, pair.vocab_size), float("-inf"))
 
     # -- public API ------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import torch
 
 from policies import POLICIES, get_spec, make_policy
 from workers.cpu_engine import SpecDecoder
-from workers.models.pair import load_pair
+from workers.models.pair import load_pair, tiny_random_pair
 
 PROMPTS = [
     "Hello world, this is a test",
@@ -206,3 +206,38 @@ def test_on_tokens_streams_every_emitted_token_and_can_abort(engine, spec):
     cut = run(max_new_tokens=20, on_tokens=stop_after_four)
     assert cut.finish_reason == "abort" and 4 <= len(cut.token_ids) < 20
     assert cut.token_ids == full.token_ids[: len(cut.token_ids)]
+
+
+@pytest.fixture(scope="module")
+def padded_engines() -> tuple[SpecDecoder, SpecDecoder]:
+    """The tiny pair with a draft 288 logits wide against a 320-wide target (as Qwen2.5 0.5B -> 7B),
+    and the same pair with the full-width draft: the draft's first 288 rows are the same weights."""
+    return (SpecDecoder(tiny_random_pair(torch.float32, draft_vocab=288)),
+            SpecDecoder(tiny_random_pair(torch.float32)))
+
+
+def test_a_narrower_draft_is_padded_and_lossless_equals_target_only(padded_engines):
+    padded, _ = padded_engines
+    for text in PROMPTS:
+        ids = encode(padded, text)
+        ref = padded.autoregressive(ids, max_new_tokens=40)
+        got = padded.generate(ids, "lossless", draft_len=5, max_new_tokens=40, trace=True)
+        assert got.token_ids == ref.token_ids, text
+    logits = padded.draft.head(torch.zeros(1, 1, padded.pair.draft.config.hidden_size))
+    assert logits.shape[-1] == 320 and torch.isneginf(logits[..., 288:]).all() and torch.isfinite(logits[..., :288]).all()
+    assert torch.isneginf(got.trace[0][1][:, 288:]).all(), "the target's logits past the draft's width are masked"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_every_rule_runs_on_a_narrower_draft_and_accepts_as_on_the_full_width_one(padded_engines, temperature):
+    padded, full = padded_engines
+    ids = encode(padded, PROMPTS[1])
+    for name in sorted(POLICIES):
+        rule = make_policy(name, **get_spec(name).example)
+        a = padded.generate(ids, rule, draft_len=5, max_new_tokens=32, temperature=temperature, seed=3)
+        b = full.generate(ids, rule, draft_len=5, max_new_tokens=32, temperature=temperature, seed=3)
+        assert a.finish_reason in ("length", "eos") and max(a.token_ids) < 288, name
+        # Mass on ids 288..319 is what the mask removes: a KL of infinity there would reject every draft.
+        assert a.stats.num_accepted_tokens > 0, name
+        if temperature == 0.0:
+            assert a.token_ids == b.token_ids, f"{name}: the full-width pair never puts its argmax past 288"

@@ -3,8 +3,11 @@
 This module knows how to name and build pairs: the real Qwen2.5-Coder pair (from the directories
 ``workers.models.assets`` converted), a seeded ``tiny-random`` Llama pair built in code for fast tests,
 and any two local Hugging Face model directories. It checks that both models speak the same
-vocabulary and have the same logits width. It knows nothing about decoding, acceptance rules or
-Ray; models come back in eval mode with gradients off, on CPU.
+vocabulary (the same token for the same id over the range both tokenizers have, the same special
+tokens); a draft whose logits are narrower than the target's is allowed and recorded as
+``draft_width``: engines pad its logits to the target's width (the ids past it are no tokens of the
+tokenizer, so the draft gives them probability zero). It knows nothing about decoding, acceptance rules
+or Ray; models come back in eval mode with gradients off, on CPU.
 """
 
 from __future__ import annotations
@@ -44,9 +47,15 @@ class ModelPair:
     target: torch.nn.Module
     tokenizer: Any  # HF tokenizer: encode / decode / apply_chat_template / eos_token_id
     dtype: torch.dtype
-    vocab_size: int  # logits width shared by both models (may exceed len(tokenizer), as for Qwen)
+    vocab_size: int  # the target's logits width (may exceed len(tokenizer), as for Qwen)
     eos_token_ids: tuple[int, ...]  # any of these ends a generation
     cache_dir: Path | None  # pair-level metadata (e.g. measured cost ratio); None for tiny-random
+    draft_width: int = 0  # the draft's logits width when narrower than vocab_size (0: the same)
+
+    @property
+    def padded(self) -> bool:
+        """True when the draft's logits are narrower than the target's and engines must pad them."""
+        return 0 < self.draft_width < self.vocab_size
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -166,10 +175,11 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
-    if not _same_file(draft_dir / "tokenizer.json", target_dir / "tokenizer.json"):
+    if not all(_same_file(draft_dir / f, target_dir / f) for f in ("tokenizer.json", "tokenizer_config.json")):
         # Byte-identical tokenizer files (the real pair) make this check free; otherwise compare.
         draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
         check_same_vocab(draft_tok.get_vocab(), tokenizer.get_vocab(), draft_dir, target_dir)
+        check_same_specials(special_tokens(draft_tok), special_tokens(tokenizer), draft_dir, target_dir)
     draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dtype, local_files_only=True)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
     return _finish(name, draft, target, tokenizer, dtype, pair_cache, (draft_dir, target_dir))
@@ -180,34 +190,59 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def check_same_vocab(draft_vocab: dict[str, int], target_vocab: dict[str, int], draft_src: Any, target_src: Any) -> None:
-    """Raise ValueError describing how two token->id maps differ, if they do."""
+    """Raise ValueError describing how two token->id maps differ over the ids both have, if they do.
+
+    Speculative decoding compares token ids, so every id below the smaller tokenizer's size must be
+    the same token in both. Ids only the larger one has are allowed here (a target with added tokens);
+    :func:`_finish` checks the draft's embedding can still read them."""
     if draft_vocab == target_vocab:
         return
-    only_draft = sorted(set(draft_vocab) - set(target_vocab))
-    only_target = sorted(set(target_vocab) - set(draft_vocab))
-    moved = sorted(t for t in set(draft_vocab) & set(target_vocab) if draft_vocab[t] != target_vocab[t])
-    raise ValueError(
-        f"draft {draft_src} and target {target_src} do not share a tokenizer vocabulary "
-        f"(speculative decoding compares token ids, so they must): draft has {len(draft_vocab)} tokens, "
-        f"target {len(target_vocab)}; {len(only_draft)} only in draft {only_draft[:5]}, "
-        f"{len(only_target)} only in target {only_target[:5]}, {len(moved)} with different ids {moved[:5]}"
-    )
+    draft_ids = {i: t for t, i in draft_vocab.items()}
+    target_ids = {i: t for t, i in target_vocab.items()}
+    shared = min(max(draft_ids, default=-1), max(target_ids, default=-1)) + 1
+    differ = [i for i in range(shared) if draft_ids.get(i) != target_ids.get(i)]
+    if differ:
+        shown = ", ".join(f"{i}: {draft_ids.get(i)!r} vs {target_ids.get(i)!r}" for i in differ[:5])
+        raise ValueError(
+            f"draft {draft_src} and target {target_src} do not share a tokenizer vocabulary (speculative decoding "
+            f"compares token ids, so the same id must be the same token in both): {len(differ)} of the "
+            f"{shared} ids both have differ ({shown}); draft has {len(draft_vocab)} tokens, target {len(target_vocab)}")
+
+
+def special_tokens(tokenizer: Any) -> dict[str, Any]:
+    """The special tokens that decide how prompts are built and where generation ends."""
+    names = ("bos_token", "eos_token", "pad_token", "unk_token")
+    found: dict[str, Any] = {n: getattr(tokenizer, n, None) for n in names}
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found["special ids"] = {int(i): str(t.content) for i, t in added.items() if getattr(t, "special", False)}
+    return found
+
+
+def check_same_specials(draft: dict[str, Any], target: dict[str, Any], draft_src: Any, target_src: Any) -> None:
+    """Raise ValueError naming the special tokens two tokenizers disagree on, if any."""
+    differ = {k: (draft.get(k), target.get(k)) for k in sorted(set(draft) | set(target)) if draft.get(k) != target.get(k)}
+    if differ:
+        shown = "; ".join(f"{k}: draft {d!r}, target {t!r}" for k, (d, t) in differ.items())
+        raise ValueError(f"draft {draft_src} and target {target_src} have different special tokens ({shown}): prompts "
+                         "and stops would differ between the two models; use a draft of the target's family")
 
 
 def _finish(name: str, draft: Any, target: Any, tokenizer: Any, dtype: torch.dtype,
             pair_cache: Path | None, sources: tuple[Any, Any]) -> ModelPair:
-    widths = [m.get_output_embeddings().weight.shape[0] for m in (draft, target)]
-    if widths[0] != widths[1]:
-        raise ValueError(f"logits widths differ: draft {sources[0]} has {widths[0]}, target {sources[1]} has "
-                         f"{widths[1]}; the pair must score the same vocabulary")
-    if len(tokenizer) > widths[1]:
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the models' logits are only {widths[1]} wide")
+    widths = [int(m.get_output_embeddings().weight.shape[0]) for m in (draft, target)]
+    rows = int(draft.get_input_embeddings().weight.shape[0])
+    if widths[0] > widths[1]:
+        raise ValueError(f"draft {sources[0]} scores {widths[0]} ids but target {sources[1]} only {widths[1]}: the "
+                         "draft could propose ids the target cannot score; use a draft no wider than the target")
+    if len(tokenizer) > min(widths[0], rows):
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but draft {sources[0]} scores only {widths[0]} ids "
+                         f"and embeds {rows}: it could neither propose nor read every token the target emits")
     for model in (draft, target):
         model.eval()
         model.requires_grad_(False)
     return ModelPair(name=name, draft=draft, target=target, tokenizer=tokenizer, dtype=dtype,
-                     vocab_size=int(widths[1]), eos_token_ids=eos_token_ids(tokenizer, target),
-                     cache_dir=pair_cache)
+                     vocab_size=widths[1], eos_token_ids=eos_token_ids(tokenizer, target),
+                     cache_dir=pair_cache, draft_width=widths[0] if widths[0] < widths[1] else 0)
 
 
 def eos_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
@@ -264,12 +299,12 @@ def tiny_tokenizer() -> Any:
     return fast
 
 
-def _tiny_config(num_layers: int, head_dim: int = 16) -> Any:
+def _tiny_config(num_layers: int, head_dim: int = 16, vocab: int = TINY_VOCAB) -> Any:
     from transformers import LlamaConfig
 
     heads = 64 // head_dim if head_dim <= 32 else 2  # hidden 64 (4 x 16) or 2 x head_dim (vLLM: >= 32)
     kwargs: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
+        vocab_size=vocab, hidden_size=heads * head_dim, intermediate_size=2 * heads * head_dim,
         num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=heads // 2,  # grouped-query attention, as in Qwen2.5
         max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=None,
@@ -281,7 +316,8 @@ def _tiny_config(num_layers: int, head_dim: int = 16) -> Any:
     return LlamaConfig(**kwargs)
 
 
-def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16) -> ModelPair:
+def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim: int = 16,
+                     draft_vocab: int = TINY_VOCAB) -> ModelPair:
     """A seeded random Llama pair for tests, built in code (tens of ms after import).
 
     The target has 2 layers; the draft is an early-exit copy of it: the target's embedding, first
@@ -289,15 +325,20 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim
     with the target often but not always, so speculative decoding accepts some and rejects some.
     The global torch RNG is left untouched; weights depend only on ``seed``. ``head_dim`` 64 builds
     the same shape of pair wide enough for vLLM's CPU attention kernels (which reject 16).
+    ``draft_vocab`` below ``TINY_VOCAB`` (and at least the 259 tokens) gives the draft a narrower
+    embedding and LM head, the first rows of the target's, as a Qwen2.5 small -> 7B pair has.
     """
     from transformers import LlamaForCausalLM
 
-    gen = torch.Generator().manual_seed(seed)
     num_tokens = 256 + len(TINY_SPECIALS)
+    if not num_tokens <= draft_vocab <= TINY_VOCAB:
+        raise ValueError(f"draft_vocab must be in [{num_tokens}, {TINY_VOCAB}], got {draft_vocab}")
+
+    gen = torch.Generator().manual_seed(seed)
     # Constructors draw their default init from the global RNG; fork it so callers' seeds stay put.
     with torch.random.fork_rng(devices=[]):
         target: Any = LlamaForCausalLM(_tiny_config(2, head_dim))
-        draft: Any = LlamaForCausalLM(_tiny_config(1, head_dim))
+        draft: Any = LlamaForCausalLM(_tiny_config(1, head_dim, draft_vocab))
     # Wider layers sum more terms: scale their init so the target/draft agreement stays ~the same.
     layer_std = _LAYER_STD * (64 / target.config.hidden_size) ** 0.5
     with torch.no_grad():
@@ -309,7 +350,8 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim
             param.copy_(torch.randn(param.shape, generator=gen) * std)
         # Padding rows score 0, below the best real token almost surely: never greedy, rarely sampled.
         target.lm_head.weight[num_tokens:] = 0.0
-        shared = {k: v for k, v in target.state_dict().items()
+        shared = {k: v[:draft_vocab] if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+                  for k, v in target.state_dict().items()
                   if not k.startswith("model.layers.") or k.startswith("model.layers.0.")}
         draft.load_state_dict(shared, strict=True)
         for pname, param in sorted(draft.named_parameters()):
@@ -319,11 +361,12 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim
     return _finish(TINY_PAIR, draft, target, tiny_tokenizer(), dtype, None, ("tiny-random draft", "tiny-random target"))
 
 
-def save_tiny_pair(directory: str | os.PathLike[str], seed: int = 0, head_dim: int = 64) -> tuple[Path, Path]:
+def save_tiny_pair(directory: str | os.PathLike[str], seed: int = 0, head_dim: int = 64,
+                   draft_vocab: int = TINY_VOCAB) -> tuple[Path, Path]:
     """Write the tiny random pair as two HF model directories (``draft/``, ``target/``, each with the
     tokenizer) for engines that load from disk (vLLM); returns (draft_dir, target_dir). Idempotent."""
     root = Path(directory)
-    pair = tiny_random_pair(torch.float32, seed=seed, head_dim=head_dim)
+    pair = tiny_random_pair(torch.float32, seed=seed, head_dim=head_dim, draft_vocab=draft_vocab)
     dirs = (root / "draft", root / "target")
     for path, model in zip(dirs, (pair.draft, pair.target), strict=True):
         model.save_pretrained(path)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.models import pair as pair_mod
-from workers.models.pair import PAIRS, load_pair, tiny_tokenizer
+from workers.models.pair import PAIRS, load_pair, tiny_random_pair, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -139,20 +139,61 @@ def test_hub_ids_resolve_from_the_local_cache_and_never_download(tiny, tmp_path,
 
 
 def test_local_dirs_with_different_vocab_raise(tiny, tmp_path):
-    other = tiny_tokenizer()
-    other.add_tokens(["<extra>"])
-    d = _save(tiny.draft, other, tmp_path / "draft")
-    t = _save(tiny.target, tiny.tokenizer, tmp_path / "target")
-    with pytest.raises(ValueError, match=r"do not share a tokenizer vocabulary.*1 only in draft \['<extra>'\]"):
+    draft_tok, target_tok = tiny_tokenizer(), tiny_tokenizer()
+    draft_tok.add_tokens(["<extra>"])
+    target_tok.add_tokens(["<other>"])  # the same id, another token
+    d = _save(tiny.draft, draft_tok, tmp_path / "draft")
+    t = _save(tiny.target, target_tok, tmp_path / "target")
+    with pytest.raises(ValueError, match=r"do not share a tokenizer vocabulary.*1 of the 260 ids both have differ "
+                                         r"\(259: '<extra>' vs '<other>'\)"):
         load_pair(f"{d}+{t}", cache_dir=tmp_path / "cache")
 
 
-def test_local_dirs_with_different_logits_width_raise(tiny, tmp_path):
+def test_ids_only_one_tokenizer_has_are_allowed_when_the_shared_range_agrees(tiny, tmp_path):
+    draft_tok = tiny_tokenizer()
+    draft_tok.add_tokens(["<extra>"])  # id 259: the target scores it (its head is 320 wide) but has no token there
+    d = _save(tiny.draft, draft_tok, tmp_path / "draft")
+    t = _save(tiny.target, tiny.tokenizer, tmp_path / "target")
+    assert load_pair(f"{d}+{t}", dtype=torch.float32, cache_dir=tmp_path / "cache").vocab_size == 320
+
+
+def test_local_dirs_with_different_special_tokens_raise(tiny, tmp_path):
+    draft_tok = tiny_tokenizer()
+    draft_tok.eos_token = "<|endoftext|>"
+    d = _save(tiny.draft, draft_tok, tmp_path / "draft")
+    t = _save(tiny.target, tiny.tokenizer, tmp_path / "target")
+    with pytest.raises(ValueError, match=r"different special tokens \(eos_token: draft '<\|endoftext\|>', "
+                                         r"target '<\|im_end\|>'\)"):
+        load_pair(f"{d}+{t}", cache_dir=tmp_path / "cache")
+
+
+def test_a_draft_wider_than_its_target_is_refused(tiny, tmp_path):
     wide = load_pair("tiny-random", dtype=torch.float32).draft
     wide.resize_token_embeddings(384)
     d = _save(wide, tiny.tokenizer, tmp_path / "draft")
     t = _save(tiny.target, tiny.tokenizer, tmp_path / "target")
-    with pytest.raises(ValueError, match="logits widths differ"):
+    with pytest.raises(ValueError, match="scores 384 ids but target .* only 320.*no wider than the target"):
+        load_pair(f"{d},{t}", cache_dir=tmp_path / "cache")
+
+
+def test_a_narrower_draft_loads_and_records_its_width(tmp_path):
+    narrow = tiny_random_pair(torch.float32, draft_vocab=288)
+    assert narrow.padded and narrow.draft_width == 288 and narrow.vocab_size == 320
+    d = _save(narrow.draft, narrow.tokenizer, tmp_path / "draft")
+    t = _save(narrow.target, narrow.tokenizer, tmp_path / "target")
+    loaded = load_pair(f"{d}+{t}", dtype=torch.float32, cache_dir=tmp_path / "cache")
+    assert loaded.padded and (loaded.draft_width, loaded.vocab_size) == (288, 320)
+    assert not tiny_random_pair(torch.float32).padded
+    with pytest.raises(ValueError, match=r"draft_vocab must be in \[259, 320\]"):
+        tiny_random_pair(torch.float32, draft_vocab=200)
+
+
+def test_a_draft_too_narrow_for_the_tokenizer_is_refused(tiny, tmp_path):
+    narrow = load_pair("tiny-random", dtype=torch.float32).draft
+    narrow.resize_token_embeddings(258)  # the tokenizer has 259 tokens
+    d = _save(narrow, tiny.tokenizer, tmp_path / "draft")
+    t = _save(tiny.target, tiny.tokenizer, tmp_path / "target")
+    with pytest.raises(ValueError, match="tokenizer has 259 tokens but draft .* scores only 258 ids"):
         load_pair(f"{d},{t}", cache_dir=tmp_path / "cache")
 
 
