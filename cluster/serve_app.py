@@ -128,9 +128,10 @@ class SpecDecodeServer:
             ids = list(tok.encode(req.prompt, add_special_tokens=False))
         else:
             ids = list(req.prompt)
-            bad_ids = [t for t in ids if not 0 <= t < self.pair.vocab_size]
+            limit = getattr(self.pair, "draft_width", 0) or self.pair.vocab_size  # a narrower draft embeds fewer
+            bad_ids = [t for t in ids if not 0 <= t < limit]
             if bad_ids:
-                raise ApiError(400, f"prompt: token ids outside the vocabulary [0, {self.pair.vocab_size}): "
+                raise ApiError(400, f"prompt: token ids outside the vocabulary [0, {limit}): "
                                     f"{bad_ids[:5]}", param="prompt")
         if not ids:
             raise ApiError(400, f"{param}: encodes to no tokens", param=param)

@@ -290,7 +290,7 @@ class SpecDecoder:
     # -- the pieces -----------------------------------------------------------------------------
 
     def _start(self, prompt_ids: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any):
-        prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
+        prompt = check_request(prompt_ids, self.pair.draft_width or self.pair.vocab_size, max_new_tokens, temperature)
         strings = tuple(s for s in (stop or ()) if s)
         if strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need the pair's tokenizer")

@@ -38,7 +38,7 @@ from workers.vllm.common import (
     to_generation,
 )
 from workers.vllm.rules import rule_digest
-from workers.vllm.settings import VLLMPair, VLLMSettings, _declared_eos
+from workers.vllm.settings import VLLMPair, VLLMSettings, _declared_eos, check_pair_dirs
 
 
 class AsyncVLLMDecoder:
@@ -56,14 +56,16 @@ class AsyncVLLMDecoder:
         except ImportError as err:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
+        # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
+        self._draft_width = check_pair_dirs(draft_dir, target_dir, s.tensor_parallel_size)
         # every request here carries its own rule; the setup's lossless rule file only makes the plugin act
         self._setup = setup = VLLMProcessSetup(s, prefix="spectune-vllm-async-")
         self.cpu_binding, self.exclusive = setup.cpu_binding, setup.exclusive
         self._args = AsyncEngineArgs
         self._async_llm = AsyncLLM
         self._target_dir = target_dir
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(s, target_dir, draft_dir,
-                                                                                shared=not self.exclusive)))
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_kwargs(
+            s, target_dir, draft_dir, shared=not self.exclusive, draft_width=self._draft_width)))
         self._reference: Any = None
         self._reference_lock: asyncio.Lock | None = None
         self._ids = itertools.count()
@@ -71,7 +73,7 @@ class AsyncVLLMDecoder:
         tok = self.engine.get_tokenizer()
         vocab = int(self.engine.model_config.get_vocab_size())
         self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _declared_eos(target_dir)), pair_cache,
-                             draft_dir, target_dir)
+                             draft_dir, target_dir, self._draft_width)
         self.checked = False
         self.in_flight = 0  # requests inside vLLM now, and the most at once (continuous batching at work)
         self.peak_in_flight = 0
@@ -104,7 +106,7 @@ class AsyncVLLMDecoder:
         """Yield lists of new token ids (EOS excluded), then the finished Generation. ``rule``: a Policy,
         a name or ``{"policy", "params", "seed"}`` (speculative), or None (target-only). Bad input raises
         ValueError before anything reaches vLLM."""
-        prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
+        prompt = check_request(prompt_ids, self.pair.draft_width or self.pair.vocab_size, max_new_tokens, temperature)
         if len(prompt) + max_new_tokens > self.settings.max_model_len:
             raise ValueError(f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} exceed this vLLM "
                              f"engine's max_model_len of {self.settings.max_model_len}")
@@ -179,6 +181,7 @@ class AsyncVLLMDecoder:
             self._reference_lock = asyncio.Lock()
         async with self._reference_lock:
             if self._reference is None:
-                args = self._args(**engine_kwargs(self.settings, self._target_dir, None, shared=not self.exclusive))
+                args = self._args(**engine_kwargs(self.settings, self._target_dir, None, shared=not self.exclusive,
+                                                  draft_width=self._draft_width))
                 self._reference = await asyncio.to_thread(self._async_llm.from_engine_args, args)
         return self._reference

@@ -16,7 +16,7 @@ from typing import Any
 from policies import make_policy
 from workers.stats import Generation, GenerationStats
 from workers.vllm.rules import ENTRY_POINT, NATIVE, RULE_ARG
-from workers.vllm.settings import VLLMSettings, spec_stats
+from workers.vllm.settings import PAD_ATTR, VLLMSettings, spec_stats
 
 WORKER_EXTENSION = "workers.vllm.plugin.WorkerExtension"
 
@@ -79,10 +79,14 @@ def memory_shares(s: VLLMSettings, shared: bool) -> tuple[float, float]:
     return round(budget - ref, 4), ref
 
 
-def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, shared: bool = False) -> dict[str, Any]:
+def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, shared: bool = False,
+                  draft_width: int = 0) -> dict[str, Any]:
     """vLLM engine arguments (``LLM(**...)`` or ``AsyncEngineArgs(**...)``) for the speculative engine
     (``draft_dir`` given) or the target-only reference engine (None). ``shared``: both engines are
-    resident on one device at once (see :func:`memory_shares`)."""
+    resident on one device at once (see :func:`memory_shares`). ``draft_width``: the pair's draft is
+    narrower than the target (:func:`~workers.vllm.settings.check_pair_dirs`): the target's config then
+    names it (``hf_overrides``, target only: vLLM gives dict overrides to the target alone), which lets
+    the plugin run that draft padded and mask the target's logits past it, in both engines alike."""
     spec_share, ref_share = memory_shares(s, shared)
     kwargs: dict[str, Any] = dict(
         model=str(target_dir), tokenizer=str(target_dir), dtype=s.dtype, seed=s.seed,
@@ -94,6 +98,8 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, sha
     for name in ("max_num_batched_tokens", "max_num_seqs"):  # None: vLLM's default for the platform
         if getattr(s, name) is not None:
             kwargs[name] = getattr(s, name)
+    if draft_width:
+        kwargs["hf_overrides"] = {PAD_ATTR: int(draft_width)}
     if draft_dir is None:
         kwargs["gpu_memory_utilization"] = ref_share
         return kwargs

