@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.attempts import AttemptLedger, attempt_of
+from jobs.flips import answer_of, divergence, flip_rows, reason_of, write_flips
 from workers.certify.decide import (
     Candidate,
     Certificate,
@@ -102,30 +103,15 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
             counts[f"reference_{ref_status}"] += 1
         if got_status != "ok":
             counts["candidate_failed" if got_status == "failed" else "candidate_missing"] += 1
-        divergence = None
-        if ref_status == "ok" and got_status == "ok":
-            a_ids = [x for turn in r.output_token_ids or [] for x in turn]  # every turn, in order
-            b_ids = [x for turn in t.output_token_ids or [] for x in turn]
-            divergence = next((j for j, (x, y) in enumerate(zip(a_ids, b_ids, strict=False)) if x != y),
-                              -1 if len(a_ids) == len(b_ids) else min(len(a_ids), len(b_ids)))
+        where = divergence(r, t) if ref_status == "ok" and got_status == "ok" else None
         rows.append({"item_id": key, "reference_score": 1.0 if ref_status != "ok" else score_of(r),
                      "candidate_score": score_of(t) if got_status == "ok" else 0.0,
-                     "reference": ref_status, "candidate": got_status, "divergence": divergence,
+                     "reference": ref_status, "candidate": got_status, "divergence": where,
                      # why: what each arm's scorer extracted and said (an error for a failed item)
-                     "reference_answer": _answer(r), "candidate_answer": _answer(t) if i < keep else "",
-                     "reference_reason": _why(r), "candidate_reason": _why(t) if i < keep else ""})
+                     "reference_answer": answer_of(r), "candidate_answer": answer_of(t) if i < keep else "",
+                     "reference_reason": reason_of(r), "candidate_reason": reason_of(t) if i < keep else ""})
     counts["kept"] = keep
     return rows, counts
-
-
-def _answer(r: Record | None) -> str:
-    return "" if r is None or r.extracted is None else str(r.extracted)[:200]
-
-
-def _why(r: Record | None) -> str:
-    if r is None:
-        return ""
-    return (f"failed: {r.error}" if r.failed and r.error else r.reason or "")[:300]
 
 
 def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
@@ -546,6 +532,15 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
               flush=True)
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/
         write_evidence(out / "evidence" / f"{key_}.csv", rows)
+    for key_, recs in confirmation.records.items():  # what each confirmed candidate flipped, and why
+        spec = specs[key_]
+        order = [it.id for it in sweep.confirm_items[: confirmation.stopped.get(key_, len(sweep.confirm_items))]]
+        path = write_flips(sweep.dir / "confirm" / f"{slug(spec.label())}-{spec.key()}" / "flips.parquet",
+                           flip_rows(order, confirmation.reference, recs))
+        sweep.flips[f"confirmation: {key_} {spec.label()}"] = path
+        run_id = next((c.payload.get("mlflow_run_id") for c in candidates if c.key == key_), None)
+        if run_id:  # on the candidate's trial run, with the target-only records it was paired with
+            sweep.tracker.log_files(run_id, {path: "confirm", sweep.reference_path(ref_spec): "confirm/reference"})
     write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values()),
                                             "pool": {k: sweep.split.get(k) for k in ("pool", "pool_sources",
                                                                                       "confirm_used", "search_sample")},

@@ -22,8 +22,8 @@ def check_families(families: list[str]) -> list[str]:
 
 
 def search_ranges(families: list[str], overrides: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """Each family's knob ranges: the rule's own (``search_space()``), with ``overrides`` (a sweep config's
-    ``search:`` block) in their place: ``{family: {knob: [low, high] | {low, high, log} | [choice, ...]}}``.
+    """Each family's knob ranges: the rule's own (``search_space()``), with ``overrides`` (the sweep's
+    ``--search-space``, a config file's ``search_space:`` block) in their place: ``{family: {knob: [low, high] | {low, high, log} | [choice, ...]}}``.
     ValueError naming the family, knob and problem (a range outside what the rule accepts, say)."""
     from dataclasses import replace
 
@@ -32,11 +32,11 @@ def search_ranges(families: list[str], overrides: dict[str, Any] | None = None) 
     ranges = {f: dict(POLICIES[f].config_cls.search_space()) for f in families}
     for family, knobs in (overrides or {}).items():
         if family not in ranges:
-            raise ValueError(f"search: {family!r} is not among the searched --policies {families}")
+            raise ValueError(f"search_space: {family!r} is not among the searched --policies {families}")
         if not isinstance(knobs, dict):
-            raise ValueError(f"search: {family}: expected a mapping of knob: range, got {knobs!r}")
+            raise ValueError(f"search_space: {family}: expected a mapping of knob: range, got {knobs!r}")
         for knob, value in knobs.items():
-            where = f"search: {family}.{knob}"
+            where = f"search_space: {family}.{knob}"
             if knob not in ranges[family]:
                 raise ValueError(f"{where}: not a searched knob of {family}; valid: {sorted(ranges[family])}")
             base = ranges[family][knob]

@@ -32,11 +32,13 @@ import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from jobs.confirm import ordered_prefix, paired  # noqa: E402
+from jobs.flips import flip_rows, flips_page, write_flips  # noqa: E402
 from jobs.progress import Progress  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import decode_params, suggest  # noqa: E402
 from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_params: the sweep's CLI, imported from here too)
     build_parser,
+    effective_config,
     enqueued_params,
     log,
     make_sampler,
@@ -105,15 +107,37 @@ class Sweep:
                         **s["decode"], "objective": args.objective, "cost_ratio": self.cost_ratio, "actors": n},
             {"machine": platform.node(), "python": platform.python_version(), "study": self.name,
              "run_dir": str(self.dir), **_versions()}, state.get("parent_run_id"))
-        meta.write_text(json.dumps({"parent_run_id": parent, "study": self.name, "args": vars(args)}, indent=1))
+        meta.write_text(json.dumps({"parent_run_id": parent, "study": self.name, "args": vars(args)}, indent=1,
+                                   default=str))  # default: the --config files' paths
+        self.save_config()
         self.refs: dict[str, dict[str, Record]] = {}
+        self.flips: dict[str, Path] = {}  # report heading -> a trial's or a confirmed candidate's flips.parquet
+
+    def save_config(self) -> None:
+        """The effective config (file and flags merged, as resolved) as ``config.yaml`` in the run
+        directory and on the parent MLflow run; a resumed sweep run with other options (more --trials,
+        say) keeps the one before as ``config.prev.yaml``."""
+        text = (f"# study {self.name}, every option as it ran: `python jobs/sweep.py --config <this file>` "
+                f"resumes it\n{effective_config(self.args)}")
+        path = self.dir / "config.yaml"
+        if path.is_file() and path.read_text() != text:
+            path.replace(self.dir / "config.prev.yaml")
+        path.write_text(text)
+        self.tracker.log_artifact(path)
 
     # -- references ------------------------------------------------------------------------------
 
-    def reference(self, spec: DecodeSpec, label: str, items: list | None = None) -> dict[str, Record]:
+    def reference_store(self, spec: DecodeSpec) -> RecordStore:
         # references are per engine (same greedy tokens up to bf16 kernels, different timings)
         pair = self.args.pair if self.args.engine == "cpu" else f"{self.args.pair}@{self.args.engine}"
-        store = RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.key, spec))
+        return RecordStore(reference_dir(self.root, pair, self.args.dtype, self.bench.key, spec))
+
+    def reference_path(self, spec: DecodeSpec) -> Path:
+        """The records file of ``spec``'s reference store (shared by sweeps over the same pair and task)."""
+        return self.reference_store(spec).parquet
+
+    def reference(self, spec: DecodeSpec, label: str, items: list | None = None) -> dict[str, Record]:
+        store = self.reference_store(spec)
         return self.run_items(spec, label, store, self.items if items is None else items, retry_failed=True,
                               timeout=False)
 
@@ -226,6 +250,8 @@ class Sweep:
                         shard_size=self.shard_size(todo))
         bar.close()
         store.write_parquet(records.values())
+        flips = write_flips(store.dir / "flips.parquet", flip_rows(order, ar, records))
+        self.flips[f"trial {trial.number}: {spec.label()} (search split)"] = flips
         m = aggregate(list(records.values()), list(ar.values()), list(ll.values()), self.cost_ratio, self.verify_factor)
         ref, got = paired(ar, records)
         bound = drop_bound(ref, got, self.args.alpha)  # on the search items: orders candidates, certifies nothing
@@ -254,7 +280,8 @@ class Sweep:
             {"family": family, **{f"param.{k}": v for k, v in params.items()}, "draft_len": draft_len, "trial": trial.number},
             {**search, "retried_items": run.retried_items, "actor_failures": len(run.actor_failures),
              "trial_wall_s": run.wall_s},
-            {"state": state, "family": family, "spec_key": spec.key(), "split": "search"}, [store.parquet])
+            {"state": state, "family": family, "spec_key": spec.key(), "split": "search"},
+            {store.parquet: "", flips: "", self.reference_path(DecodeSpec.make(TARGET_ONLY, **self.s["decode"])): "reference"})
         trial.set_user_attr("mlflow_run_id", run_id)
         if pruned:
             self.study.tell(trial, state=TrialState.PRUNED)
@@ -336,8 +363,23 @@ class Sweep:
             chosen, table = certify_sweep(self, frame, out)
         write_report(frame, out, reference_accuracy=ref_acc, budgets=self.s["budgets"],
                      winners_acceptance=winners or None, noise_floor=floor, title=self.name, certification=table)
+        self.write_flips_page(frame, out)
         self.tracker.log_report(out, chosen)
         return chosen
+
+    def write_flips_page(self, frame: Any, out: Path) -> None:
+        """``report/flips.md``: the confirmed candidates' flipped items (confirmation split), then each
+        finished trial's (search split), both outputs side by side; linked from report.md."""
+        sections = [(h, p) for h, p in self.flips.items() if h.startswith("confirmation")]
+        for row in sorted(frame.iter_rows(named=True), key=lambda r: r["trial"]) if len(frame) else []:
+            spec = self.spec_of(row)
+            sections.append((f"trial {row['trial']}: {spec.label()} (search split)",
+                             self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}" / "flips.parquet"))
+        (out / "flips.md").write_text(flips_page(sections, self.name, per_section=10))
+        report = out / "report.md"
+        if report.is_file() and "flips.md" not in report.read_text():
+            report.write_text(report.read_text().rstrip("\n") + "\n\nFlipped items, both outputs side by side, per "
+                              "confirmed candidate and per trial: [flips.md](flips.md)\n")
 
     def base_choice(self, budget: float) -> dict[str, Any]:
         return {"budget": budget, "pair": self.args.pair, "benchmark": self.bench.name, "dtype": self.args.dtype,

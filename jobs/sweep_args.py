@@ -1,9 +1,11 @@
 """The sweep's command line: flags, their validation and the study's identity.
 
-``build_parser`` / ``parse_settings`` turn arguments into validated settings (one-line errors
-naming the flag, before Ray starts); ``study_name`` is what makes two invocations the same study
-(rerunning resumes it); ``make_sampler`` the TPE sampler a (resumed) study uses. ``jobs.sweep``
-runs what these describe.
+``build_parser`` is a jsonargparse parser: every flag is also a key of a ``--config`` YAML file
+(docs/sweep-config.md), with a ``search_space:`` block of knob ranges. ``parse_args`` /
+``parse_settings`` turn arguments into validated settings (one-line errors naming the flag or key,
+before Ray starts); ``effective_config`` is the merged options as YAML (the run directory's
+``config.yaml``); ``study_name`` is what makes two invocations the same study (rerunning resumes it);
+``make_sampler`` the TPE sampler a (resumed) study uses. ``jobs.sweep`` runs what these describe.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import sys
 import time
 from typing import Any
 
+import jsonargparse
+
 from jobs.records import slug
 from jobs.search_space import DEFAULT_FAMILIES, check_families
 from workers.benchmarks import BENCHMARKS, get_benchmark
@@ -23,104 +27,114 @@ from workers.cli import require_positive
 from workers.engines import ENGINES, check_engine
 
 
-def subset_seed(text: str) -> int | None:
+class _ValueError(argparse.ArgumentTypeError, ValueError):
+    """A bad value: argparse shows its message for a flag, jsonargparse names the config key."""
+
+
+def subset_seed(text: Any) -> int | None:
     """``--subset-seed``: an integer seed (seeded item order) or ``file`` (the benchmark file's order)."""
-    if text.strip().lower() == "file":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed or 'file', got {text!r}") from None
+    if text is None or (isinstance(text, int) and not isinstance(text, bool)):
+        return text  # a config file's (or a dumped config's) value, already resolved
+    if isinstance(text, str):
+        if text.strip().lower() == "file":
+            return None
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    raise _ValueError(f"expected an integer seed or 'file', got {text!r}")
 
 
-def load_config(path: str, ap: argparse.ArgumentParser) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """A sweep config file: the flags' values by name (``budgets: [0.02, 0.05]`` or ``confirm-items: 300``)
-    plus an optional ``search:`` block of knob ranges (``jobs.search_space.search_ranges``). Returns
-    (parser defaults, search overrides); ValueError naming the file and the key otherwise."""
-    import yaml
+def comma_list(value: Any) -> str:
+    """A comma-separated flag (``--budgets``, ``--policies``, ``--draft-len``): a config file may give a
+    YAML list or one number instead; the value is the comma-separated text either way."""
+    if isinstance(value, list | tuple):
+        value = ",".join(str(v) for v in value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise _ValueError(f"expected a comma-separated list (or a YAML list), got {value!r}")
+    return value
 
-    try:
-        data = yaml.safe_load(open(path).read()) or {}
-    except OSError as err:
-        raise ValueError(f"--config {path}: cannot read it ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise ValueError(f"--config {path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: must be a mapping of flag: value")
-    actions = {a.dest: a for a in ap._actions if a.dest not in ("help", "config")}
-    defaults: dict[str, Any] = {}
-    search = data.pop("search", None)
-    if "search_space" in data:  # the name other tools use for the same block
-        if search is not None:
-            raise ValueError(f"--config {path}: give search or search_space, not both")
-        search = data.pop("search_space")
-    for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        action = actions.get(dest)
-        if action is None:
-            raise ValueError(f"--config {path}: {key}: unknown key; valid: search, {', '.join(sorted(actions))}")
-        if isinstance(action, argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                raise ValueError(f"--config {path}: {key}: must be true or false, got {value!r}")
-        elif isinstance(action, argparse._AppendAction):
-            value = [str(v) for v in (value if isinstance(value, list) else [value])]
-        else:
-            if isinstance(value, list):
-                value = ",".join(str(v) for v in value)
-            if value is not None and action.type is not None:
-                try:
-                    value = action.type(str(value))
-                except (ValueError, argparse.ArgumentTypeError):
-                    kind = getattr(action.type, "__name__", "value")
-                    raise ValueError(f"--config {path}: {key}: invalid {kind} value {value!r}") from None
-        defaults[dest] = value
-    if search is not None and not isinstance(search, dict):
-        raise ValueError(f"--config {path}: search: expected a mapping of rule: {{knob: range}}, got {search!r}")
-    return defaults, search
+
+def rules(value: Any) -> list[str]:
+    """``--enqueue``: one rule per flag on the command line; in a config file one rule or a list."""
+    items = list(value) if isinstance(value, list | tuple) else [value]
+    if not all(isinstance(v, str) for v in items):
+        raise _ValueError(f"expected a rule such as kl_judge:threshold=0.5 or a list of them, got {value!r}")
+    return items
+
+
+class _AppendRules(argparse._AppendAction):
+    """Repeatable ``--enqueue``: each flag adds its rule to those given so far (a config file's too)."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *values])
+
+
+class SweepParser(jsonargparse.ArgumentParser):
+    """jsonargparse's parser, returning a plain ``argparse.Namespace``: jsonargparse's own Namespace has
+    an ``items()`` method, which would hide the ``--items`` option (``args.items``)."""
+
+    def parse_args(self, *args: Any, **kwargs: Any) -> argparse.Namespace:  # type: ignore[override]
+        return super().parse_args(*args, **kwargs).as_flat()
+
+
+def one_line(message: str) -> str:
+    return " ".join(str(message).split())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The command line, over a ``--config`` file's values where one is given (the command line wins)."""
+    """The command line through jsonargparse: ``--config FILE`` sets options from a YAML file, applied
+    where it stands, so flags after it override it (docs/sweep-config.md). ValueError, one line naming
+    the flag or the config key, when something is wrong."""
     ap = build_parser()
-    pre, _ = ap.parse_known_args(argv)
-    search = None
-    if pre.config:
-        defaults, search = load_config(pre.config, ap)
-        ap.set_defaults(**defaults)
-    args = ap.parse_args(argv)
-    args.search = search
-    return args
+    ap.exit_on_error = False
+    try:
+        return ap.parse_args(argv)
+    except argparse.ArgumentError as err:
+        raise ValueError(one_line(str(err))) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).")
-    ap.add_argument("--config", default=None,
-                    help="a YAML file of these flags' values (keys as the flags, e.g. confirm-items: 300) and an "
-                         "optional search: block of knob ranges; flags given on the command line win (docs/sweep-config.md)")
-    ap.add_argument("--benchmark", default="gsm8k", help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
-    ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
-    ap.add_argument("--dtype", default="auto",
+def effective_config(args: argparse.Namespace) -> str:
+    """Every option, after the config files and the flags are merged (and as ``parse_settings``
+    resolved them: ``--dtype auto`` is the dtype it chose), as YAML: ``--config`` it to rerun."""
+    return build_parser().dump(jsonargparse.Namespace(**vars(args)), skip_unset=False)
+
+
+def build_parser() -> SweepParser:
+    """The sweep's options (a ``jsonargparse.ArgumentParser``, an argparse subclass): each flag is also a
+    config key (``confirm-items`` or ``confirm_items``); ``--print_config`` prints the merged options."""
+    ap = SweepParser(description="Calibrate lossy acceptance rules under quality budgets (Ray + Optuna + MLflow).",
+                        default_env=False)  # options from flags and files only, never the environment
+    ap.add_argument("--config", action=jsonargparse.ActionConfigFile,
+                    help="a YAML file of these options (keys as the flags, e.g. confirm-items: 300, and a "
+                         "search_space: block of knob ranges), applied where it stands: give it first, flags after "
+                         "it override it (docs/sweep-config.md)")
+    ap.add_argument("--benchmark", type=str, default="gsm8k", help=f"one of {sorted(BENCHMARKS)}, or a task file PATH.yaml (docs/tasks.md)")
+    ap.add_argument("--pair", type=str, default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
+    ap.add_argument("--dtype", type=str, default="auto",
                     help="bf16, fp32 or auto (bf16 where the CPU has bf16 instructions or on a GPU, else fp32)")
-    ap.add_argument("--judge-url", default=None,
+    ap.add_argument("--judge-url", type=str | None, default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
-    ap.add_argument("--budgets", default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
-    ap.add_argument("--policies", default=",".join(DEFAULT_FAMILIES), help="rule families to search")
+    ap.add_argument("--budgets", type=comma_list, default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
+    ap.add_argument("--policies", type=comma_list, default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
     ap.add_argument("--items", type=int, default=40, help="search-split items per trial (0 = all)")
-    ap.add_argument("--confirm-items", type=int, default=None,
+    ap.add_argument("--confirm-items", type=int | None, default=None,
                     help="items that certify a budget, the first N of the held-apart pool (the confirmation split "
                          "plus the search-split items the search did not use; default: --items; 0 = the whole pool)")
-    ap.add_argument("--joint", action="store_true",
+    ap.add_argument("--joint", type=bool, nargs="?", const=True, default=False,
                     help="one family-wise statement across budgets: each budget confirmed at alpha / (number of "
                          "budgets) (Bonferroni), so P(any certified budget is wrong) <= alpha; default: per budget")
     ap.add_argument("--looks", type=int, default=1,
                     help="group-sequential confirmation: looks at 1/K, 2/K, ... of --confirm-items; each look's region "
                          "is calibrated exactly so the error spent by look k stays within alpha * (k/K)^2; a candidate "
                          "that certifies at a look stops there (default 1: one look at the whole set)")
-    ap.add_argument("--search-only", action="store_true",
+    ap.add_argument("--search-only", type=bool, nargs="?", const=True, default=False,
                     help="stop after the search (report written, nothing confirmed); the same command without it "
                          "resumes and confirms")
-    ap.add_argument("--skip-noise-floor", action="store_true",
+    ap.add_argument("--skip-noise-floor", type=bool, nargs="?", const=True, default=False,
                     help="do not run lossless on the confirmation items (the noise-floor row: an arm as long as the "
                          "candidate's; certificates do not depend on it)")
     ap.add_argument("--confirm-candidates", type=int, default=3,
@@ -128,45 +142,49 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
     ap.add_argument("--subset-seed", type=subset_seed, default=0,
                     help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
-    ap.add_argument("--draft-len", default="3,8", help="draft length search range LO,HI (or one value)")
+    ap.add_argument("--draft-len", type=comma_list, default="3,8", help="draft length search range LO,HI (or one value)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
-    ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
+    ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")
     ap.add_argument("--shots", type=int, default=0)
-    ap.add_argument("--objective", choices=("vs-ar", "vs-lossless"), default="vs-ar", help="which modelled speedup to maximize")
-    ap.add_argument("--cost-ratio", type=float, default=None, help="deployment c for modelled speedup (default: measured)")
-    ap.add_argument("--actors", type=int, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
+    ap.add_argument("--objective", type=str, choices=("vs-ar", "vs-lossless"), default="vs-ar", help="which modelled speedup to maximize")
+    ap.add_argument("--cost-ratio", type=float | None, default=None, help="deployment c for modelled speedup (default: measured)")
+    ap.add_argument("--actors", type=int | None, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
     ap.add_argument("--cpus-per-actor", type=float, default=1)
     ap.add_argument("--gpus-per-actor", type=float, default=0)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
-    ap.add_argument("--engine", choices=ENGINES, default="cpu",
+    ap.add_argument("--engine", type=str, choices=ENGINES, default="cpu",
                     help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes)")
-    ap.add_argument("--gpu-memory-utilization", type=float, default=None,
+    ap.add_argument("--gpu-memory-utilization", type=float | None, default=None,
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="vLLM: context length to plan for (default 4096)")
-    ap.add_argument("--max-num-seqs", type=int, default=None,
+    ap.add_argument("--max-model-len", type=int | None, default=None, help="vLLM: context length to plan for (default 4096)")
+    ap.add_argument("--max-num-seqs", type=int | None, default=None,
                     help="vLLM: requests decoded at once (default vLLM's); lower it when a large shard's batch runs "
                          "out of memory (the rules' full-vocabulary rows grow with it)")
-    ap.add_argument("--enforce-eager", action="store_true", help="vLLM: no CUDA graphs (faster start, slower steps)")
-    ap.add_argument("--kv-cache-gb", type=float, default=None,
+    ap.add_argument("--enforce-eager", type=bool, nargs="?", const=True, default=False, help="vLLM: no CUDA graphs (faster start, slower steps)")
+    ap.add_argument("--kv-cache-gb", type=float | None, default=None,
                     help="vLLM: KV cache per engine in GiB (overrides the memory fraction; vLLM-CPU: size it, "
                          "the fraction counts the worker's own memory)")
-    ap.add_argument("--vllm-python", default=None,
+    ap.add_argument("--vllm-python", type=str | None, default=None,
                     help="vLLM: the interpreter of the pair actors (default $SPECTUNE_VLLM_PYTHON, this one if it "
                          "imports vllm, else the checkout's .vllm-venv)")
     ap.add_argument("--actor-memory-gb", type=float, default=8.0, help="memory to plan per actor (bf16 real pair: ~7)")
     ap.add_argument("--min-items-to-prune", type=int, default=8, help="paired items needed before early stopping")
-    ap.add_argument("--enqueue", action="append", default=[], metavar="RULE",
+    ap.add_argument("--enqueue", action=_AppendRules, type=rules, default=[], metavar="RULE",
                     help="evaluate these settings first, e.g. dropmatch:k=5,p_drop=0.3,criterion=js "
                          "(repeatable; knobs not given take the rule's defaults; skipped if already in the study)")
-    ap.add_argument("--trial-timeout", type=float, default=None,
+    ap.add_argument("--trial-timeout", type=float | None, default=None,
                     help="seconds a search trial may run; its items not done by then are left out of that trial's "
                          "search figures (not retried). References and confirmation runs never time out")
-    ap.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
-    ap.add_argument("--runs-root", default=None,
+    ap.add_argument("--address", type=str | None, default=None, help="Ray address (default: RAY_ADDRESS, else a local Ray)")
+    ap.add_argument("--runs-root", type=str | None, default=None,
                     help="default $SPECTUNE_RUNS, else ./runs; in a Ray job $SPECTUNE_RUNS on the head "
                          "(scripts/ray-head: the checkout's runs/), else ~/spectune_runs")
-    ap.add_argument("--run-dir", default=None, help="default <runs-root>/sweeps/<study name>")
+    ap.add_argument("--run-dir", type=str | None, default=None, help="default <runs-root>/sweeps/<study name>")
+    ap.add_argument("--search-space", "--search", type=dict[str, dict[str, Any]] | None, default=None,
+                    help="knob ranges in place of the rules' own, {rule: {knob: [low, high] | {low, high, log} | "
+                         "[choice, ...]}}, checked against each rule's bounds; in a config file a search_space: "
+                         "block (search: is the same key) (docs/sweep-config.md)")
     return ap
 
 
@@ -190,7 +208,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
     from jobs.search_space import search_ranges
 
-    ranges = search_ranges(families, getattr(args, "search", None))
+    ranges = search_ranges(families, getattr(args, "search_space", None))
     bounds = [int(x) for x in args.draft_len.split(",")]
     lo, hi = (bounds[0], bounds[-1])
     if not (1 <= lo <= hi <= 16):
@@ -215,7 +233,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
     if not 0 < args.alpha < 0.5:
         raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
     return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,
-            "ranges": ranges, "search_overrides": getattr(args, "search", None) or None,
+            "ranges": ranges, "search_overrides": getattr(args, "search_space", None) or None,
             "decode": dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
                            max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens)}
 

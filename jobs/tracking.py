@@ -62,17 +62,27 @@ class SweepTracker:
         self.parent_id = run.info.run_id
         return self.parent_id
 
+    def log_artifact(self, path: Path) -> None:
+        """A file on the active (parent) run, e.g. the sweep's effective config."""
+        self.mlflow.log_artifact(str(path))
+
     def log_trial(self, name: str, params: dict[str, Any], metrics: dict[str, float], tags: dict[str, str],
-                  artifacts: list[Path]) -> str:
+                  artifacts: dict[Path, str]) -> str:
+        """A nested run per trial; ``artifacts``: file -> folder in the run's artifacts ("" the top)."""
         mlflow = self.mlflow
         with mlflow.start_run(run_name=name, nested=True) as run:
             mlflow.log_params({k: _param(v) for k, v in params.items()})
             mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)})
             mlflow.set_tags(tags)
-            for path in artifacts:
-                if path.is_file():
-                    mlflow.log_artifact(str(path))
+            self.log_files(run.info.run_id, artifacts)
             return run.info.run_id
+
+    def log_files(self, run_id: str, files: dict[Path, str]) -> None:
+        """Files (those that exist) onto an existing run: file -> folder in its artifacts ("" the top)."""
+        client = self.mlflow.MlflowClient()
+        for path, folder in files.items():
+            if path.is_file():
+                client.log_artifact(run_id, str(path), artifact_path=folder or None)
 
     def log_report(self, report_dir: Path, chosen: dict[str, Any]) -> None:
         mlflow = self.mlflow

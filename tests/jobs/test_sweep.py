@@ -96,7 +96,13 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     assert confirmed and all("confirm.accuracy_drop_upper" in r.data.metrics for r in confirmed)
     assert any(k.startswith("chosen.") for k in parent.data.tags)
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
-    assert {"report", "chosen"} <= artifacts
+    assert {"report", "chosen", "config.yaml"} <= artifacts
+    # the effective config (flags and files merged, as resolved): --config it again and it is the same study
+    from jobs.sweep_args import parse_args, parse_settings, study_name
+
+    again = parse_args(["--config", str(run_dir / "config.yaml")])
+    assert (again.trials, again.run_dir, again.policies) == (3, str(run_dir), "kl_judge,top_k")
+    assert study_name(again, parse_settings(again)) == meta["study"]
     evidence = [a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id, "report/evidence")]
     assert evidence and all(p.endswith(".csv") for p in evidence), "per-item evidence is in MLflow too"
     assert parent.data.params["split.pool"] == str(1319 + 7465 - 6)
@@ -112,6 +118,8 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     nested = [r for r in mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")
               if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     assert len(nested) == 5, "finished trials are not redone or re-logged"
+    assert "\ntrials: 5\n" in (run_dir / "config.yaml").read_text(), "the rerun's options"
+    assert "\ntrials: 3\n" in (run_dir / "config.prev.yaml").read_text(), "and the ones before"
     # the rerun's confirmation is a new attempt wherever the candidates changed: refused on the same items
     for budget in ("0.05", "0.2"):
         c = json.loads((report / f"chosen-budget-{budget}.json").read_text())
@@ -268,7 +276,7 @@ def test_a_config_file_sets_the_flags_and_the_command_line_wins(tmp_path):
     assert (s["ranges"]["kl_judge"]["threshold"].low, s["ranges"]["kl_judge"]["threshold"].log) == (0.02, True)
     assert s["ranges"]["dropmatch"]["criterion"].choices == ("js",)
     plain = parse_args(["--config", str(ROOT / "examples" / "sweep.yaml"), "--pair", "tiny-random"])
-    plain.search = None
+    plain.search_space = None
     assert study_name(args, s) != study_name(plain, parse_settings(plain)), "the ranges are part of the identity"
 
 
@@ -285,14 +293,15 @@ def test_search_ranges_from_the_config_are_what_optuna_samples():
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("colour: blue\n", "colour: unknown key"),
-    ("trials: many\n", "trials: invalid int value"),
-    ("joint: 3\n", "joint: must be true or false"),
-    ("search:\n  top_k:\n    k: [1, 9]\n", "'top_k' is not among the searched --policies"),
-    ("search:\n  kl_judge:\n    threshold: [1.0, 0.1]\n", "search: kl_judge.threshold: need numbers low < high"),
-    ("search:\n  kl_judge:\n    confidence: [0.5, 1.5]\n", "1.5 is not a value kl_judge accepts"),
-    ("search:\n  kl_judge:\n    nope: [1, 2]\n", "not a searched knob"),
-    ("- a list\n", "must be a mapping"),
+    ("colour: blue\n", "Option 'colour' is not accepted"),
+    ("trials: many\n", 'Parser key "trials"'),
+    ("joint: 3\n", 'Parser key "joint"'),
+    ("search_space:\n  top_k:\n    k: [1, 9]\n", "'top_k' is not among the searched --policies"),
+    ("search_space:\n  kl_judge:\n    threshold: [1.0, 0.1]\n", "search_space: kl_judge.threshold: need numbers low < high"),
+    ("search:\n  kl_judge:\n    confidence: [0.5, 1.5]\n", "1.5 is not a value kl_judge accepts"),  # search: = search_space:
+    ("search_space:\n  kl_judge:\n    nope: [1, 2]\n", "not a searched knob"),
+    ("search_space:\n  kl_judge: [0.1, 0.5]\n", 'Parser key "search_space"'),
+    ("- a list\n", "Unexpected config"),
 ])
 def test_a_bad_config_is_one_line_naming_the_key(tmp_path, capsys, text, message):
     from jobs import sweep as sweep_job
@@ -302,3 +311,51 @@ def test_a_bad_config_is_one_line_naming_the_key(tmp_path, capsys, text, message
     assert sweep_job.main([*BASE, "--policies", "kl_judge", "--runs-root", str(tmp_path), "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err, err
+
+
+def test_a_sweep_over_a_task_file_on_a_jsonl_searches_confirms_and_writes_flips(tmp_path):
+    """A user's own data: a JSONL and a task file written here, the tiny pair, search and confirmation;
+    each trial and each confirmed candidate writes flips.parquet, logged to MLflow beside the target-only
+    records it was paired with, and the report's flips.md shows the flipped items."""
+    import mlflow
+    import polars as pl
+
+    rows = [{"qid": f"q{i:02d}", "question": f"What is {i} plus {i % 7}?", "answer": str(i + i % 7)} for i in range(40)]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = tmp_path / "arith.yaml"
+    task.write_text("name: arith\ndata: items.jsonl\nid: qid\nprompt: \"Q: {question}\\nA:\"\nreference: answer\n"
+                    "scorer: numeric\nmax_new_tokens: 8\n")
+    from jobs import sweep as sweep_job
+
+    run_dir = tmp_path / "sweep"
+    rc = sweep_job.main(["--benchmark", str(task), "--pair", "tiny-random", "--dtype", "fp32", "--items", "6",
+                         "--actors", "2", "--budgets", "0.2", "--policies", "kl_judge,top_k", "--draft-len", "2,3",
+                         "--cost-ratio", "0.4", "--trials", "2", "--confirm-items", "6",
+                         "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
+    assert rc == 0
+    trial_flips = sorted((run_dir / "trials").glob("*/flips.parquet"))
+    confirm_flips = sorted((run_dir / "confirm").glob("*/flips.parquet"))
+    assert len(trial_flips) == 2 and confirm_flips, "every trial and every confirmed candidate"
+    for path in trial_flips + confirm_flips:
+        frame = pl.read_parquet(path)
+        assert frame.height == 6 and all(i.startswith("arith/q") for i in frame["item_id"])
+        assert set(frame["flip"]) <= {"lost", "won", "same"}
+        assert (frame["diverged"] == (frame["divergence"] >= 0)).all()
+    search_ids = set(pl.read_parquet(trial_flips[0])["item_id"])
+    assert search_ids.isdisjoint(pl.read_parquet(confirm_flips[0])["item_id"]), "the two splits stay apart"
+    report = run_dir / "report"
+    assert "[flips.md](flips.md)" in (report / "report.md").read_text()
+    page = (report / "flips.md").read_text()
+    assert page.count("## trial ") == 2 and "## confirmation: " in page and "n = 6:" in page
+    meta = json.loads((run_dir / "sweep.json").read_text())
+    mlflow.set_tracking_uri(f"sqlite:///{run_dir / 'mlflow.db'}")
+    client = mlflow.MlflowClient()
+    children = client.search_runs([client.get_run(meta["parent_run_id"]).info.experiment_id],
+                                  f"tags.mlflow.parentRunId = '{meta['parent_run_id']}'")
+    logged = {r.info.run_name: {f.path for f in client.list_artifacts(r.info.run_id)} |
+              {f.path for f in client.list_artifacts(r.info.run_id, "reference")} |
+              {f.path for d in ("confirm", "confirm/reference") for f in client.list_artifacts(r.info.run_id, d)}
+              for r in children}
+    assert len(logged) == 2 and all({"flips.parquet", "records.parquet", "reference/records.parquet"} <= a
+                                    for a in logged.values())
+    assert any("confirm/flips.parquet" in a and "confirm/reference/records.parquet" in a for a in logged.values())

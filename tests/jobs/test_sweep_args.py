@@ -1,0 +1,98 @@
+"""The sweep's options through jsonargparse: a ``--config`` file sets any flag, flags after it override
+it, a ``search_space:`` block narrows the rules' knob ranges (checked against each rule's bounds), bad
+keys and values are one line naming the key, and the effective config dumps and parses back the same."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from jobs.sweep_args import effective_config, parse_args, parse_settings
+
+BASE = ["--pair", "tiny-random", "--dtype", "fp32", "--policies", "kl_judge,top_k"]
+
+
+def config(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "sweep.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_keys_override_the_defaults(tmp_path):
+    cfg = config(tmp_path, "trials: 7\nconfirm-items: 30\nmax_new_tokens: 64\nbudgets: [0.02, 0.1]\ndraft-len: 4\n"
+                           "joint: true\nsubset-seed: file\nenqueue: kl_judge:threshold=0.5\n")
+    args = parse_args(["--config", cfg])
+    assert isinstance(args, argparse.Namespace) and args.items == 40, "untouched flags keep their defaults"
+    assert (args.trials, args.confirm_items, args.max_new_tokens) == (7, 30, 64), "dashes or underscores"
+    assert (args.budgets, args.draft_len) == ("0.02,0.1", "4"), "a YAML list or a number: the flag's text"
+    assert args.joint is True and args.subset_seed is None
+    assert args.enqueue == ["kl_judge:threshold=0.5"], "one rule or a list"
+
+
+def test_flags_after_the_config_override_it_and_before_it_do_not(tmp_path):
+    cfg = config(tmp_path, "trials: 7\nitems: 12\nenqueue: [kl_judge:threshold=0.5]\n")
+    after = parse_args(["--config", cfg, "--trials", "3", "--enqueue", "top_k:k=4"])
+    assert (after.trials, after.items) == (3, 12)
+    assert after.enqueue == ["kl_judge:threshold=0.5", "top_k:k=4"], "--enqueue adds to the file's rules"
+    before = parse_args(["--trials", "3", "--config", cfg])
+    assert before.trials == 7, "jsonargparse applies --config where it stands"
+    assert parse_args(["--config", cfg, "--joint", "--search-only", "false"]).joint is True
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("colour: blue\n", "Option 'colour' is not accepted"),
+    ("trials: many\n", 'Parser key "trials": Expected a <class \'int\'>. Got value: many'),
+    ("alpha: [0.05]\n", 'Parser key "alpha"'),
+    ("joint: 3\n", 'Parser key "joint"'),
+    ("subset-seed: soon\n", "Parser key \"subset_seed\": expected an integer seed or 'file', got 'soon'"),
+    ("budgets: {low: 0.1}\n", 'Parser key "budgets": expected a comma-separated list'),
+    ("enqueue: [3]\n", 'Parser key "enqueue"'),
+    ("objective: fastest\n", 'Parser key "objective": \'fastest\' not among choices'),
+    ("search_space: [kl_judge]\n", 'Parser key "search_space"'),
+])
+def test_a_bad_key_or_value_is_one_line_naming_it(tmp_path, text, message):
+    with pytest.raises(ValueError) as err:
+        parse_args(["--config", config(tmp_path, text)])
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_bad_flag_is_a_value_error_too():
+    for argv, message in ((["--trials", "x"], '"trials"'), (["--subset-seed", "x"], "--subset-seed"),
+                          (["--colour", "blue"], "unrecognized arguments: --colour")):
+        with pytest.raises(ValueError, match=message):
+            parse_args(argv)
+
+
+def test_search_space_narrows_the_rules_ranges_within_their_bounds(tmp_path):
+    block = "  kl_judge:\n    threshold: {low: 0.1, high: 0.5, log: true}\n    confidence: [0.6, 0.8]\n"
+    s = parse_settings(parse_args([*BASE, "--config", config(tmp_path, "search_space:\n" + block)]))
+    threshold, confidence = s["ranges"]["kl_judge"]["threshold"], s["ranges"]["kl_judge"]["confidence"]
+    assert (threshold.low, threshold.high, threshold.log, confidence.low, confidence.high) == (0.1, 0.5, True, 0.6, 0.8)
+    assert s["ranges"]["top_k"] == parse_settings(parse_args(BASE))["ranges"]["top_k"], "other rules keep theirs"
+    assert parse_args(["--config", config(tmp_path, "search:\n" + block)]).search_space == s["search_overrides"], \
+        "search: is the same key"
+    flag = parse_args([*BASE, "--search-space", "{kl_judge: {confidence: [0.6, 0.8]}, top_k: {k: [1, 128]}}"])
+    assert flag.search_space == {"kl_judge": {"confidence": [0.6, 0.8]}, "top_k": {"k": [1, 128]}}
+    k = parse_settings(flag)["ranges"]["top_k"]["k"]
+    assert (k.low, k.high, k.integer) == (1, 128, True), "wider than the rule's own range, within what it accepts"
+    for bad, message in (("confidence: [0.5, 1.5]", "search_space: kl_judge.confidence: 1.5 is not a value kl_judge accepts"),
+                         ("threshold: {low: -1.0, high: 0.5, log: false}", "search_space: kl_judge.threshold: -1.0 is not a value kl_judge"),
+                         ("threshold: [0.5, 0.1]", "search_space: kl_judge.threshold: need numbers low < high"),
+                         ("nope: [1, 2]", "search_space: kl_judge.nope: not a searched knob")):
+        args = parse_args([*BASE, "--config", config(tmp_path, f"search_space:\n  kl_judge:\n    {bad}\n")])
+        with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+            parse_settings(args)
+
+
+def test_the_effective_config_parses_back_the_same(tmp_path):
+    cfg = config(tmp_path, "trials: 7\nbudgets: [0.02, 0.1]\nsubset-seed: file\nmax-new-tokens: 64\n"
+                           "enqueue: [kl_judge:threshold=0.5]\nsearch_space:\n  kl_judge:\n    confidence: [0.6, 0.8]\n")
+    args = parse_args([*BASE, "--config", cfg, "--joint", "--enqueue", "top_k:k=4"])
+    parse_settings(args)
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(effective_config(args))
+    again = parse_args(["--config", str(dumped)])
+    assert {**vars(again), "config": None} == {**vars(args), "config": None}
+    assert again.subset_seed is None and again.max_new_tokens == 64 and again.cost_ratio is None
