@@ -1,0 +1,96 @@
+"""Counter-based random streams, one per batch row: a request's draws depend on its key alone.
+
+A rule decides a whole batch in one call; when each request carries its own seed (a per-request rule in
+vLLM), its random numbers must not depend on which other requests share the batch, nor on their order.
+A ``torch.Generator`` cannot give that without one call per request. :class:`RowStreams` can: the
+``j``-th number of draw ``s`` for the row keyed ``k`` is a hash of ``(k, s, j)`` (SplitMix64's finaliser,
+twice, in int64 tensor arithmetic that wraps, on any device), turned into a float32 in (0, 1) from its top
+24 bits. No generator state, no host sync, the same numbers on CPU and CUDA and in every process.
+
+Sampling from a distribution with one uniform per row is by inverse CDF (:func:`sample_rows`), not
+``torch.multinomial`` (which syncs with the host and draws from a generator).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
+_M1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_M2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _signed(c: int) -> int:
+    """A Python integer as the int64 that wraps to it (mod 2^64)."""
+    c %= 1 << 64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(x: Tensor, bits: int) -> Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed integers)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(x: Tensor) -> Tensor:
+    """SplitMix64's finaliser of ``x + golden`` (int64, wrapping): a bijection that scrambles every bit."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _M1
+    z = (z ^ _shr(z, 27)) * _M2
+    return z ^ _shr(z, 31)
+
+
+class RowStreams:
+    """Random numbers for a batch whose row ``i`` is keyed ``keys[i]`` (int64, any values).
+
+    Each :meth:`uniform` call is one *draw* (numbered from ``start``); a rule that makes its draws in a
+    fixed order gives each row the same numbers whatever the batch. :meth:`rows` is a chunk of the batch
+    at the same draw number (a chunked rule call sees the same streams as an unchunked one)."""
+
+    def __init__(self, keys: Tensor, start: int = 0) -> None:
+        if keys.dim() != 1:
+            raise ValueError(f"keys must be one per row ([B]), got shape {tuple(keys.shape)}")
+        self.keys = keys.to(torch.int64)
+        self.draws = int(start)
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    def rows(self, lo: int, hi: int) -> RowStreams:
+        return RowStreams(self.keys[lo:hi], self.draws)
+
+    def to(self, device: torch.device | str) -> RowStreams:
+        return RowStreams(self.keys.to(device), self.draws)
+
+    def uniform(self, shape: tuple[int, ...] | torch.Size) -> Tensor:
+        """float32 in (0, 1) of ``shape`` (``shape[0]`` = the rows), then the next draw."""
+        shape = tuple(int(s) for s in shape)
+        if not shape or shape[0] != len(self):
+            raise ValueError(f"a draw's first dimension is the rows ({len(self)}), got shape {shape}")
+        draw, self.draws = self.draws, self.draws + 1
+        per_row = 1
+        for s in shape[1:]:
+            per_row *= s
+        key = _mix(self.keys + _signed(draw * _M2))  # [B]: this row's key for this draw
+        index = torch.arange(per_row, dtype=torch.int64, device=self.keys.device)
+        bits = _mix(key.unsqueeze(1) + index.unsqueeze(0))  # [B, per_row]
+        u = (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        return u.view(shape)
+
+
+def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row of ``probs`` ``[..., V]`` (non-negative, any positive total) by inverse CDF at
+    ``uniforms`` ``[...]`` in (0, 1): the first id whose cumulative mass exceeds ``u`` x the row's total.
+    ``probs`` is read, never written; one cumulative sum of its size is the only intermediate."""
+    cdf = probs.float().cumsum(dim=-1)
+    target = (uniforms.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
+            streams: RowStreams | None = None) -> Tensor:
+    """A rule's uniforms: from the rows' own streams when the batch has them, else from ``generator``."""
+    if streams is not None:
+        return streams.uniform(shape).to(device)
+    return torch.rand(shape, generator=generator, device=device)

@@ -1,0 +1,61 @@
+"""Counter-based per-row streams: SplitMix64 exactly, uniform, independent, and a row's numbers fixed
+by its key whatever else shares the batch; inverse-CDF sampling matches the distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+
+from policies.randomness import RowStreams, _mix, sample_rows
+
+MASK = (1 << 64) - 1
+
+
+def splitmix_reference(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
+
+
+def test_the_mix_is_splitmix64_with_wrapping_int64_arithmetic():
+    xs = [0, 1, 2, 12345, (1 << 63) - 1, -(1 << 63), -1, 0x0123456789ABCDEF]
+    got = _mix(torch.tensor(xs, dtype=torch.int64)).tolist()
+    assert [g & MASK for g in got] == [splitmix_reference(x & MASK) for x in xs]
+
+
+def test_a_rows_numbers_depend_on_its_key_and_draw_only():
+    a = RowStreams(torch.tensor([7, 11, 13]))
+    b = RowStreams(torch.tensor([13, 99, 7, 5]))
+    ua1, ub1 = a.uniform((3, 4, 5)), b.uniform((4, 4, 5))
+    assert torch.equal(ua1[0], ub1[2]) and torch.equal(ua1[2], ub1[0]), "same key, same numbers, any position"
+    ua2 = a.uniform((3, 4, 5))
+    assert not torch.equal(ua1, ua2), "the next draw differs"
+    chunk = RowStreams(torch.tensor([7, 11, 13]), start=1).rows(1, 3)
+    assert torch.equal(chunk.uniform((2, 4, 5)), ua2[1:]), "a chunk at the same draw is the same rows"
+    with pytest.raises(ValueError, match="first dimension is the rows"):
+        a.uniform((2, 3))
+
+
+def test_streams_are_uniform_and_rows_draws_and_positions_independent():
+    s = RowStreams(torch.arange(64) * 1_000_003)
+    u = torch.cat([s.uniform((64, 4096)) for _ in range(3)], dim=1)  # 3 draws of 64 rows x 4096
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
+    flat = u.reshape(64, 3, 4096)
+    for x, y in ((flat[:, 0], flat[:, 1]), (flat[:-1, 0], flat[1:, 0]), (flat[:, 0, :-1], flat[:, 0, 1:])):
+        r = float(torch.corrcoef(torch.stack([x.flatten(), y.flatten()]))[0, 1])
+        assert abs(r) < 5 / math.sqrt(x.numel()), "draws, neighbouring rows and positions uncorrelated"
+
+
+def test_inverse_cdf_sampling_follows_the_distribution():
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.3]).expand(20_000, 4) * 3.0  # any positive total
+    ids = sample_rows(probs, RowStreams(torch.arange(20_000)).uniform((20_000,)))
+    counts = torch.bincount(ids, minlength=4).tolist()
+    assert counts[1] == 0, "a zero-probability id is never drawn"
+    assert stats.chisquare([counts[0], counts[2], counts[3]], [10_000, 4_000, 6_000]).pvalue > 1e-3
+    edge = sample_rows(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([1.0 - 2**-24]))
+    assert edge.tolist() == [1], "u near 1 stays on the last id with mass, never past the end"

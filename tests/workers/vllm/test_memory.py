@@ -1,0 +1,57 @@
+"""Memory sizing from the models' configs: parameter counts, the per-device plan and the docs' table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.models.pair import save_tiny_pair, tiny_random_pair
+from workers.vllm.common import memory_shares
+from workers.vllm.memory import GIB, QWEN25, ModelShape, main, plan_memory, table
+from workers.vllm.settings import VLLMSettings
+
+
+@pytest.mark.parametrize(("name", "published"), [("0.5B", 0.49e9), ("1.5B", 1.54e9), ("7B", 7.61e9), ("72B", 72.7e9)])
+def test_parameter_counts_match_the_published_ones(name, published):
+    assert ModelShape(**QWEN25[name]).params == pytest.approx(published, rel=0.02)
+
+
+def test_a_saved_pair_counts_exactly_what_torch_holds(tmp_path):
+    draft_dir, target_dir = save_tiny_pair(tmp_path, draft_vocab=288)
+    pair = tiny_random_pair(torch.float32, head_dim=64, draft_vocab=288)
+    for model, path in ((pair.draft, draft_dir), (pair.target, target_dir)):
+        assert ModelShape.from_dir(path).params == sum(p.numel() for p in model.parameters())
+    with pytest.raises(ValueError, match="no readable config.json"):
+        ModelShape.from_dir(tmp_path)
+
+
+def test_a_7b_reference_gets_what_its_weights_need_where_the_fixed_split_starved_it():
+    target, draft = ModelShape(**QWEN25["7B"]), ModelShape(**QWEN25["0.5B"])
+    weights = target.weight_bytes(2)
+    _, fixed_ref = memory_shares(VLLMSettings(), shared=True)  # the fixed 0.85 x 0.35 split
+    assert fixed_ref * 40 * GIB < weights, "the old split could not even load the 7B reference on 40 GB"
+    plan = plan_memory(40 * GIB, target, draft)
+    assert plan.mode == "one at a time" and plan.reference_utilization * 40 * GIB >= plan.reference_gib * GIB
+    big = plan_memory(80 * GIB, target, draft)
+    assert big.mode == "both"
+    assert big.speculative_utilization * 80 >= big.speculative_gib and big.reference_utilization * 80 >= big.reference_gib
+    assert (big.speculative_utilization + big.reference_utilization) * 80 <= 80 - big.headroom_gib + 0.1
+
+
+def test_tensor_parallelism_must_split_both_models_heads():
+    small = ModelShape(**QWEN25["0.5B"])  # 14 heads, 2 KV heads
+    assert [t for t in (1, 2, 4, 7, 8, 14) if small.splits_over(t)] == [1, 2, 14]
+    plan = plan_memory(24 * GIB, ModelShape(**QWEN25["7B"]), small)
+    assert plan.mode == "does not fit" and plan.smallest_tp == 2 and "use TP 2" in plan.note
+    never = plan_memory(24 * GIB, ModelShape(**QWEN25["72B"]), small)
+    assert never.smallest_tp is None and "another draft" in never.note
+    with pytest.raises(ValueError, match="unknown dtype"):
+        plan_memory(24 * GIB, small, small, dtype="int3")
+
+
+def test_the_table_covers_every_card_and_target_and_the_cli_reads_dirs(tmp_path, capsys):
+    text = table()
+    assert text.count("\n") == 1 + 4 * 3 and "| 80 GB | 1.5B → 72B | 4 |" in text
+    draft_dir, target_dir = save_tiny_pair(tmp_path)
+    assert main(["--target", str(target_dir), "--draft", str(draft_dir), "--card-gib", "24"]) == 0
+    assert '"mode": "both"' in capsys.readouterr().out
