@@ -28,9 +28,12 @@ def _row_at(x: Tensor, position: Tensor) -> Tensor:
     return x.gather(1, index).squeeze(1)
 
 
-def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | None = None) -> Tensor:
+def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | None = None,
+                no_draft: Tensor | None = None) -> Tensor:
     """The token emitted after the accepted run, per sequence: [B] long. ``num_draft`` [B] gives
-    ragged batches their own draft counts (a run that reaches it is not a rejection)."""
+    ragged batches their own draft counts (a run that reaches it is not a rejection). ``no_draft`` [B]
+    bool: the run stopped at a position that held no draft (a placeholder): the emitted token there is
+    the target's own, p_t, not the residual of a draft that was never proposed."""
     b, n_draft = batch.draft_token_ids.shape
     target_rows = _row_at(batch.target_f32, num_accepted)  # [B, V]
     if batch.temperature == 0.0:
@@ -46,6 +49,8 @@ def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | No
             draft_probs = torch.softmax(draft_rows / batch.temperature, dim=-1)
             residual = (probs - draft_probs).clamp_min(0.0)
         usable = rejected & (residual.sum(dim=-1) > 0)
+        if no_draft is not None:
+            usable = usable & ~no_draft
         probs = torch.where(usable.unsqueeze(-1), residual, probs)
     return sample_from_probs(probs, batch.generator)
 

@@ -89,9 +89,11 @@ def verify_flat(
 
     vocab = target_logits.shape[1]
     # vLLM's speculative placeholders (-1: a position the scheduler reserved but nothing was drafted
-    # for) and any other id outside the vocabulary are never accepted: the rule sees a valid id in their
-    # place (no out-of-bounds gather) and the request's accepted run stops there, so the position gets
-    # the target's token — what vLLM's own sampler does. No host read (clamp and compare on the device).
+    # for; the vLLM plugin also marks drafts the drafter skipped so) and any other id outside the
+    # vocabulary are never accepted: the rule sees a valid id in their place (no out-of-bounds gather)
+    # and the request's accepted run stops there, so the position gets the target's token — sampled
+    # from p_t itself at T > 0, there being no draft to take a residual of. No host read (clamp and
+    # compare on the device).
     draft_ok = (draft_token_ids >= 0) & (draft_token_ids < vocab)
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
@@ -116,7 +118,8 @@ def verify_flat(
         accepted = decision.accepted & valid & draft_ok[index]
         n_acc = leading_run(accepted)  # [b]
         n_draft = num_draft_tokens[lo:hi].to(torch.long)
-        emitted = emit_tokens(batch, n_acc, num_draft=n_draft)
+        no_draft = (~draft_ok[index]).gather(1, n_acc.clamp(max=max_len - 1).unsqueeze(1)).squeeze(1)
+        emitted = emit_tokens(batch, n_acc, num_draft=n_draft, no_draft=no_draft & (n_acc < n_draft))
         emitted = torch.where(n_acc >= n_draft, bonus_token_ids[lo:hi].to(torch.long), emitted)
         positions = torch.arange(max_len + 1, device=device).unsqueeze(0)
         padded = torch.cat([batch.draft_token_ids, batch.draft_token_ids.new_full((hi - lo, 1), -1)], dim=1)

@@ -31,6 +31,7 @@ from workers.vllm.common import (
     VLLMUnavailable,
     engine_kwargs,
     merge_rank_ledgers,
+    refuse_sampling_constraints,
     rule_missing,
     rule_spec,
     sampling_params,
@@ -102,10 +103,13 @@ class AsyncVLLMDecoder:
 
     async def stream(self, prompt_ids: Any, rule: Any, *, max_new_tokens: int = 256, temperature: float = 0.0,
                      seed: int = 0, stop: list[str] | tuple[str, ...] | None = None,
-                     stop_on_eos: bool = True) -> AsyncIterator[list[int] | Generation]:
+                     stop_on_eos: bool = True, top_p: float = 1.0, top_k: int | None = None,
+                     min_p: float = 0.0) -> AsyncIterator[list[int] | Generation]:
         """Yield lists of new token ids (EOS excluded), then the finished Generation. ``rule``: a Policy,
         a name or ``{"policy", "params", "seed"}`` (speculative), or None (target-only). Bad input raises
-        ValueError before anything reaches vLLM."""
+        ValueError before anything reaches vLLM: ``top_p``/``top_k``/``min_p`` other than off too (a rule
+        does not apply them; :func:`~workers.vllm.common.refuse_sampling_constraints`)."""
+        refuse_sampling_constraints(top_p, top_k, min_p)
         prompt = check_request(prompt_ids, self.pair.draft_width or self.pair.vocab_size, max_new_tokens, temperature)
         if len(prompt) + max_new_tokens > self.settings.max_model_len:
             raise ValueError(f"{len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} exceed this vLLM "

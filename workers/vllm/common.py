@@ -33,6 +33,22 @@ def sampling_params(max_new_tokens: int, temperature: float, seed: int, stop: An
         skip_special_tokens=True, extra_args=None if rule is None else {RULE_ARG: rule})
 
 
+def refuse_sampling_constraints(top_p: float = 1.0, top_k: int | None = None, min_p: float = 0.0) -> None:
+    """Admission check of spectune's vLLM engines: top-p, top-k and min-p are refused with a ValueError
+    naming the parameter. While a spectune rule verifies, vLLM's ``apply_sampling_constraints`` is an
+    identity (the rules read the raw target logits and apply the temperature themselves), so vLLM would
+    apply them to the bonus token only: the output would follow neither the constrained nor the
+    unconstrained distribution. ``top_k`` 0, -1 or None, ``top_p`` 1 and ``min_p`` 0 mean "off"."""
+    why = ("spectune's rules on vLLM decide from the full target distribution at the request's temperature "
+           "(vLLM would apply it to the bonus token only), so the vLLM engine refuses it")
+    if top_p is not None and float(top_p) != 1.0:
+        raise ValueError(f"top_p={top_p}: {why}; send top_p=1.0")
+    if top_k is not None and int(top_k) not in (0, -1):
+        raise ValueError(f"top_k={top_k}: {why}; send top_k=0 (or -1, or none)")
+    if min_p is not None and float(min_p) != 0.0:
+        raise ValueError(f"min_p={min_p}: {why}; send min_p=0.0")
+
+
 def merge_rank_ledgers(ranks: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
     """The plugin's ledgers (``spectune_take_fallbacks``, one per TP rank, in rank order) merged per request:
     counts by max (the ranks decide the same steps); ``rules`` = the digests that *every* rank applied to
@@ -115,8 +131,9 @@ class VLLMProcessSetup:
     """What this process sets before it starts a vLLM engine (its engine-core and worker processes
     inherit the environment): the V1 model runner (the one the plugin patches; vLLM's V2 runner does
     not support draft_model in 0.32/0.33 — explicit, not left to vLLM's default), vLLM-CPU's thread
-    binding, the step timeout, whether the two engines run one at a time, and the rule file (lossless)
-    that makes the plugin act; a request's own rule overrides it."""
+    binding, the step timeout, whether the two engines run one at a time, the rule file (lossless)
+    that makes the plugin act (a request's own rule overrides it), and this process as the owner that
+    vLLM's processes watch (:mod:`workers.vllm.orphans`: they leave when it is gone)."""
 
     def __init__(self, settings: VLLMSettings, prefix: str = "spectune-vllm-") -> None:
         import tempfile
@@ -134,6 +151,10 @@ class VLLMProcessSetup:
         self.step_timeout = set_step_timeout(settings, on_cpu)
         # One engine at a time on vLLM-CPU: RAM holds one fp32 real pair's engines, not two
         self.exclusive = on_cpu if settings.one_engine_at_a_time is None else settings.one_engine_at_a_time
+        # vLLM's engine core and workers leave when this process ends, however it ends (workers.vllm.orphans)
+        from workers.vllm.orphans import arm
+
+        arm()
         self.rule_dir = tempfile.TemporaryDirectory(prefix=prefix)
         self.rule_file = Path(self.rule_dir.name) / "rule.json"
         self.digest = write_rule(self.rule_file, "lossless", {}, settings.seed)

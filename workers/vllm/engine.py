@@ -57,6 +57,7 @@ from workers.vllm.common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
     lose_batch,
     merge_rank_ledgers,
     reap_workers,
+    refuse_sampling_constraints,
     rule_missing,
     rule_spec,
     sampling_params,
@@ -124,12 +125,14 @@ class VLLMDecoder:
     def generate(self, prompt_ids: Any, policy: Policy | str = "lossless", draft_len: int = 5,
                  max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                  stop: list[str] | tuple[str, ...] | None = None, trace: bool = False,
-                 on_tokens: Any = None) -> Generation:
-        """``policy="vllm-native"`` verifies with vLLM's own rejection sampler (A/B measurements)."""
+                 on_tokens: Any = None, *, top_p: float = 1.0, top_k: int | None = None, min_p: float = 0.0
+                 ) -> Generation:
+        """``policy="vllm-native"`` verifies with vLLM's own rejection sampler (A/B measurements).
+        ``top_p``/``top_k``/``min_p`` other than off are refused (:func:`refuse_sampling_constraints`)."""
         if trace:
             raise ValueError("trace=True (per-round target logits) is a CPU-engine feature; vLLM does not expose them")
         (result,) = self.generate_batch([prompt_ids], policy, draft_len, max_new_tokens, temperature, [seed], stop,
-                                        errors="raise")
+                                        errors="raise", top_p=top_p, top_k=top_k, min_p=min_p)
         assert isinstance(result, Generation)
         if on_tokens is not None and result.token_ids:
             on_tokens(result.token_ids)  # once, at the end: the offline LLM API does not stream
@@ -137,7 +140,8 @@ class VLLMDecoder:
 
     def generate_batch(self, prompts: Sequence[Any], policy: Any = "lossless", draft_len: int = 5,
                        max_new_tokens: int = 256, temperature: float = 0.0, seeds: Sequence[int] | int = 0,
-                       stop: list[str] | tuple[str, ...] | None = None, errors: str = "return"
+                       stop: list[str] | tuple[str, ...] | None = None, errors: str = "return", *,
+                       top_p: float = 1.0, top_k: int | None = None, min_p: float = 0.0
                        ) -> list[Generation | Exception]:
         """Every prompt in one vLLM ``generate`` (continuous batching), each with its own statistics.
 
@@ -146,7 +150,10 @@ class VLLMDecoder:
         ``{"policy", "params", "seed"}``; the seed defaults to the engine's): each request then carries
         its own rule in ``SamplingParams.extra_args`` and the plugin groups the step's requests by rule.
         A request that cannot run (bad ids, longer than ``max_model_len``) gets its exception in its
-        slot (``errors="return"``) instead of failing the others; ``errors="raise"`` raises the first."""
+        slot (``errors="return"``) instead of failing the others; ``errors="raise"`` raises the first.
+        ``top_p`` < 1, ``top_k`` > 0 or ``min_p`` > 0 raise ValueError for the whole call: a rule does not
+        apply them (:func:`~workers.vllm.common.refuse_sampling_constraints`)."""
+        refuse_sampling_constraints(top_p, top_k, min_p)
         if draft_len != self.settings.draft_len:
             raise ValueError(f"this vLLM engine was started with draft length {self.settings.draft_len}; "
                              f"got {draft_len} (vLLM fixes num_speculative_tokens at start)")

@@ -15,7 +15,8 @@ is the runner vLLM-CPU subclasses):
   output keeps vLLM's contract: accepted draft tokens verbatim, then one token, ``-1`` after.
 - ``apply_sampling_constraints`` -> identity while a rule is active: rules take raw logits and the
   temperature themselves (this also sidesteps vLLM-CPU's broken T > 0 expansion of per-request
-  temperatures). Top-k/top-p/penalties are refused by the engine instead.
+  temperatures). spectune's engines refuse top-p/top-k/min-p at admission
+  (:func:`workers.vllm.common.refuse_sampling_constraints`); a step that still carries them warns once.
 - ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
   the one vLLM drew the token from (:func:`sampled_as_logits`; T = 1 for greedy drafting, for which vLLM
   returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
@@ -33,6 +34,14 @@ is the runner vLLM-CPU subclasses):
   and every vLLM path sees one width), and ``sample_tokens`` masks the target's logits on those ids to
   -inf in both engines (so KL(target ‖ draft) stays finite and lossless = target-only); DropMatch's
   dropout heads get the same mask as a bias.
+- ``GPUModelRunner._input_fits_in_drafter`` also notes which requests' next drafts are placeholders: near
+  ``max_model_len`` vLLM skips the drafter for the whole batch and fills the next step's drafts with
+  token id 0 and no distribution (:func:`note_drafter`). The rules never judge those: they become -1
+  (rejected by every rule, the target's token emitted), counted as a fallback.
+- Greedy drafting (``draft_sample_method="greedy"``) while a request samples (T > 0): the argmax drafts
+  were not drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q
+  one-hot at the draft: lossless stays lossless) and rules that read q fall back to lossless, counted.
+  spectune's engines always draft probabilistically.
 - ``GPUModelRunner._get_spec_decode_draft_probs`` -> unchanged unless ``SPECTUNE_VLLM_TEST_FAULTS``
   (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
   probabilities" path.
@@ -104,6 +113,8 @@ class _Step(threading.local):
     request_seeds: list[int] | None = None  # per request: SamplingParams.seed, else a hash of its id
     positions: list[int] | None = None  # per request: tokens computed before this step
     draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
+    greedy_drafts: bool = False  # ... for argmax drafts while some request samples (T > 0): not their q
+    skipped: list[bool] | None = None  # per request: vLLM skipped the drafter, its drafts are placeholders
     snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
     active: Any = None  # the rule file's rule as read once at the start of the step
     mask_from: int = 0  # a padded draft's width: the target's logits past it are -inf (0: no mask)
@@ -239,6 +250,10 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
     if STEP.hidden is not None and STEP.target_indices is not None and (
             _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
         hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
+    if getattr(sampling_metadata, "top_p", None) is not None or getattr(sampling_metadata, "top_k", None) is not None:
+        # spectune's engines refuse them at admission; another front end (a vLLM server) may not
+        _warn_once("top-p/top-k requests under a spectune rule", "the rule decides from the full target distribution "
+                   "at the temperature; vLLM applies top-p/top-k to the bonus token only", fallback=False)
     if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
         temps = [0.0] * b
     else:
@@ -248,11 +263,14 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
     if os.environ.get(TRACE_DIR_ENV):
         units = [0]
 
-        def tracer(used, reason, t, gen_seed, rows, req, n_req, group_draft, group_hidden, weight, bias, tokens):
+        def tracer(used, reason, t, gen_seed, rows, req, n_req, group_draft, group_hidden, weight, bias, tokens,
+                   group_ids=None):
             units[0] += 1
             members = req.tolist()
             spec = own[members[0]].spec if own is not None and own[members[0]] is not None else active.spec
-            _trace(active, spec, units[0], used, reason, t, gen_seed, draft_token_ids, rows, n_req, target_logits,
+            # the drafts the rule saw (the drafter's placeholders as -1)
+            ids = draft_token_ids.index_select(0, rows) if group_ids is None else group_ids.to(draft_token_ids.dtype)
+            _trace(active, spec, units[0], used, reason, t, gen_seed, ids, rows, n_req, target_logits,
                    group_draft, group_hidden, weight, bias, bonus_token_ids.reshape(b, -1)[:, 0].index_select(0, req),
                    tokens, None if req_ids is None else [req_ids[i] for i in members])
     outcome = decide_step(
@@ -260,7 +278,8 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         target_logits=target_logits, bonus_token_ids=bonus_token_ids, temperatures=temps, draft_logits=draft_logits,
         target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab, STEP.mask_from)),
         seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
-        request_seeds=request_seeds)
+        request_seeds=request_seeds, skipped=STEP.skipped if STEP.skipped is not None and len(STEP.skipped) >= b
+        else None, greedy_drafts=STEP.draft_logprobs and STEP.greedy_drafts)
     try:
         digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
         LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
@@ -279,7 +298,7 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
     sel = (lambda x: None if x is None else x.index_select(0, rows).cpu())  # noqa: E731
     record = {"spec": spec, "call": active.calls, "temperature": t, "generator_seed": gen_seed,
               "decided_by": used.name, "fallback": reason, "req_ids": req_ids,
-              "draft_token_ids": sel(draft_ids), "num_draft_tokens": n_req.cpu(), "target_logits": sel(target_logits),
+              "draft_token_ids": draft_ids.cpu(), "num_draft_tokens": n_req.cpu(), "target_logits": sel(target_logits),
               "draft_logits": None if group_draft is None else group_draft.cpu(),
               "target_hidden": None if group_hidden is None else group_hidden.cpu(),
               "lm_head_weight": None if weight is None else weight.cpu(),
@@ -303,6 +322,19 @@ def request_seed(req_id: str, seed: int | None) -> int:
         return int(seed)
     child = _CHILD.match(req_id)
     return int(child.group(1)) + 1 if child else 0
+
+
+def note_drafter(runner: Any, fits: bool) -> None:
+    """After a step's verification, vLLM decides whether to run the drafter (``_input_fits_in_drafter``):
+    near ``max_model_len`` it skips it for the whole batch and fills the next step's drafts with token
+    id 0 and no draft distribution. Remember which requests got such placeholders (``_spectune_skipped``;
+    a later step that drafts for them forgets them; finished requests are dropped), so the rules never
+    judge them (:func:`~workers.vllm.step.decide_step`'s ``skipped``)."""
+    skipped = set(getattr(runner, "_spectune_skipped", None) or ())
+    current = set(runner.input_batch.req_ids)
+    skipped = (skipped | current) if not fits else (skipped - current)
+    live = getattr(runner, "requests", None)
+    runner._spectune_skipped = skipped & set(live) if isinstance(live, dict) else skipped
 
 
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
@@ -343,8 +375,12 @@ class WorkerExtension:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: patch vLLM once per process."""
+    """The ``vllm.general_plugins`` entry point: patch vLLM once per process; in a process vLLM started
+    for a spectune engine, also leave when its parent is gone (:mod:`workers.vllm.orphans`)."""
     global _patched
+    from workers.vllm.orphans import watch_parent
+
+    watch_parent()
     with _lock:
         if _patched:
             return
@@ -360,6 +396,7 @@ def register() -> None:
         orig_sample_tokens = GPUModelRunner.sample_tokens
         orig_draft_probs = GPUModelRunner._get_spec_decode_draft_probs
         orig_verify_vocab = SpeculativeConfig.verify_equal_vocab_size_if_draft_model
+        orig_fits = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
         orig_get_draft_model = DraftModelProposer._get_model
 
         def verify_equal_vocab_size_if_draft_model(self):
@@ -404,14 +441,14 @@ def register() -> None:
             if active is None or active.policy is None or (sampling_metadata.all_greedy and not _step_needs_q(active)):
                 # vLLM's own drafting: its rule, or greedy steps whose rules never read q (lossless, top-k):
                 # no full-vocabulary log-softmax and cached distribution per draft token
-                STEP.draft_logprobs = False  # whatever reaches the sampler now is vLLM's own q
+                STEP.draft_logprobs = STEP.greedy_drafts = False  # whatever reaches the sampler is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
             if getattr(self, "use_heterogeneous_vocab", False):
                 # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
                 # draft distribution, so rules that need one fall back to lossless (counted per step)
                 _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
                            "use_heterogeneous_vocab", fallback=False)
-                STEP.draft_logprobs = False
+                STEP.draft_logprobs = STEP.greedy_drafts = False
                 return orig_draft(self, hidden_states, sampling_metadata)
             logits = self.model.compute_logits(hidden_states)
             probs = None
@@ -422,7 +459,15 @@ def register() -> None:
             if probs is None:
                 tokens = logits.argmax(dim=-1)
                 logprobs = torch.log_softmax(logits.float(), dim=-1)  # greedy drafts: the T = 1 distribution
+                # greedy drafting (draft_sample_method "greedy") while some request samples: these argmax
+                # drafts were not drawn from q, so the T > 0 requests must not be judged with it (decide_step)
+                STEP.greedy_drafts = not sampling_metadata.all_greedy
+                if STEP.greedy_drafts:
+                    _warn_once("greedy drafting with T > 0 requests", "speculative_config draft_sample_method is not "
+                               "'probabilistic': T > 0 requests get no draft distribution (q one-hot at the argmax "
+                               "draft); rules that read q fall back to the lossless rule", fallback=False)
             else:
+                STEP.greedy_drafts = False
                 logprobs = sampled_as_logits(probs, sampling_metadata.temperature)
             width = getattr(self, "_spectune_draft_width", 0)
             if width:
@@ -444,6 +489,14 @@ def register() -> None:
                     self._draft_prob_req_ids = cached
             return orig_draft_probs(self, spec_decode_metadata)
 
+        def _input_fits_in_drafter(self, *args, **kwargs):
+            fits = orig_fits(self, *args, **kwargs)
+            try:
+                note_drafter(self, bool(fits))
+            except Exception as err:  # noqa: BLE001 - bookkeeping only
+                _warn_once(f"drafter bookkeeping failed ({type(err).__name__})", str(err), fallback=False)
+            return fits
+
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
             active = RULE.current()
@@ -462,6 +515,8 @@ def register() -> None:
                 STEP.target_indices = None if meta is None else meta.target_logits_indices
                 STEP.model = self.model
                 STEP.req_ids = list(self.input_batch.req_ids)
+                skipped = getattr(self, "_spectune_skipped", None)  # drafts of this step the drafter never made
+                STEP.skipped = [rid in skipped for rid in STEP.req_ids] if skipped else None
                 try:
                     _read_request_rules(self, STEP.req_ids)
                 except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
@@ -473,7 +528,7 @@ def register() -> None:
                 return orig_sample_tokens(self, grammar_output)
             finally:
                 STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
-                STEP.rules = STEP.request_seeds = STEP.positions = None
+                STEP.rules = STEP.request_seeds = STEP.positions = STEP.skipped = None
                 STEP.active, STEP.snapshot, STEP.mask_from = None, False, 0
                 if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
                     FAULTS.steps += 1
@@ -483,6 +538,11 @@ def register() -> None:
         SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
         GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
         GPUModelRunner.sample_tokens = sample_tokens
+        if orig_fits is not None:
+            GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
+        else:
+            _warn_once("vLLM's runner has no _input_fits_in_drafter", "drafts vLLM fills with placeholders when it "
+                       "skips the drafter cannot be told apart", fallback=False)
         SpeculativeConfig.verify_equal_vocab_size_if_draft_model = verify_equal_vocab_size_if_draft_model
         DraftModelProposer._get_model = _get_draft_model
         _patched = True

@@ -159,6 +159,10 @@ def _greedy_rows(draft_ids: torch.Tensor, num: torch.Tensor, target_logits: torc
     return out
 
 
+SKIPPED = "drafter skipped (placeholder drafts)"
+GREEDY_AT_T = "greedy drafting at T > 0 (no draft distribution)"
+
+
 @dataclass
 class StepOutcome:
     output_token_ids: torch.Tensor  # [B, max_spec_len + 1] int32, vLLM's layout
@@ -177,7 +181,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
                 draft_logits: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
                 lm_head: Any = None, seed: int = 0, step: int = 0, trace: Any = None,
                 policies: list[Any] | None = None, keys: list[str | None] | None = None,
-                request_seeds: list[int | None] | None = None) -> StepOutcome:
+                request_seeds: list[int | None] | None = None, skipped: list[bool] | None = None,
+                greedy_drafts: bool = False) -> StepOutcome:
     """One verify step over vLLM's flat rows; never raises.
 
     Every request is decided by ``policy`` unless ``policies[i]`` gives its own rule (``keys[i]`` names
@@ -194,6 +199,15 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     with q one-hot at the draft token (accept with p_t(d), recover from p_t without d: vLLM's own
     fallback, exactly lossless for any drafter). The fallback is reported per request.
     ``lm_head`` is a callable returning the target's (weight, bias), called only when needed.
+
+    ``skipped[i]``: vLLM did not run the drafter for request ``i``'s drafts (near ``max_model_len`` it
+    skips it for the whole batch and fills the next step's drafts with token id 0, no distribution).
+    Those drafts are no drafts: they become ``-1`` before any rule sees them, so every rule rejects the
+    first one and the target's own token is emitted (sampled from p_t at T > 0, no residual), counted
+    as a fallback (:data:`SKIPPED`). ``greedy_drafts``: the drafter proposed its argmax while some
+    requests sample (T > 0), so the distribution it handed over is not the one the tokens came from;
+    groups at T > 0 then get no draft distribution (q one-hot at the draft: exactly what was proposed),
+    and a rule that reads q falls back to the lossless rule (:data:`GREEDY_AT_T`).
     """
     from policies import make_policy
     from policies.ragged import verify_flat
@@ -208,6 +222,12 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     for i in range(1, b):
         starts[i] = starts[i - 1] + int(num_draft_tokens[i - 1])
     temps = [float(t) for t in temperatures[:b]]
+    skip = [bool(skipped is not None and i < len(skipped) and skipped[i] and num_draft_tokens[i] > 0)
+            for i in range(b)]
+    if any(skip):  # placeholder drafts: rows of those requests become -1 (host-side row list, no device read)
+        rows_skipped = [starts[i] + k for i in range(b) if skip[i] for k in range(int(num_draft_tokens[i]))]
+        draft_token_ids = draft_token_ids.clone()
+        draft_token_ids[torch.tensor(rows_skipped, dtype=torch.long, device=draft_token_ids.device)] = -1
     own = [policies is not None and policies[i] is not None for i in range(b)]
     groups: dict[tuple[str, float], list[int]] = {}
     for i in range(b):
@@ -228,7 +248,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         inputs = dict(draft_token_ids=pick(draft_token_ids).long(), num_draft_tokens=n_req,
                       target_logits=pick(target_logits), bonus_token_ids=bonus.index_select(0, req),
                       temperature=t, lengths=lengths)
-        group_draft = None if draft_logits is None else pick(draft_logits)
+        greedy_q = greedy_drafts and t > 0  # the handed-over q is not what the argmax draft came from
+        group_draft = None if draft_logits is None or greedy_q else pick(draft_logits)
         reason = detail = None
         hidden = weight = bias = None
         try:
@@ -241,6 +262,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             used = pol
         except Exception as err:  # noqa: BLE001 - a worker must never die on a rule
             reason, detail = _reason(err), f"{type(err).__name__}: {err}"
+            if greedy_q and reason == "missing draft distribution":
+                reason = GREEDY_AT_T
             used = make_policy("lossless")
             try:
                 result = verify_flat(used, **inputs, draft_logits=group_draft,
@@ -260,7 +283,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             tokens = result.output_token_ids
         out[req, :tokens.shape[1]] = tokens.to(torch.int32)
         if trace is not None:
-            trace(used, reason, t, gen_seed, rows, req, n_req, group_draft, hidden, weight, bias, tokens)
+            trace(used, reason, t, gen_seed, rows, req, n_req, group_draft, hidden, weight, bias, tokens,
+                  inputs["draft_token_ids"])  # the drafts the rule saw (skipped ones as -1)
 
     for (_, t), members in sorted(groups.items()):
         pol = policies[members[0]] if own[members[0]] else policy
@@ -273,6 +297,12 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
                 decide(pol, [i], t, k or 0)
         else:  # deterministic given its inputs: one vectorised call
             decide(pol, members, t, keyed[0] or 0)
+    if any(skip):
+        _warn_once(SKIPPED, "vLLM skipped the drafter near max_model_len: those drafts are rejected, the "
+                            "target's token is emitted")
+        for i in range(b):
+            if skip[i] and fallback[i] is None:
+                fallback[i] = SKIPPED
     return StepOutcome(out, fallback)
 
 

