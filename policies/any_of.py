@@ -63,17 +63,22 @@ def decide_any_of(batch: VerifyBatch, config: AnyOfConfig) -> Decision:
     # Every member starts from the same generator state, so all of them (and this rule) draw the
     # same lossless uniforms: the union relaxes one lossless decision instead of OR-ing several
     # independent ones (which would accept more than lossless even with every member "off").
+    # With per-row streams (batch.streams) the same holds by resetting their draw counter.
+    streams = batch.streams
     generator = batch.generator
-    if generator is None:
+    if generator is None and streams is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
         generator = torch.Generator(device=batch.draft_token_ids.device).manual_seed(seed)
         batch = replace(batch, generator=generator)
-    start = generator.get_state()
+    start = generator.get_state() if streams is None else streams.draws
     lossless = lossless_accept(batch)
     votes = torch.zeros_like(batch.draft_token_ids, dtype=torch.float32)
     accepted = torch.zeros_like(lossless.accepted)
     for rule in config.members:
-        generator.set_state(start)
+        if streams is None:
+            generator.set_state(start)
+        else:
+            streams.draws = start
         member = rule.decide(batch).accepted
         accepted |= member
         votes += member.float()

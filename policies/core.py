@@ -39,6 +39,9 @@ class VerifyBatch:
     lm_head_bias: Tensor | None = None  # [V]
     temperature: float = 0.0  # 0 = greedy
     generator: torch.Generator | None = None
+    # Per-row random streams (policies.randomness.RowStreams): when set, every random number a rule draws
+    # comes from its row's own stream instead of ``generator`` (a request's draws independent of the batch)
+    streams: Any = None
 
     def __post_init__(self) -> None:
         ids, tl = self.draft_token_ids, self.target_logits

@@ -18,20 +18,19 @@ def log_probs(logits: Tensor) -> Tensor:
 def entropy_from_logprobs(logp: Tensor, probs: Tensor | None = None) -> Tensor:
     """H(p) in nats over the last dim; 0·log 0 = 0. ``probs`` = exp(logp) if already at hand."""
     p = logp.exp() if probs is None else probs
-    h = -torch.linalg.vecdot(p, logp)  # one fused pass; nan only where some logit is -inf
-    if not bool(torch.isfinite(h).all()):
-        h = -(p * logp.nan_to_num(neginf=0.0)).sum(-1)
-    return h
+    # 0 * -inf (a masked logit) would be nan: such terms are 0. Always, not after a check of the result:
+    # that check is a host read (a GPU waits for it) in every verify step.
+    return -torch.linalg.vecdot(p, logp.nan_to_num(neginf=0.0))
 
 
 def kl_from_logprobs(logp: Tensor, logq: Tensor, probs: Tensor | None = None) -> Tensor:
     """KL(p ‖ q) in nats over the last dim; terms with p = 0 contribute 0."""
     p = logp.exp() if probs is None else probs
-    kl = torch.linalg.vecdot(p, logp - logq)  # fast path: all logits finite
-    if not bool(torch.isfinite(kl).all()):
-        diff = (logp - logq).nan_to_num(nan=0.0, posinf=torch.finfo(torch.float32).max)
-        kl = torch.where(p > 0, p * diff, torch.zeros_like(p)).sum(-1)
-    return kl.clamp_min(0.0)
+    # Where p = 0 the difference is -inf or nan (both logits masked): those terms are 0. Where p > 0 and
+    # q = 0 it is +inf: KL is infinite, as it should be. In place on the one temporary, and always, not
+    # after a check of the result (a host read that a GPU waits for in every verify step).
+    diff = (logp - logq).nan_to_num_(nan=0.0, neginf=0.0, posinf=float("inf"))
+    return torch.linalg.vecdot(p, diff).clamp_min(0.0)
 
 
 def js_from_probs(p: Tensor, q: Tensor) -> Tensor:
@@ -56,5 +55,8 @@ def gather_last(x: Tensor, index: Tensor) -> Tensor:
 
 
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One categorical draw per row of a [N, V] probability matrix (rows need not be normalized)."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One categorical draw per row of a [N, V] probability matrix (rows need not be normalized): inverse
+    CDF at one uniform per row (``torch.multinomial`` would wait on the host twice per call on a GPU)."""
+    from policies.randomness import sample_rows
+
+    return sample_rows(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))

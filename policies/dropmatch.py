@@ -62,6 +62,7 @@ def decide_dropmatch(batch: VerifyBatch, config: DropMatchConfig) -> Decision:
         num_candidates=config.num_candidates,
         temperature=batch.temperature,
         generator=batch.generator,
+        streams=batch.streams,
     )
     votes = (head_tokens(heads) == batch.draft_token_ids.unsqueeze(0)).sum(dim=0)  # [B, L]
     if config.criterion == "naive":

@@ -18,12 +18,14 @@ of a K-head draw are the k-head draw: raising K only adds heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from policies.core import as_float
+from policies.randomness import uniform
 
 
 @dataclass(frozen=True)
@@ -36,16 +38,17 @@ class DropoutHeads:
 
 def draw_head_randomness(
     k: int, batch_size: int, draft_len: int, hidden_size: int, p_drop: float, sampling: bool,
-    generator: torch.Generator | None, device: torch.device,
+    generator: torch.Generator | None, device: torch.device, streams: Any = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Keep-masks [K, B, L, d] bool (None when p_drop = 0) and uniforms [K, B, L] (None at T = 0)."""
+    """Keep-masks [K, B, L, d] bool (None when p_drop = 0) and uniforms [K, B, L] (None at T = 0); from the
+    rows' own streams when ``streams`` (policies.randomness.RowStreams) is given."""
     masks, uniforms = [], []
     for _ in range(k):
         if p_drop > 0.0:
-            draw = torch.rand((batch_size, draft_len, hidden_size), generator=generator, device=device)
+            draw = uniform((batch_size, draft_len, hidden_size), generator, device, streams)
             masks.append(draw >= p_drop)
         if sampling:
-            uniforms.append(torch.rand((batch_size, draft_len), generator=generator, device=device))
+            uniforms.append(uniform((batch_size, draft_len), generator, device, streams))
     return (torch.stack(masks) if masks else None), (torch.stack(uniforms) if uniforms else None)
 
 
@@ -82,10 +85,11 @@ def dropout_heads(
     num_candidates: int,
     temperature: float,
     generator: torch.Generator | None,
+    streams: Any = None,
 ) -> DropoutHeads:
     b, n, d = hidden.shape
     sampling = temperature > 0.0
-    keep, uniforms = draw_head_randomness(k, b, n, d, p_drop, sampling, generator, hidden.device)
+    keep, uniforms = draw_head_randomness(k, b, n, d, p_drop, sampling, generator, hidden.device, streams)
     target = as_float(target_logits)
     if keep is None:
         # p_drop = 0: every head is the target's own head; no matmul needed and exact.

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from policies.core import Decision, Policy, Verification, VerifyBatch
 from policies.distributions import sample_from_probs
+from policies.randomness import sample_rows
 
 
 def leading_run(accepted: Tensor) -> Tensor:
@@ -40,18 +41,20 @@ def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | No
         return target_rows.argmax(dim=-1)
     probs = torch.softmax(target_rows / batch.temperature, dim=-1)  # [B, V]
     rejected = num_accepted < (n_draft if num_draft is None else num_draft)  # [B]; False: bonus slot
-    if bool(rejected.any()):
-        pos = num_accepted.clamp(max=n_draft - 1)
-        if batch.draft_f32 is None:
-            residual = probs.scatter(-1, batch.draft_token_ids.gather(1, pos.unsqueeze(1)), 0.0)
-        else:
-            draft_rows = _row_at(batch.draft_f32, pos)  # [B, V]
-            draft_probs = torch.softmax(draft_rows / batch.temperature, dim=-1)
-            residual = (probs - draft_probs).clamp_min(0.0)
-        usable = rejected & (residual.sum(dim=-1) > 0)
-        if no_draft is not None:
-            usable = usable & ~no_draft
-        probs = torch.where(usable.unsqueeze(-1), residual, probs)
+    # every row, rejected or not (no host read of ``rejected``): [B, V] rows, small beside [B, L, V]
+    pos = num_accepted.clamp(max=n_draft - 1)
+    if batch.draft_f32 is None:
+        residual = probs.scatter(-1, batch.draft_token_ids.gather(1, pos.unsqueeze(1)), 0.0)
+    else:
+        draft_rows = _row_at(batch.draft_f32, pos)  # [B, V]
+        draft_probs = torch.softmax(draft_rows / batch.temperature, dim=-1)
+        residual = (probs - draft_probs).clamp_min(0.0)
+    usable = rejected & (residual.sum(dim=-1) > 0)
+    if no_draft is not None:
+        usable = usable & ~no_draft
+    probs = torch.where(usable.unsqueeze(-1), residual, probs)
+    if batch.streams is not None:  # each row from its own stream: inverse CDF, no generator, no multinomial
+        return sample_rows(probs, batch.streams.uniform((probs.shape[0],)).to(probs.device))
     return sample_from_probs(probs, batch.generator)
 
 

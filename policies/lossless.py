@@ -12,6 +12,7 @@ from torch import Tensor
 
 from policies.core import Decision, PolicyConfig, VerifyBatch
 from policies.distributions import gather_last
+from policies.randomness import uniform
 from policies.registry import register
 
 
@@ -41,7 +42,7 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
         draft_scaled = batch.draft_f32 / temperature
         draft_logp_d = gather_last(draft_scaled, draft_ids) - torch.logsumexp(draft_scaled, dim=-1)
     ratio = (target_logp_d - draft_logp_d).clamp(max=0.0).exp()  # [B, L]
-    uniforms = torch.rand(draft_ids.shape, generator=batch.generator, device=draft_ids.device)
+    uniforms = uniform(tuple(draft_ids.shape), batch.generator, draft_ids.device, batch.streams)
     return Decision(accepted=uniforms < ratio, score=ratio)
 
 

@@ -16,6 +16,7 @@ decision. Requests are processed in chunks so the padded target block stays boun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,6 +68,7 @@ def verify_flat(
     generator: torch.Generator | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
+    streams: Any = None,  # policies.randomness.RowStreams, one row per request: draws from these, not generator
 ) -> FlatVerification:
     """``lengths`` spares the two device-to-host reads (the sum check and the longest draft) that a GPU
     would wait for; vLLM hands its caller the draft counts as a host list anyway."""
@@ -113,6 +115,7 @@ def verify_flat(
             lm_head_bias=lm_head_bias,
             temperature=temperature,
             generator=generator,
+            streams=None if streams is None else streams.rows(lo, hi),
         )
         decision = policy.decide(batch)
         accepted = decision.accepted & valid & draft_ok[index]

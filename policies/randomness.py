@@ -81,11 +81,16 @@ class RowStreams:
 def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row of ``probs`` ``[..., V]`` (non-negative, any positive total) by inverse CDF at
     ``uniforms`` ``[...]`` in (0, 1): the first id whose cumulative mass exceeds ``u`` x the row's total.
-    ``probs`` is read, never written; one cumulative sum of its size is the only intermediate."""
+    ``probs`` is read, never written; one cumulative sum of its size is the only intermediate. A row with
+    no usable mass (NaN or infinite entries, or all zero: broken logits) gets its largest entry's id
+    (NaN-aware, as ``argmax``) instead: always a valid id, decided on the device (``torch.multinomial``
+    raises there, after a host read)."""
     cdf = probs.float().cumsum(dim=-1)
-    target = (uniforms.to(cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
-    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    total = cdf[..., -1]
+    target = (uniforms.to(cdf.dtype) * total).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    broken = ~(torch.isfinite(total) & (total > 0))
+    return torch.where(broken, probs.argmax(dim=-1), ids)
 
 
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,

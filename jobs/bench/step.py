@@ -1,15 +1,20 @@
 """Benchmark: one vLLM verify step decided by spectune's plugin code, next to vLLM's greedy core.
 
     python -m jobs.bench.step [--requests 32] [--draft-len 5] [--vocab 151936] [--reps 7]
+        [--temperature 0.7] [--per-request-seeds] [--hidden-size 1536]
         [--rule lossless] [--rule kl_judge:threshold=0.5] ...
 
 The step as the plugin sees it (``workers.vllm.step.decide_step``: vLLM's flat ``[N, V]`` target logits,
-one group per rule, the lossless fallback armed), greedy, fp32, synthetic seeded logits of the real
-target's vocabulary, drafts equal to the target's choice except every 7th. The reference is the
-``argmax`` over the same logits that vLLM's greedy rejection needs at least. No draft distribution or
-hidden states are handed over, so a rule that reads them times the step's lossless fallback. Prints the median and
-min milliseconds of ``--reps`` timed calls per rule and the machine's load before and after. No
-assertions: this is a measurement (README "Plugin overhead").
+the draft's logits, the target's hidden states and LM head, the lossless fallback armed), fp32,
+synthetic seeded logits of the real target's vocabulary (``jobs.gpu_check.synthetic_step``: target logits
+through a random LM head, the draft's with noise, drafts the draft's argmax, some rejected). With
+``--per-request-seeds`` every request carries its own rule and seed, as per-request rules in vLLM do
+(each request's random draws keyed by its own seed, whatever shares the batch). Every table also times
+the reference figures side by side in the same run: the *greedy group* (lossless at T = 0, one rule for
+the step: the cheapest decision) and the ``argmax`` over the same logits that vLLM's greedy rejection
+needs at least. Prints the median and min milliseconds of ``--reps`` timed calls, the fallbacks seen
+(a rule that fell back is timing the lossless rule, not itself) and the machine's load before and after.
+No assertions: this is a measurement (docs/measurements.md "Per-step cost").
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def timed_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
+    from jobs.gpu_check import synthetic_step
     from policies import make_policy
     from workers.vllm.step import decide_step
 
@@ -44,30 +50,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=32, help="requests in the step (B)")
     ap.add_argument("--draft-len", type=int, default=5, help="drafts per request (L)")
     ap.add_argument("--vocab", type=int, default=151936, help="V (the real target's: 151,936)")
+    ap.add_argument("--hidden-size", type=int, default=1536, help="d of the target's LM head (DropMatch's heads)")
     ap.add_argument("--reps", type=int, default=7, help="timed calls per rule (median and min reported)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="every request's temperature")
+    ap.add_argument("--per-request-seeds", action="store_true",
+                    help="each request its own rule and seed (vLLM per-request rules), not one rule for the step")
     ap.add_argument("--rule", action="append", default=None, help="NAME or NAME:k=v,... (repeatable; default lossless)")
     args = ap.parse_args(argv)
-    require_positive(args, "requests", "draft_len", "vocab", "reps")
+    require_positive(args, "requests", "draft_len", "vocab", "reps", "hidden_size")
+    if not args.temperature >= 0.0:
+        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
     rules = [parse_rule(r) for r in (args.rule or ["lossless"])]
     policies = [(name, make_policy(name, **params)) for name, params in rules]  # bad names/values: one line
 
-    b, n, v = args.requests, args.draft_len, args.vocab
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(b * n, v, generator=gen)
-    drafts = logits.argmax(dim=-1)
-    drafts[::7] = (drafts[::7] + 1) % v  # some rejections
-    bonus = torch.randint(0, v, (b, 1), generator=gen)
-    print(f"B={b} L={n} V={v} fp32 T=0  torch threads={torch.get_num_threads()}  cpus={os.cpu_count()}  "
-          f"load(1m) before={os.getloadavg()[0]:.2f}")
-    print("| step decided by | median ms | min ms | vs argmax |\n|---|---:|---:|---:|")
-    ref, ref_min = timed_ms(lambda: logits.argmax(dim=-1), args.reps)
+    b, n, v, t = args.requests, args.draft_len, args.vocab, args.temperature
+    step = synthetic_step(b, v, args.hidden_size, torch.device("cpu"), draft_len=n, head_dtype=torch.float32)
+
+    def call(policy, temperature: float, own: bool):
+        return decide_step(
+            policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens, max_spec_len=n,
+            target_logits=step.target_logits, bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
+            draft_logits=step.draft_logits, target_hidden=step.hidden, lm_head=lambda: (step.weight, None),
+            policies=[policy] * b if own else None, keys=["bench"] * b if own else None,
+            request_seeds=list(range(1, b + 1)) if own else None)
+
+    mode = "per-request rules and seeds" if args.per_request_seeds else "one rule for the step"
+    print(f"B={b} L={n} V={v} d={args.hidden_size} fp32 T={t:g} ({mode})  torch threads={torch.get_num_threads()}  "
+          f"cpus={os.cpu_count()}  load(1m) before={os.getloadavg()[0]:.2f}")
+    print("| step decided by | median ms | min ms | vs greedy group | vs argmax | fallbacks |\n|---|---:|---:|---:|---:|---|")
+    ref, ref_min = timed_ms(lambda: step.target_logits.argmax(dim=-1), args.reps)
+    lossless = make_policy("lossless")
+    group, group_min = timed_ms(lambda: call(lossless, 0.0, False), args.reps)
     for (name, params), (_, policy) in zip(rules, policies, strict=True):
-        med, low = timed_ms(lambda p=policy: decide_step(
-            p, draft_token_ids=drafts, num_draft_tokens=[n] * b, max_spec_len=n, target_logits=logits,
-            bonus_token_ids=bonus, temperatures=[0.0] * b), args.reps)
+        med, low = timed_ms(lambda p=policy: call(p, t, args.per_request_seeds), args.reps)
+        seen = sorted({r for r in call(policy, t, args.per_request_seeds).fallback if r is not None})
         label = name + (f" {params}" if params else "")
-        print(f"| {label} (decide_step) | {med:.1f} | {low:.1f} | {med / ref:.1f}x |")
-    print(f"| argmax only (vLLM's greedy core) | {ref:.1f} | {ref_min:.1f} | 1.0x |")
+        print(f"| {label} (decide_step) | {med:.1f} | {low:.1f} | {med / group:.2f}x | {med / ref:.1f}x | "
+              f"{'; '.join(seen) or 'none'} |")
+    print(f"| greedy group: lossless T=0, one rule (decide_step) | {group:.1f} | {group_min:.1f} | 1.00x | "
+          f"{group / ref:.1f}x | none |")
+    print(f"| argmax only (vLLM's greedy core) | {ref:.1f} | {ref_min:.1f} | {ref / group:.2f}x | 1.0x | - |")
     print(f"load(1m) after={os.getloadavg()[0]:.2f}")
     return 0
 

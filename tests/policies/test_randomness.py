@@ -59,3 +59,9 @@ def test_inverse_cdf_sampling_follows_the_distribution():
     assert stats.chisquare([counts[0], counts[2], counts[3]], [10_000, 4_000, 6_000]).pvalue > 1e-3
     edge = sample_rows(torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([1.0 - 2**-24]))
     assert edge.tolist() == [1], "u near 1 stays on the last id with mass, never past the end"
+
+
+def test_a_row_with_no_usable_mass_gets_its_argmax_not_an_error():
+    probs = torch.tensor([[float("nan"), 1.0, 0.5], [0.0, 0.0, 0.0], [0.2, float("inf"), 0.1], [0.1, 0.7, 0.2]])
+    ids = sample_rows(probs, torch.full((4,), 0.5))
+    assert ids.tolist()[:3] == [0, 0, 1] and 0 <= ids.tolist()[3] < 3

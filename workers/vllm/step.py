@@ -189,8 +189,9 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     it: requests with the same key share a rule). Requests are grouped by (rule, temperature), one
     vectorised :func:`verify_flat` per group, drawing from one generator seeded by (``seed``, ``step``)
     — or, for requests given ``request_seeds[i]`` (per-request rules), from their own keyed seed: a
-    group whose rule draws random numbers (T > 0, DropMatch's dropout masks) is then decided request by
-    request so that each request's draws depend on its key only.
+    group whose rule draws random numbers (T > 0, DropMatch's dropout masks) then draws every request's
+    numbers from a counter-based stream keyed by it (:class:`policies.randomness.RowStreams`), still in
+    one call, so that each request's draws depend on its key only.
 
     Where the rule cannot decide a group — an input it needs is missing this step (vLLM passes no draft
     distribution when it lost a request's cached draft probabilities, no hidden states from an
@@ -234,7 +235,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         key = (keys[i] or "") if own[i] and keys is not None else ""
         groups.setdefault((("r:" + key) if own[i] else "default", temps[i]), []).append(i)
 
-    def decide(pol: Any, members: list[int], t: float, gen_seed: int) -> None:
+    def decide(pol: Any, members: list[int], t: float, gen_seed: int, row_keys: list[int] | None = None) -> None:
         req = torch.tensor(members, dtype=torch.long, device=device)
         n_req = num.index_select(0, req)
         # the group's flat rows from the host-side draft counts: no device read (a GPU would wait for one)
@@ -252,13 +253,22 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         group_draft = None if draft_logits is None or greedy_q else pick(draft_logits)
         reason = detail = None
         hidden = weight = bias = None
+        streams = None
+        if row_keys is not None:  # each request's draws from its own key: one call for the whole group
+            from policies.randomness import RowStreams
+
+            keys_cpu = torch.tensor(row_keys, dtype=torch.int64)
+            if device.type == "cuda":
+                keys_cpu = keys_cpu.pin_memory()
+            streams = RowStreams(keys_cpu.to(device, non_blocking=True))
         try:
             if _needs_hidden(pol) and target_hidden is not None:
                 hidden = pick(target_hidden)
                 weight, bias = lm_head() if lm_head is not None else (None, None)
             result = verify_flat(pol, **inputs, draft_logits=group_draft, target_hidden=hidden,
-                                 lm_head_weight=weight, lm_head_bias=bias,
-                                 generator=torch.Generator(device=device).manual_seed(gen_seed))
+                                 lm_head_weight=weight, lm_head_bias=bias, streams=streams,
+                                 generator=None if streams is not None else
+                                 torch.Generator(device=device).manual_seed(gen_seed))
             used = pol
         except Exception as err:  # noqa: BLE001 - a worker must never die on a rule
             reason, detail = _reason(err), f"{type(err).__name__}: {err}"
@@ -267,7 +277,9 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             used = make_policy("lossless")
             try:
                 result = verify_flat(used, **inputs, draft_logits=group_draft,
-                                     generator=torch.Generator(device=device).manual_seed(gen_seed))
+                                     streams=None if streams is None else streams.rows(0, len(streams)),
+                                     generator=None if streams is not None else
+                                     torch.Generator(device=device).manual_seed(gen_seed))
             except Exception as err2:  # noqa: BLE001
                 reason = f"{reason}; lossless failed too ({type(err2).__name__}), greedy"
                 detail = f"{detail}; then {type(err2).__name__}: {err2}"
@@ -292,9 +304,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             else [None] * len(members)
         if all(k is None for k in keyed):
             decide(pol, members, t, seed * 1_000_003 + step)
-        elif t > 0 or _needs_hidden(pol):  # draws random numbers: each request from its own key
-            for i, k in zip(members, keyed, strict=True):
-                decide(pol, [i], t, k or 0)
+        elif t > 0 or _needs_hidden(pol):  # draws random numbers: each request from its own key, one call
+            decide(pol, members, t, 0, row_keys=[k or 0 for k in keyed])
         else:  # deterministic given its inputs: one vectorised call
             decide(pol, members, t, keyed[0] or 0)
     if any(skip):

@@ -80,14 +80,20 @@ def test_bench_batch_counts_only_finished_items_and_names_the_failure():
     assert merged["fallback_reasons"] == {"a": 3, "b": 1}, "why steps fell back, summed over rounds"
 
 
-def test_bench_step_times_each_rule_against_argmax(capsys):
-    assert bench_step.main(["--requests", "3", "--draft-len", "2", "--vocab", "50", "--reps", "2",
-                            "--rule", "lossless", "--rule", "kl_judge:threshold=0.5"]) == 0
+@pytest.mark.parametrize("extra", [[], ["--temperature", "0.7", "--per-request-seeds"]])
+def test_bench_step_times_each_rule_against_the_greedy_group_and_argmax(capsys, extra):
+    assert bench_step.main(["--requests", "3", "--draft-len", "2", "--vocab", "50", "--hidden-size", "16",
+                            "--reps", "2", "--rule", "lossless", "--rule", "kl_judge:threshold=0.5",
+                            "--rule", "dropmatch:criterion=js", *extra]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [r.split("|")[1].strip() for r in rows] == [
-        "lossless (decide_step)", "kl_judge {'threshold': 0.5} (decide_step)", "argmax only (vLLM's greedy core)"]
+        "lossless (decide_step)", "kl_judge {'threshold': 0.5} (decide_step)",
+        "dropmatch {'criterion': 'js'} (decide_step)", "greedy group: lossless T=0, one rule (decide_step)",
+        "argmax only (vLLM's greedy core)"]
+    assert all(r.split("|")[6].strip() in ("none", "-") for r in rows), "no rule timed its fallback"
     assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out
+    assert ("per-request rules and seeds" in out) == bool(extra)
 
 
 def test_certify_level_prints_the_old_decision_above_alpha_and_the_exact_test_within(capsys):
