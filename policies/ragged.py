@@ -24,7 +24,11 @@ from torch import Tensor
 from policies.core import Policy, VerifyBatch
 from policies.emission import emit_tokens, leading_run
 
-CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk: at most 256 MiB
+CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
+# On CPU a rule's passes over the block run at cache speed only when it is small: 8 MiB blocks (two
+# requests at L 5, V 152k) decided a B = 256 step 2-3x faster than 256 MiB ones, greedy and sampled alike
+# (jobs.bench.step on the 2-core EPYC; docs/measurements.md).
+CHUNK_ELEMENTS_CPU = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,7 @@ def verify_flat(
     lm_head_bias: Tensor | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    chunk_elements: int = CHUNK_ELEMENTS,
+    chunk_elements: int | None = None,  # default: CHUNK_ELEMENTS on a GPU, CHUNK_ELEMENTS_CPU on CPU
     lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
     streams: Any = None,  # policies.randomness.RowStreams, one row per request: draws from these, not generator
 ) -> FlatVerification:
@@ -99,6 +103,8 @@ def verify_flat(
     draft_ok = (draft_token_ids >= 0) & (draft_token_ids < vocab)
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS_CPU if device.type == "cpu" else CHUNK_ELEMENTS
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     for lo in range(0, b, step):  # chunks of requests, not tokens
