@@ -31,6 +31,7 @@ from workers.vllm.common import (
     VLLMUnavailable,
     engine_kwargs,
     merge_rank_ledgers,
+    plan_memory_on_gpu,
     refuse_sampling_constraints,
     rule_missing,
     rule_spec,
@@ -59,6 +60,8 @@ class AsyncVLLMDecoder:
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
         # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
         self._draft_width = check_pair_dirs(draft_dir, target_dir, s.tensor_parallel_size)
+        # on a GPU, unless the user chose: the memory plan's fractions and engines (a pair that does not fit fails here)
+        self.settings = s = plan_memory_on_gpu(s, draft_dir, target_dir)
         # every request here carries its own rule; the setup's lossless rule file only makes the plugin act
         self._setup = setup = VLLMProcessSetup(s, prefix="spectune-vllm-async-")
         self.cpu_binding, self.exclusive = setup.cpu_binding, setup.exclusive

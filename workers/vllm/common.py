@@ -16,7 +16,7 @@ from typing import Any
 from policies import make_policy
 from workers.stats import Generation, GenerationStats
 from workers.vllm.rules import ENTRY_POINT, NATIVE, RULE_ARG
-from workers.vllm.settings import PAD_ATTR, VLLMSettings, spec_stats
+from workers.vllm.settings import DEFAULT_GPU_MEMORY_UTILIZATION, PAD_ATTR, VLLMSettings, spec_stats
 
 WORKER_EXTENSION = "workers.vllm.plugin.WorkerExtension"
 
@@ -85,7 +85,7 @@ def memory_shares(s: VLLMSettings, shared: bool) -> tuple[float, float]:
     engine whose fraction is more than the device has free), split so that they fit: the reference
     gets ``target_only_memory_utilization`` or REFERENCE_SHARE of the budget, the speculative engine
     (target + draft + their KV caches) the rest."""
-    budget = s.gpu_memory_utilization
+    budget = s.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     if not shared:
         return budget, s.target_only_memory_utilization or budget
     ref = s.target_only_memory_utilization or round(budget * REFERENCE_SHARE, 4)
@@ -93,6 +93,58 @@ def memory_shares(s: VLLMSettings, shared: bool) -> tuple[float, float]:
         raise ValueError(f"target_only_memory_utilization {ref} leaves the speculative engine less than 0.05 of "
                          f"the device within gpu_memory_utilization {budget} (both engines share it)")
     return round(budget - ref, 4), ref
+
+
+def memory_decision(s: VLLMSettings, draft_dir: Path, target_dir: Path, total_bytes: int
+                    ) -> tuple[VLLMSettings, Any]:
+    """On a GPU of ``total_bytes`` per rank: the settings the memory plan (:func:`workers.vllm.memory.plan_memory`
+    from the pair's configs) gives, and the plan — unless the user chose (``gpu_memory_utilization``,
+    ``target_only_memory_utilization`` or ``one_engine_at_a_time`` set): then ``(s, None)``. Plan "both":
+    both engines resident, each with its own fraction; "one at a time": they alternate, each with the
+    plan's fraction; "does not fit": ValueError before any vLLM process, naming the smallest TP that fits."""
+    import dataclasses
+
+    from workers.vllm.memory import DTYPE_BYTES, GIB, ModelShape, plan_memory
+
+    if any(v is not None for v in (s.gpu_memory_utilization, s.target_only_memory_utilization,
+                                   s.one_engine_at_a_time)):
+        return s, None
+    plan = plan_memory(int(total_bytes), ModelShape.from_dir(target_dir), ModelShape.from_dir(draft_dir),
+                       dtype=s.dtype if s.dtype in DTYPE_BYTES else "bfloat16", tp=s.tensor_parallel_size,
+                       max_num_seqs=s.max_num_seqs or 256, draft_len=s.draft_len, max_model_len=s.max_model_len)
+    if plan.mode == "both":
+        budget = round(plan.speculative_utilization + plan.reference_utilization, 3)
+        return dataclasses.replace(s, gpu_memory_utilization=budget,
+                                   target_only_memory_utilization=plan.reference_utilization,
+                                   one_engine_at_a_time=False), plan
+    if plan.mode == "one at a time":
+        return dataclasses.replace(s, gpu_memory_utilization=plan.speculative_utilization,
+                                   target_only_memory_utilization=plan.reference_utilization,
+                                   one_engine_at_a_time=True), plan
+    raise ValueError(f"the pair does not fit a {total_bytes / GIB:.1f} GiB device at tensor_parallel_size "
+                     f"{s.tensor_parallel_size}: {plan.note} (speculative engine ~{plan.speculative_gib} GiB, "
+                     f"target-only ~{plan.reference_gib} GiB per rank, estimates; python -m workers.vllm.memory). "
+                     "Set gpu_memory_utilization / one_engine_at_a_time to override the plan.")
+
+
+def plan_memory_on_gpu(s: VLLMSettings, draft_dir: Path, target_dir: Path) -> VLLMSettings:
+    """:func:`memory_decision` with this process's GPU (``torch.cuda.mem_get_info``'s total), logged; on
+    CPU builds (no CUDA) the settings unchanged."""
+    import logging
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return s
+    total = torch.cuda.mem_get_info()[1]
+    planned, plan = memory_decision(s, draft_dir, target_dir, total)
+    if plan is not None:
+        logging.getLogger(__name__).warning(
+            "spectune memory plan (estimates, from the configs) for %.1f GiB per rank: %s -> "
+            "gpu_memory_utilization=%s, target_only_memory_utilization=%s, one_engine_at_a_time=%s (%s)",
+            total / (1 << 30), plan.mode, planned.gpu_memory_utilization, planned.target_only_memory_utilization,
+            planned.one_engine_at_a_time, plan.note)
+    return planned
 
 
 def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, shared: bool = False,
@@ -129,8 +181,9 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, sha
 
 class VLLMProcessSetup:
     """What this process sets before it starts a vLLM engine (its engine-core and worker processes
-    inherit the environment): the V1 model runner (the one the plugin patches; vLLM's V2 runner does
-    not support draft_model in 0.32/0.33 — explicit, not left to vLLM's default), vLLM-CPU's thread
+    inherit the environment): the V1 model runner (the one the plugin patches; vLLM 0.33 runs
+    draft_model on its V2 runner by default and marks V1 deprecated — explicit, not left to vLLM's
+    default; the installed vLLM passes the plugin's version and signature gates first), vLLM-CPU's thread
     binding, the step timeout, whether the two engines run one at a time, the rule file (lossless)
     that makes the plugin act (a request's own rule overrides it), and this process as the owner that
     vLLM's processes watch (:mod:`workers.vllm.orphans`: they leave when it is gone)."""
@@ -142,6 +195,7 @@ class VLLMProcessSetup:
         from workers.vllm.settings import _on_cpu, set_cpu_thread_binding, set_step_timeout
 
         check_plugin_installed()
+        check_patch_gates()
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         if os.environ["VLLM_USE_V2_MODEL_RUNNER"].strip() != "0":
             raise VLLMUnavailable("VLLM_USE_V2_MODEL_RUNNER is set: spectune's plugin patches vLLM's V1 model runner, "
@@ -268,6 +322,18 @@ def check_plugin_installed() -> None:
     if allowed is not None and ENTRY_POINT not in [p.strip() for p in allowed.split(",")]:
         raise VLLMUnavailable(f"VLLM_PLUGINS={allowed!r} does not include {ENTRY_POINT!r}: vLLM would run its own "
                               "acceptance rule instead of spectune's")
+
+
+def check_patch_gates() -> None:
+    """The installed vLLM is one the plugin patches safely (:mod:`workers.vllm.gates`: supported version, every
+    patched symbol's signature as recorded), else :class:`~workers.vllm.gates.PatchGateError` naming the
+    symbol and the expected and found signatures — before any vLLM process starts. vLLM's plugin loader
+    only logs a plugin that raises, so this is where a mismatch stops a spectune engine."""
+    from workers.vllm import gates
+
+    if gates.FAILURES:  # register() already ran in this process and refused
+        raise gates.PatchGateError(gates.message(gates.FAILURES))
+    gates.verify()
 
 
 def describe_rule(policy: Any) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from workers.vllm.common import (  # noqa: F401 - VLLMUnavailable, check_plugin_
     is_engine_death,
     lose_batch,
     merge_rank_ledgers,
+    plan_memory_on_gpu,
     reap_workers,
     refuse_sampling_constraints,
     rule_missing,
@@ -97,6 +98,8 @@ class VLLMDecoder:
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
         # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
         self._draft_width = check_pair_dirs(draft_dir, target_dir, self.settings.tensor_parallel_size)
+        # on a GPU, unless the user chose: the memory plan's fractions and engines (a pair that does not fit fails here)
+        self.settings = plan_memory_on_gpu(self.settings, draft_dir, target_dir)
         self._setup = setup = VLLMProcessSetup(self.settings)
         self.cpu_binding, self.rule_file, self._digest = setup.cpu_binding, setup.rule_file, setup.digest
         s = self.settings

