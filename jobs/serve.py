@@ -100,16 +100,23 @@ def check_certified(choice: dict[str, Any], what: str, allow_uncertified: bool) 
                      "choose a wider budget, or pass --allow-uncertified to serve it anyway")
 
 
+def read_choice(path: Path, what: str) -> dict[str, Any]:
+    """A chosen-rule JSON file (a sweep's ``chosen-budget-<b>.json`` or a hand-written one); ``what``
+    names it in the one-line errors."""
+    try:
+        choice = json.loads(path.read_text())
+    except OSError as err:
+        raise ValueError(f"{what}: cannot read {path}: {err.strerror}") from None
+    except ValueError as err:
+        raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
+    if not isinstance(choice, dict) or "policy" not in choice:
+        raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
+    return choice
+
+
 def choice_from_file(path: str) -> dict[str, Any]:
     p = Path(path)
-    try:
-        choice = json.loads(p.read_text())
-    except OSError as err:
-        raise ValueError(f"--policy-file {path}: {err.strerror}") from None
-    except ValueError as err:
-        raise ValueError(f"--policy-file {path} is not valid JSON: {err}") from None
-    if not isinstance(choice, dict) or "policy" not in choice:
-        raise ValueError(f'--policy-file {path} must be a JSON object with "policy" (and "params", "draft_len")')
+    choice = read_choice(p, "--policy-file")
     return {**choice, "source": {"kind": "file", "path": str(p.resolve()), "metrics": choice.get("metrics"),
                                  **_certificate(choice)}}
 
