@@ -307,7 +307,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         units = [0]
 
         def tracer(used, reason, t, gen_seed, rows, req, n_req, group_draft, group_hidden, weight, bias, tokens,
-                   group_ids=None):
+                   group_ids=None, row_keys=None):
             units[0] += 1
             members = req.tolist()
             spec = own[members[0]].spec if own is not None and own[members[0]] is not None else active.spec
@@ -315,7 +315,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
             ids = draft_token_ids.index_select(0, rows) if group_ids is None else group_ids.to(draft_token_ids.dtype)
             _trace(active, spec, units[0], used, reason, t, gen_seed, ids, rows, n_req, target_logits,
                    group_draft, group_hidden, weight, bias, bonus_token_ids.reshape(b, -1)[:, 0].index_select(0, req),
-                   tokens, None if req_ids is None else [req_ids[i] for i in members])
+                   tokens, None if req_ids is None else [req_ids[i] for i in members], row_keys)
     outcome = decide_step(
         policy, draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens, max_spec_len=max_spec_len,
         target_logits=target_logits, bonus_token_ids=bonus_token_ids, temperatures=temps, draft_logits=draft_logits,
@@ -334,12 +334,13 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
 
 def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: str | None, t: float, gen_seed: int,
            draft_ids, rows, n_req, target_logits, group_draft, group_hidden, weight, bias, bonus, output,
-           req_ids) -> None:
+           req_ids, row_keys=None) -> None:
     trace_dir = os.environ.get(TRACE_DIR_ENV)
     if not trace_dir:
         return
     sel = (lambda x: None if x is None else x.index_select(0, rows).cpu())  # noqa: E731
     record = {"spec": spec, "call": active.calls, "temperature": t, "generator_seed": gen_seed,
+              "row_keys": None if row_keys is None else list(row_keys),  # per-request streams, when drawn from
               "decided_by": used.name, "fallback": reason, "req_ids": req_ids,
               "draft_token_ids": draft_ids.cpu(), "num_draft_tokens": n_req.cpu(), "target_logits": sel(target_logits),
               "draft_logits": None if group_draft is None else group_draft.cpu(),

@@ -296,7 +296,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         out[req, :tokens.shape[1]] = tokens.to(torch.int32)
         if trace is not None:
             trace(used, reason, t, gen_seed, rows, req, n_req, group_draft, hidden, weight, bias, tokens,
-                  inputs["draft_token_ids"])  # the drafts the rule saw (skipped ones as -1)
+                  inputs["draft_token_ids"],  # the drafts the rule saw (skipped ones as -1)
+                  row_keys)  # each request's stream key (None: the group drew from gen_seed's generator)
 
     for (_, t), members in sorted(groups.items()):
         pol = policies[members[0]] if own[members[0]] else policy

@@ -60,6 +60,16 @@ def test_greedy_lossless_equals_cpu_engine_and_target_only(engine, cpu_engine, p
 RULES = ["kl_judge", "top_k", "typical", "target_entropy", "draft_entropy", "relaxed_topk", "dropmatch"]
 
 
+def randomness(call: dict) -> dict:
+    """Where a traced call drew its random numbers: per-request streams (a request's own rule: keyed by its
+    seed) or one generator seeded for the step."""
+    if call.get("row_keys") is not None:
+        from policies.randomness import RowStreams
+
+        return {"streams": RowStreams(torch.tensor(call["row_keys"], dtype=torch.int64))}
+    return {"generator": torch.Generator().manual_seed(call["generator_seed"])}
+
+
 @pytest.mark.parametrize("name", RULES)
 def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
     clear(trace_dir)
@@ -77,7 +87,7 @@ def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
             target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
             draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
             lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
-            temperature=call["temperature"], generator=torch.Generator().manual_seed(call["generator_seed"]))
+            temperature=call["temperature"], **randomness(call))
         assert torch.equal(replay.output_token_ids, call["output_token_ids"])
         # 2) the per-request reference (policies.verify on a [1, L] batch) decides the same
         n = int(call["num_draft_tokens"][0])
@@ -93,7 +103,7 @@ def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
             target_hidden=None if call["target_hidden"] is None else
             torch.cat([call["target_hidden"][:n], call["target_hidden"][n - 1:n]]).unsqueeze(0),
             lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"], temperature=0.0,
-            generator=torch.Generator().manual_seed(call["generator_seed"]))
+            **{k: v.rows(0, 1) if k == "streams" else v for k, v in randomness(call).items()})
         ref = verify(policy, batch)
         k = int(ref.num_accepted[0])
         assert row[:k] == batch.draft_token_ids[0, :k].tolist()
