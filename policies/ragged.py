@@ -26,8 +26,7 @@ from policies.emission import emit_tokens, leading_run
 
 CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
 # On CPU a rule's passes over the block run at cache speed only when it is small: 8 MiB blocks (two
-# requests at L 5, V 152k) decided a B = 256 step 2-3x faster than 256 MiB ones, greedy and sampled alike
-# (jobs.bench.step on the 2-core EPYC; docs/measurements.md).
+# requests at L 5, V 152k). Chosen from exploratory timings, not a committed benchmark (docs/measurements.md).
 CHUNK_ELEMENTS_CPU = 1 << 21
 
 
