@@ -49,7 +49,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,16 @@ class Step:
     bonus_token_ids: torch.Tensor  # [B, 1] int32
     hidden: torch.Tensor  # [N, d] in the head's dtype
     weight: torch.Tensor  # [V, d]
+    as_handed: dict[float, torch.Tensor] = field(default_factory=dict)  # plugin_draft's, made once per T
+
+    def plugin_draft(self, temperature: float) -> torch.Tensor:
+        """The draft's logits as the plugin hands them to decide_step (``draft_normalized``): T·log q_T, the
+        log of the distribution the drafts were drawn from times T (log q at T = 1 when T = 0). Made once
+        per temperature, outside any timing: the drafter makes it, not the verify step."""
+        if temperature not in self.as_handed:
+            t = temperature if temperature > 0 else 1.0
+            self.as_handed[temperature] = torch.log_softmax(self.draft_logits / t, dim=-1).mul_(t)
+        return self.as_handed[temperature]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.draft_token_ids, self.target_logits,
@@ -140,7 +150,7 @@ def call_rule(policy: Any, step: Step, temperature: float, seed: int = 0, call: 
     return decide_step(policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens,
                        max_spec_len=max(step.num_draft_tokens, default=0), target_logits=step.target_logits,
                        bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
-                       draft_logits=step.draft_logits, target_hidden=step.hidden,
+                       draft_logits=step.plugin_draft(temperature), draft_normalized=True, target_hidden=step.hidden,
                        lm_head=lambda: (step.weight, None), seed=seed, step=call)
 
 

@@ -27,6 +27,14 @@ def as_float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
+def log_partition(logits: Tensor, logp: Tensor) -> Tensor:
+    """log Σ exp(logits) over the last dim, from the log-softmax ``logp`` of the same logits:
+    max(logits) - max(logp). ``torch.logsumexp`` makes three full-size passes and two temporaries on
+    CPU (amax, the difference, exp); the fused log-softmax makes one temporary, and the two maxima are
+    cheap. Exact in the sense that the kernel's max(logp) is -log Σ exp(logits - max)."""
+    return logits.amax(dim=-1) - logp.amax(dim=-1)
+
+
 @dataclass(frozen=True)
 class VerifyBatch:
     """Everything one verify step knows. Logits may be bf16; rules upcast what they read."""
@@ -42,6 +50,10 @@ class VerifyBatch:
     # Per-row random streams (policies.randomness.RowStreams): when set, every random number a rule draws
     # comes from its row's own stream instead of ``generator`` (a request's draws independent of the batch)
     streams: Any = None
+    # ``draft_logits / temperature`` are already log-probabilities (vLLM's plugin hands over T·log q_T, with
+    # q_T the distribution the drafts were drawn from; at T = 0, log q at T = 1): the draft's log-partition
+    # at the batch temperature is 0, and no pass over the vocabulary computes it
+    draft_normalized: bool = False
 
     def __post_init__(self) -> None:
         ids, tl = self.draft_token_ids, self.target_logits
@@ -85,6 +97,36 @@ class VerifyBatch:
     @cached_property
     def draft_logp(self) -> Tensor | None:  # [B, L, V]
         return None if self.draft_f32 is None else torch.log_softmax(self.draft_f32, dim=-1)
+
+    @cached_property
+    def _partitions(self) -> dict[tuple[str, float], Tensor]:
+        return {}
+
+    def target_lse(self, temperature: float = 1.0) -> Tensor:
+        """[B, L] log Σ_v exp(z_v / T) of the target at the draft positions, once per batch and T (the
+        lossless fallback, DropMatch's rest atom and others share it). T = 1 reuses ``target_logp``."""
+        return self._lse("target", self.target_f32[:, :-1], temperature)
+
+    def draft_lse(self, temperature: float = 1.0) -> Tensor:
+        """[B, L] log Σ_v exp(z_v / T) of the draft's logits; ``draft_logits`` must be given."""
+        if self.draft_f32 is None:
+            raise ValueError("draft_lse needs draft_logits")
+        return self._lse("draft", self.draft_f32, temperature)
+
+    def _lse(self, which: str, logits: Tensor, temperature: float) -> Tensor:
+        if not temperature > 0.0:
+            raise ValueError(f"a log-partition needs a temperature > 0, got {temperature}")
+        key = (which, float(temperature))
+        if key not in self._partitions:
+            if which == "draft" and self.draft_normalized and temperature == (self.temperature or 1.0):
+                self._partitions[key] = logits.new_zeros(logits.shape[:-1])
+            elif temperature == 1.0:
+                logp = self.target_logp if which == "target" else self.draft_logp
+                self._partitions[key] = log_partition(logits, logp)
+            else:
+                scaled = logits / temperature
+                self._partitions[key] = log_partition(scaled, torch.log_softmax(scaled, dim=-1))
+        return self._partitions[key]
 
     @property
     def batch_size(self) -> int:

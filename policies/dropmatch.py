@@ -54,7 +54,7 @@ def decide_dropmatch(batch: VerifyBatch, config: DropMatchConfig) -> Decision:
         lm_head_weight=weight,
         lm_head_bias=batch.lm_head_bias,
         target_logits=batch.target_f32[:, :-1],
-        target_logp=batch.target_logp if config.mode == "candidate" and config.p_drop > 0 else None,
+        target_lse=batch.target_lse,
         draft_token_ids=batch.draft_token_ids,
         k=config.k,
         p_drop=config.p_drop,

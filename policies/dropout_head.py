@@ -17,6 +17,7 @@ of a K-head draw are the k-head draw: raising K only adds heads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,22 @@ def draw_head_randomness(
     k: int, batch_size: int, draft_len: int, hidden_size: int, p_drop: float, sampling: bool,
     generator: torch.Generator | None, device: torch.device, streams: Any = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Keep-masks [K, B, L, d] bool (None when p_drop = 0) and uniforms [K, B, L] (None at T = 0); from the
-    rows' own streams when ``streams`` (policies.randomness.RowStreams) is given."""
+    """Keep-masks [K, B, L, d] bool (None when p_drop = 0) and uniforms [K, B, L] (None at T = 0).
+
+    From ``generator``: head by head (mask, then uniform). From the rows' own ``streams``
+    (policies.randomness.RowStreams): two draws, all K masks (16-bit numbers: a mask only compares them
+    with p_drop) then all K uniforms, each head numbered on its own. Either way the first k heads of a
+    K-head draw are the k-head draw, and with streams a position's numbers do not depend on the draft
+    length either (a request padded in a ragged batch draws what it draws alone)."""
+    if streams is not None:
+        keep = None
+        if p_drop > 0.0:
+            draw = uniform((batch_size, k, draft_len, hidden_size), generator, device, streams, bits=16, heads=True)
+            keep = (draw >= p_drop).transpose(0, 1)
+        u = None
+        if sampling:
+            u = uniform((batch_size, k, draft_len), generator, device, streams, heads=True).transpose(0, 1)
+        return keep, u
     masks, uniforms = [], []
     for _ in range(k):
         if p_drop > 0.0:
@@ -58,17 +73,11 @@ def _dropped_hidden(hidden: Tensor, keep: Tensor, p_drop: float, dtype: torch.dt
     return hidden.to(dtype).unsqueeze(0) * keep.to(dtype) * scale
 
 
-def _rest_logit(target: Tensor, target_logp: Tensor | None, cand_target: Tensor, temperature: float) -> Tensor:
-    """log Σ_{v ∉ candidates} exp(z_v / T): [B, L]. -inf when candidates hold all the mass.
-
-    At T = 1 the log-partition comes free from the batch's cached log-softmax (z - log p is the
-    same for every token), saving a logsumexp pass over the vocabulary."""
-    if temperature == 1.0 and target_logp is not None:
-        lse_all = target[..., 0] - target_logp[..., 0]
-    else:
-        lse_all = torch.logsumexp(target / temperature, dim=-1)
+def _rest_logit(target_lse: Tensor, cand_target: Tensor, temperature: float) -> Tensor:
+    """log Σ_{v ∉ candidates} exp(z_v / T): [B, L], from the full log-partition ``target_lse`` at T (the
+    batch's, shared with the lossless fallback). -inf when candidates hold all the mass."""
     lse_cand = torch.logsumexp(cand_target / temperature, dim=-1)
-    return lse_all + torch.log1p(-(lse_cand - lse_all).exp().clamp(max=1.0))
+    return target_lse + torch.log1p(-(lse_cand - target_lse).exp().clamp(max=1.0))
 
 
 def dropout_heads(
@@ -77,7 +86,7 @@ def dropout_heads(
     lm_head_weight: Tensor,  # [V, d]
     lm_head_bias: Tensor | None,  # [V]
     target_logits: Tensor,  # [B, L, V] the undropped logits at the same positions
-    target_logp: Tensor | None,  # [B, L, V] their log-softmax, if already computed
+    target_lse: Callable[[float], Tensor] | None,  # T -> [B, L] log Σ exp(z / T) (VerifyBatch.target_lse)
     draft_token_ids: Tensor,  # [B, L]
     k: int,
     p_drop: float,
@@ -117,7 +126,8 @@ def dropout_heads(
     cand_target = target.gather(-1, cand).masked_fill(slot_off, float("-inf"))  # [B, L, C]
 
     def with_rest(head_logits: Tensor, temp: float) -> Tensor:
-        rest = _rest_logit(target, target_logp, cand_target, temp)  # [B, L]
+        lse = target_lse(temp) if target_lse is not None else torch.logsumexp(target / temp, dim=-1)
+        rest = _rest_logit(lse, cand_target, temp)  # [B, L]
         return torch.cat([head_logits, rest.expand(k, b, n).unsqueeze(-1)], dim=-1)
 
     atom_ids = torch.cat([cand, cand.new_full((b, n, 1), -1)], dim=-1)  # [B, L, C+1]

@@ -34,13 +34,12 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
         accepted = (score >= 0) & (target.argmax(dim=-1) == draft_ids)
         return Decision(accepted=accepted, score=score)
     # Only p_t(d) and q(d) are needed: logit(d)/T - logsumexp(logits/T), no full softmax.
-    target_scaled = target / temperature
-    target_logp_d = gather_last(target_scaled, draft_ids) - torch.logsumexp(target_scaled, dim=-1)
+    # The log-partitions are the batch's, shared with any other rule (or DropMatch's rest atom) at this T.
+    target_logp_d = gather_last(target, draft_ids) / temperature - batch.target_lse(temperature)
     if batch.draft_f32 is None:
         draft_logp_d = torch.zeros_like(target_logp_d)
     else:
-        draft_scaled = batch.draft_f32 / temperature
-        draft_logp_d = gather_last(draft_scaled, draft_ids) - torch.logsumexp(draft_scaled, dim=-1)
+        draft_logp_d = gather_last(batch.draft_f32, draft_ids) / temperature - batch.draft_lse(temperature)
     ratio = (target_logp_d - draft_logp_d).clamp(max=0.0).exp()  # [B, L]
     uniforms = uniform(tuple(draft_ids.shape), batch.generator, draft_ids.device, batch.streams)
     return Decision(accepted=uniforms < ratio, score=ratio)

@@ -56,6 +56,23 @@ def _gather(flat: Tensor | None, index: Tensor) -> Tensor | None:
     return flat.index_select(0, index.reshape(-1)).view(b, n, *flat.shape[1:])
 
 
+def _target_block(flat: Tensor, index: Tensor, first_row: int | None) -> Tensor:
+    """The target's ``[b, L+1, V]`` block of a chunk, laid out so that its draft positions ``[:, :L]`` are
+    *contiguous*: every rule's passes over them (softmax, log-softmax, argmax, top-k) would first copy a
+    strided ``[:, :-1]`` view. The block is a strided view of ``b·L + 1`` rows: request i's bonus slot (never
+    read for a decision; the emission replaces whatever it reads there by the bonus token) aliases request
+    i+1's first row, and the last request's is the one extra row. ``first_row``: the chunk's rows are the
+    ``b·L + 1`` consecutive flat rows from there (every request drafted L, and a row follows the chunk), so
+    the block is a view of ``flat`` itself, no copy. Read only: nothing writes into a verify batch."""
+    b, n = index.shape
+    v = flat.shape[1]
+    if first_row is not None and flat.is_contiguous():
+        storage = flat[first_row:first_row + b * n + 1]
+    else:
+        storage = flat.index_select(0, torch.cat([index.reshape(-1), index[-1, -1:]]))  # [b·L + 1, V]
+    return storage.as_strided((b, n + 1, v), (n * v, v, 1))
+
+
 def verify_flat(
     policy: Policy,
     *,
@@ -72,6 +89,7 @@ def verify_flat(
     chunk_elements: int | None = None,  # default: CHUNK_ELEMENTS on a GPU, CHUNK_ELEMENTS_CPU on CPU
     lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
     streams: Any = None,  # policies.randomness.RowStreams, one row per request: draws from these, not generator
+    draft_normalized: bool = False,  # draft_logits / temperature are log-probabilities (VerifyBatch)
 ) -> FlatVerification:
     """``lengths`` spares the two device-to-host reads (the sum check and the longest draft) that a GPU
     would wait for; vLLM hands its caller the draft counts as a host list anyway."""
@@ -106,21 +124,29 @@ def verify_flat(
         chunk_elements = CHUNK_ELEMENTS_CPU if device.type == "cpu" else CHUNK_ELEMENTS
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
+    # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view
+    # of the flat rows, no copy (the target block still gathers: it has a bonus slot).
+    full = lengths is not None and all(n == max_len for n in lengths)
     for lo in range(0, b, step):  # chunks of requests, not tokens
         hi = min(b, lo + step)
         index, valid = index_all[lo:hi], valid_all[lo:hi]
         # The bonus slot (column L_max) is never read for a decision; repeat the last row there.
         index_plus = torch.cat([index, index[:, -1:]], dim=1)
+        if full and draft_logits is not None:
+            chunk_draft = draft_logits[lo * max_len:hi * max_len].reshape(hi - lo, max_len, -1)
+        else:
+            chunk_draft = _gather(draft_logits, index)
         batch = VerifyBatch(
             draft_token_ids=safe_ids[index],
-            draft_logits=_gather(draft_logits, index),
-            target_logits=_gather(target_logits, index_plus),
+            draft_logits=chunk_draft,
+            target_logits=_target_block(target_logits, index, lo * max_len if full and hi < b else None),
             target_hidden=_gather(target_hidden, index_plus),
             lm_head_weight=lm_head_weight,
             lm_head_bias=lm_head_bias,
             temperature=temperature,
             generator=generator,
             streams=None if streams is None else streams.rows(lo, hi),
+            draft_normalized=draft_normalized,
         )
         decision = policy.decide(batch)
         accepted = decision.accepted & valid & draft_ok[index]

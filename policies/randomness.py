@@ -62,20 +62,37 @@ class RowStreams:
     def to(self, device: torch.device | str) -> RowStreams:
         return RowStreams(self.keys.to(device), self.draws)
 
-    def uniform(self, shape: tuple[int, ...] | torch.Size) -> Tensor:
-        """float32 in (0, 1) of ``shape`` (``shape[0]`` = the rows), then the next draw."""
+    def uniform(self, shape: tuple[int, ...] | torch.Size, bits: int = 24, heads: bool = False) -> Tensor:
+        """float32 in (0, 1) of ``shape`` (``shape[0]`` = the rows), then the next draw.
+
+        ``bits``: 24 (one hash per number) or 16 (four numbers from each 64-bit hash, at a quarter of the
+        hashing: enough where a number is only compared with a probability, as a dropout mask's is).
+        ``heads``: ``shape[1]`` numbers independent sub-draws (DropMatch's heads), each numbered from 0, as if
+        each were a draw of its own. Number ``j`` of a row (of a head) never depends on how many numbers the
+        draw makes, so a longer draw extends a shorter one: a request padded to a longer draft, or more
+        heads, leaves the numbers it had unchanged."""
         shape = tuple(int(s) for s in shape)
         if not shape or shape[0] != len(self):
             raise ValueError(f"a draw's first dimension is the rows ({len(self)}), got shape {shape}")
+        if bits not in (16, 24):
+            raise ValueError(f"bits must be 16 or 24, got {bits}")
+        if heads and len(shape) < 2:
+            raise ValueError(f"a draw with heads needs shape [rows, heads, ...], got {shape}")
         draw, self.draws = self.draws, self.draws + 1
-        per_row = 1
-        for s in shape[1:]:
-            per_row *= s
+        n_heads = shape[1] if heads else 1
+        per_head = 1
+        for s in shape[(2 if heads else 1):]:
+            per_head *= s
+        per_hash = 1 if bits == 24 else 4
+        device = self.keys.device
+        index = ((torch.arange(n_heads, dtype=torch.int64, device=device) << 32).unsqueeze(1)
+                 + torch.arange((per_head + per_hash - 1) // per_hash, dtype=torch.int64, device=device))
         key = _mix(self.keys + _signed(draw * _M2))  # [B]: this row's key for this draw
-        index = torch.arange(per_row, dtype=torch.int64, device=self.keys.device)
-        bits = _mix(key.unsqueeze(1) + index.unsqueeze(0))  # [B, per_row]
-        u = (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
-        return u.view(shape)
+        h = _mix(key.view(-1, 1, 1) + index)  # [B, heads, hashes per head]
+        if bits == 24:
+            return ((_shr(h, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).view(shape)
+        fields = torch.stack([_shr(h, 16 * i) & 0xFFFF for i in range(4)], dim=-1).flatten(2)[..., :per_head]
+        return ((fields.to(torch.float32) + 0.5) * (1.0 / (1 << 16))).view(shape)
 
 
 def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -94,8 +111,9 @@ def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
 
 
 def uniform(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device,
-            streams: RowStreams | None = None) -> Tensor:
-    """A rule's uniforms: from the rows' own streams when the batch has them, else from ``generator``."""
+            streams: RowStreams | None = None, bits: int = 24, heads: bool = False) -> Tensor:
+    """A rule's uniforms: from the rows' own streams when the batch has them (``bits`` and ``heads`` as
+    :meth:`RowStreams.uniform`), else from ``generator``."""
     if streams is not None:
-        return streams.uniform(shape).to(device)
+        return streams.uniform(shape, bits, heads).to(device)
     return torch.rand(shape, generator=generator, device=device)

@@ -12,7 +12,9 @@ through a random LM head, the draft's with noise, drafts the draft's argmax, som
 (each request's random draws keyed by its own seed, whatever shares the batch). Every table also times
 the reference figures side by side in the same run: the *greedy group* (lossless at T = 0, one rule for
 the step: the cheapest decision) and the ``argmax`` over the same logits that vLLM's greedy rejection
-needs at least. Prints the median and min milliseconds of ``--reps`` timed calls, the fallbacks seen
+needs at least. The draft's logits are handed over as the plugin hands them (T·log q_T, made once outside
+the timing: the drafter makes them). Prints the median and min milliseconds of ``--reps`` rounds in which
+every timed call takes its turn (interleaved: a slow spell hits all of them), the fallbacks seen
 (a rule that fell back is timing the lossless rule, not itself) and the machine's load before and after.
 No assertions: this is a measurement (docs/measurements.md "Per-step cost").
 """
@@ -30,14 +32,18 @@ import torch
 from workers.cli import one_line_errors, parse_rule, require_positive
 
 
-def timed_ms(fn: Callable[[], object], reps: int) -> tuple[float, float]:
-    fn()  # warm-up (allocator, lazy imports)
-    times = []
+def interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float]]:
+    """Median and min ms of each function over ``reps`` rounds, the functions taking turns within each
+    round (a slow spell of a shared machine hits all of them, not the one that happened to run then)."""
+    for fn in fns.values():
+        fn()  # warm-up (allocator, lazy imports)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), min(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
 
 
 @one_line_errors
@@ -70,19 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         return decide_step(
             policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens, max_spec_len=n,
             target_logits=step.target_logits, bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
-            draft_logits=step.draft_logits, target_hidden=step.hidden, lm_head=lambda: (step.weight, None),
-            policies=[policy] * b if own else None, keys=["bench"] * b if own else None,
-            request_seeds=list(range(1, b + 1)) if own else None)
+            draft_logits=step.plugin_draft(temperature), draft_normalized=True, target_hidden=step.hidden,
+            lm_head=lambda: (step.weight, None), policies=[policy] * b if own else None,
+            keys=["bench"] * b if own else None, request_seeds=list(range(1, b + 1)) if own else None)
 
     mode = "per-request rules and seeds" if args.per_request_seeds else "one rule for the step"
     print(f"B={b} L={n} V={v} d={args.hidden_size} fp32 T={t:g} ({mode})  torch threads={torch.get_num_threads()}  "
           f"cpus={os.cpu_count()}  load(1m) before={os.getloadavg()[0]:.2f}")
     print("| step decided by | median ms | min ms | vs greedy group | vs argmax | fallbacks |\n|---|---:|---:|---:|---:|---|")
-    ref, ref_min = timed_ms(lambda: step.target_logits.argmax(dim=-1), args.reps)
     lossless = make_policy("lossless")
-    group, group_min = timed_ms(lambda: call(lossless, 0.0, False), args.reps)
-    for (name, params), (_, policy) in zip(rules, policies, strict=True):
-        med, low = timed_ms(lambda p=policy: call(p, t, args.per_request_seeds), args.reps)
+    fns: dict[str, Callable[[], object]] = {"argmax": lambda: step.target_logits.argmax(dim=-1),
+                                             "group": lambda: call(lossless, 0.0, False)}
+    for i, (_, policy) in enumerate(policies):
+        fns[f"rule{i}"] = lambda p=policy: call(p, t, args.per_request_seeds)
+    timed = interleaved_ms(fns, args.reps)
+    (ref, ref_min), (group, group_min) = timed["argmax"], timed["group"]
+    for i, ((name, params), (_, policy)) in enumerate(zip(rules, policies, strict=True)):
+        med, low = timed[f"rule{i}"]
         seen = sorted({r for r in call(policy, t, args.per_request_seeds).fallback if r is not None})
         label = name + (f" {params}" if params else "")
         print(f"| {label} (decide_step) | {med:.1f} | {low:.1f} | {med / group:.2f}x | {med / ref:.1f}x | "

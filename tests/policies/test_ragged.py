@@ -137,3 +137,35 @@ def test_vllm_placeholder_drafts_are_never_accepted(name, temperature):
     if temperature == 0.0 and not get_spec(name).lossy:
         assert k == 3 and row[3] == int(flat["target_logits"][3].argmax()), "the target's token at the placeholder"
     assert got.output_token_ids[1:].tolist() == clean.output_token_ids[1:].tolist() or temperature > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", RULES)
+def test_full_drafts_take_views_and_decide_as_the_gathered_path(name, temperature):
+    """Every request drafted L and the host's lengths say so: the draft rows and the target block are views
+    of the flat rows (no copy), chunk by chunk; the decisions are the gathered path's, bit for bit."""
+    full = make_batch(temperature=temperature, batch_size=4, draft_len=5, seed=11)
+    flat = flatten(full, [5] * 4)
+    policy = example(name)
+    seed = 123
+    kwargs = dict(bonus_token_ids=BONUS, chunk_elements=1, **flat)  # one request per chunk
+    viewed = verify_flat(policy, lengths=[5] * 4, generator=torch.Generator().manual_seed(seed), **kwargs)
+    gathered = verify_flat(policy, generator=torch.Generator().manual_seed(seed), **kwargs)
+    assert torch.equal(viewed.output_token_ids, gathered.output_token_ids)
+    assert torch.equal(viewed.accepted, gathered.accepted)
+
+
+def test_the_target_block_has_contiguous_draft_positions():
+    from policies.ragged import _target_block
+
+    flat = torch.randn(12, 7)  # 4 requests x L 3
+    index, _ = ragged_index(torch.tensor([3, 3, 3, 3]), 3)
+    for first_row in (None, 3):
+        block = _target_block(flat, index[1:3], first_row)  # requests 1 and 2
+        assert block.shape == (2, 4, 7) and block[:, :-1].is_contiguous()
+        assert torch.equal(block[:, :-1].reshape(6, 7), flat[3:9])
+    assert _target_block(flat, index[1:3], 3).data_ptr() == flat[3].data_ptr(), "a view, not a copy"
+    ragged, _ = ragged_index(torch.tensor([2, 0, 3]), 3)  # padding repeats a request's own last row
+    block = _target_block(flat[:5], ragged, None)
+    assert block[:, :-1].is_contiguous() and torch.equal(block[0, :2], flat[:2])
+    assert torch.equal(block[2, :3], flat[2:5])

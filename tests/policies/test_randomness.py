@@ -65,3 +65,29 @@ def test_a_row_with_no_usable_mass_gets_its_argmax_not_an_error():
     probs = torch.tensor([[float("nan"), 1.0, 0.5], [0.0, 0.0, 0.0], [0.2, float("inf"), 0.1], [0.1, 0.7, 0.2]])
     ids = sample_rows(probs, torch.full((4,), 0.5))
     assert ids.tolist()[:3] == [0, 0, 1] and 0 <= ids.tolist()[3] < 3
+
+
+def test_16_bit_draws_are_uniform_and_extend_like_24_bit_ones():
+    s = RowStreams(torch.arange(8) * 7919)
+    u = s.uniform((8, 3, 5, 1001), bits=16, heads=True)
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0
+    assert stats.kstest(u.flatten().numpy(), "uniform").pvalue > 1e-3
+    keep = (u >= 0.3).float().mean().item()
+    assert abs(keep - 0.7) < 5 * math.sqrt(0.21 / u.numel()), "a 16-bit number compared with p keeps 1 - p"
+    head_r = float(torch.corrcoef(torch.stack([u[:, 0].flatten(), u[:, 1].flatten()]))[0, 1])
+    assert abs(head_r) < 5 / math.sqrt(u[:, 0].numel()), "heads are independent"
+    with pytest.raises(ValueError, match="bits must be 16 or 24"):
+        s.uniform((8, 4), bits=8)
+    with pytest.raises(ValueError, match="needs shape \\[rows, heads"):
+        s.uniform((8,), heads=True)
+
+
+@pytest.mark.parametrize("bits", [16, 24])
+def test_with_heads_a_draw_extends_in_heads_and_in_length(bits):
+    """What a padded request and a lower K see: the numbers they would have drawn alone."""
+    big = RowStreams(torch.tensor([3, 4]), start=5).uniform((2, 4, 6, 7), bits=bits, heads=True)
+    small = RowStreams(torch.tensor([4]), start=5).uniform((1, 2, 3, 7), bits=bits, heads=True)
+    assert torch.equal(big[1, :2, :3], small[0]), "more heads and a longer draft only add numbers"
+    assert not torch.equal(big[:, 0], big[:, 1]), "each head its own numbers"
+    plain = RowStreams(torch.tensor([3, 4]), start=5).uniform((2, 6, 7), bits=bits)
+    assert torch.equal(plain, big[:, 0, :6]), "head 0 of a draw with heads is the draw without"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -169,3 +170,30 @@ def test_any_of_rejects_bad_members():
         make_policy("any_of", members=[("nope", {})])
     with pytest.raises(ValueError, match="threshold"):
         make_policy("any_of", members=[("kl_judge", {"threshold": -1})])
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_log_partitions_are_logsumexp_and_shared(temperature):
+    batch = make_batch(temperature=temperature, seed=4, scale=6.0)
+    want = torch.logsumexp(batch.target_f32[:, :-1] / temperature, dim=-1)
+    assert torch.allclose(batch.target_lse(temperature), want, atol=1e-5)
+    assert batch.target_lse(temperature) is batch.target_lse(temperature), "computed once per batch and T"
+    assert torch.allclose(batch.draft_lse(temperature), torch.logsumexp(batch.draft_f32 / temperature, -1), atol=1e-5)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        batch.target_lse(0.0)
+
+
+@pytest.mark.parametrize("name", ["lossless", "kl_judge", "dropmatch", "typical"])
+def test_draft_handed_as_t_log_q_decides_as_raw_logits(name):
+    """The vLLM plugin hands the draft over as T·log q_T (``draft_normalized``: its log-partition at T is 0,
+    not computed). Every rule decides as it does from the raw logits (same generator, same draws)."""
+    t = 0.7
+    raw = make_batch(temperature=t, seed=9, scale=4.0, batch_size=6)
+    handed = replace(raw, draft_logits=torch.log_softmax(raw.draft_f32 / t, dim=-1) * t, draft_normalized=True,
+                     generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(handed.draft_lse(t), torch.zeros(6, 5)), "no pass over the vocabulary: exactly 0"
+    raw = replace(raw, generator=torch.Generator().manual_seed(1234))
+    policy = make_policy(name)
+    a, b = verify(policy, raw), verify(policy, handed)
+    assert torch.equal(a.decision.accepted, b.decision.accepted)
+    assert torch.equal(a.output_token_ids, b.output_token_ids)

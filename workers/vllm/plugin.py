@@ -322,7 +322,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab, STEP.mask_from)),
         seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
         request_seeds=request_seeds, skipped=STEP.skipped if STEP.skipped is not None and len(STEP.skipped) >= b
-        else None, greedy_drafts=STEP.draft_logprobs and STEP.greedy_drafts)
+        else None, greedy_drafts=STEP.draft_logprobs and STEP.greedy_drafts, draft_normalized=STEP.draft_logprobs)
     try:
         digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
         LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
@@ -347,7 +347,8 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
               "target_hidden": None if group_hidden is None else group_hidden.cpu(),
               "lm_head_weight": None if weight is None else weight.cpu(),
               "lm_head_bias": None if bias is None else bias.cpu(),
-              "bonus_token_ids": bonus.cpu(), "output_token_ids": output.cpu()}
+              "bonus_token_ids": bonus.cpu(), "output_token_ids": output.cpu(),
+              "draft_normalized": bool(STEP.draft_logprobs)}
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
 
