@@ -16,9 +16,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import jsonargparse
+import yaml
 
 from jobs.records import slug
 from jobs.search_space import DEFAULT_FAMILIES, check_families
@@ -84,12 +86,39 @@ def one_line(message: str) -> str:
     return " ".join(str(message).split())
 
 
+def check_config_keys(ap: argparse.ArgumentParser, argv: list[str]) -> None:
+    """A config file that names one option twice (``search:`` and ``search_space:``, or ``confirm-items:`` and
+    ``confirm_items:``) is refused, naming both keys: jsonargparse would keep whichever came last, silently."""
+    spellings: dict[str, str] = {}
+    for action in ap._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--"):
+                spellings[opt[2:]] = spellings[opt[2:].replace("-", "_")] = action.dest
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+            argv[i + 1] if arg == "--config" and i + 1 < len(argv) else None)
+        if path is None or not Path(path).is_file():
+            continue  # not a file (jsonargparse also takes inline YAML, and names a missing file itself)
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError:
+            continue  # jsonargparse names the parse error
+        seen: dict[str, str] = {}
+        for key in data if isinstance(data, dict) else ():
+            dest = spellings.get(str(key))
+            if dest is not None and dest in seen:
+                raise ValueError(f"{path}: {seen[dest]!r} and {key!r} are the same option; give it once")
+            if dest is not None:
+                seen[dest] = str(key)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line through jsonargparse: ``--config FILE`` sets options from a YAML file, applied
     where it stands, so flags after it override it (docs/sweep-config.md). ValueError, one line naming
     the flag or the config key, when something is wrong."""
     ap = build_parser()
     ap.exit_on_error = False
+    check_config_keys(ap, list(sys.argv[1:] if argv is None else argv))
     try:
         return ap.parse_args(argv)
     except argparse.ArgumentError as err:

@@ -73,6 +73,9 @@ def test_search_space_narrows_the_rules_ranges_within_their_bounds(tmp_path):
     assert s["ranges"]["top_k"] == parse_settings(parse_args(BASE))["ranges"]["top_k"], "other rules keep theirs"
     assert parse_args(["--config", config(tmp_path, "search:\n" + block)]).search_space == s["search_overrides"], \
         "search: is the same key"
+    for both in ("search:\n" + block + "search_space:\n" + block, "confirm-items: 3\nconfirm_items: 4\n"):
+        with pytest.raises(ValueError, match="are the same option; give it once"):
+            parse_args(["--config", config(tmp_path, both)])  # jsonargparse would keep the last one, silently
     flag = parse_args([*BASE, "--search-space", "{kl_judge: {confidence: [0.6, 0.8]}, top_k: {k: [1, 128]}}"])
     assert flag.search_space == {"kl_judge": {"confidence": [0.6, 0.8]}, "top_k": {"k": [1, 128]}}
     k = parse_settings(flag)["ranges"]["top_k"]["k"]

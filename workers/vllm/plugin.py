@@ -197,14 +197,19 @@ class _PaddedLogits:
         return pad_logits(self.compute(*args, **kwargs), self.vocab)
 
 
-def _lm_head(model: Any, vocab: int, mask: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _lm_head(model: Any, vocab: int, mask: int = 0, gather: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's LM head as [V, d] (+ bias). Under tensor parallelism each rank holds a vocabulary
-    shard: the full head is all-gathered once (every rank verifies the same step, so every rank joins
-    the collective) and kept on the model (V x d per rank, ~0.5 GB for a 1.5B bf16 target). ``mask``: a
-    padded draft's width; the bias is then -inf past it, as the target's logits are (:func:`mask_from`)."""
+    shard: the full head is all-gathered once, at the first step by :func:`gather_head_under_tp` (the only
+    caller with ``gather``: every rank calls it there, so every rank joins the collective), and kept on the
+    model (V x d per rank, ~0.5 GB for a 1.5B bf16 target). Inside a rule a shard is never gathered (one
+    rank could be there alone): it raises, and DropMatch falls back to the lossless rule, counted. ``mask``:
+    a padded draft's width; the bias is then -inf past it, as the target's logits are (:func:`mask_from`)."""
     cached = getattr(model, "_spectune_lm_head", None)
     if cached is not None:
         return cached
+    failed = getattr(model, "_spectune_lm_head_error", None)
+    if failed is not None:
+        raise RuntimeError(f"spectune vLLM plugin: the LM head could not be gathered at the first step ({failed})")
     head = getattr(model, "lm_head", None)
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor):
@@ -213,6 +218,9 @@ def _lm_head(model: Any, vocab: int, mask: int = 0) -> tuple[torch.Tensor, torch
     bias = getattr(head, "bias", None)
     bias = bias if isinstance(bias, torch.Tensor) else None
     if weight.shape[0] < vocab:  # a tensor-parallel shard of the (padded) vocabulary
+        if not gather:
+            raise RuntimeError("spectune vLLM plugin: the LM head is a tensor-parallel shard and was not gathered "
+                               "at the first step; DropMatch cannot build its dropout heads")
         from vllm.distributed import tensor_model_parallel_all_gather
 
         weight = tensor_model_parallel_all_gather(weight.contiguous(), dim=0)
@@ -260,12 +268,21 @@ def gather_head_under_tp(model: Any, vocab: int, mask: int, group: Any) -> None:
     """Under TP, the target's full LM head (:func:`_lm_head`) gathered on every rank at the first step, for
     DropMatch's dropout heads: V x d x dtype bytes more per rank (bf16: 0.47 GB for Qwen2.5-1.5B, 1.09 GB
     for 7B, 2.5 GB for 72B; counted by :mod:`workers.vllm.memory`). A head that is not a plain tensor
-    (quantized) is skipped on every rank alike (the same model everywhere); DropMatch then falls back."""
+    (quantized) is skipped on every rank alike (the same model everywhere); DropMatch then falls back.
+    Never raises (it runs outside any rule's guard, and a raise here would stop the engine): a gather that
+    fails (a short head, out of memory) is recorded on the model, and DropMatch then falls back to the
+    lossless rule, counted, at every step on every rank, with no further collective."""
     if group is None or model is None or getattr(model, "_spectune_lm_head", None) is not None:
         return
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
-    if isinstance(weight, torch.Tensor):
-        _lm_head(model, vocab, mask)
+    if not isinstance(weight, torch.Tensor):
+        return
+    try:
+        _lm_head(model, vocab, mask, gather=True)
+    except Exception as err:  # noqa: BLE001 - never a dead engine; every rule that needs the head falls back
+        model._spectune_lm_head_error = f"{type(err).__name__}: {err}"
+        _warn_once("the LM head could not be gathered under tensor parallelism", model._spectune_lm_head_error,
+                   fallback=True)
 
 def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
                draft_probs: torch.Tensor | None, target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,

@@ -106,14 +106,60 @@ def test_the_head_is_gathered_once_under_tp_only(monkeypatch):
     from workers.vllm import plugin
 
     gathered = []
-    monkeypatch.setattr(plugin, "_lm_head", lambda model, vocab, mask: gathered.append((vocab, mask)))
+    monkeypatch.setattr(plugin, "_lm_head", lambda model, vocab, mask, gather: gathered.append((vocab, mask, gather)))
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 8, bias=False)
     plugin.gather_head_under_tp(model, 16, 0, None)
     assert gathered == []
     plugin.gather_head_under_tp(model, 16, 12, FakeGroup(None))
-    assert gathered == [(16, 12)]
+    assert gathered == [(16, 12, True)]
     quantized = torch.nn.Module()
     quantized.lm_head = torch.nn.Module()  # no plain weight: skipped alike on every rank
     plugin.gather_head_under_tp(quantized, 16, 0, FakeGroup(None))
-    assert gathered == [(16, 12)]
+    assert gathered == [(16, 12, True)]
+
+
+def test_a_failed_gather_never_raises_and_dropmatch_falls_back_on_every_step(monkeypatch):
+    """Under TP the head is gathered outside any rule's guard: a short head (or out of memory) there must not
+    stop the engine. It is recorded; later calls raise inside the rule (DropMatch falls back, counted) and
+    never try the collective again, and a shard is never gathered lazily inside a rule."""
+    import sys
+    import types
+
+    from policies import make_policy
+    from workers.vllm import plugin
+    from workers.vllm.step import decide_step
+
+    calls = []
+
+    def short_gather(tensor, dim):
+        calls.append(tuple(tensor.shape))
+        return tensor  # a rank's shard comes back as it went: fewer rows than the vocabulary
+
+    fake = types.ModuleType("vllm.distributed")
+    fake.tensor_model_parallel_all_gather = short_gather
+    monkeypatch.setitem(sys.modules, "vllm.distributed", fake)
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(4, 8, bias=False)  # a shard: 8 of 16 rows
+    plugin.gather_head_under_tp(model, 16, 0, FakeGroup(None))  # must not raise
+    assert calls == [(8, 4)] and "8 of 16 rows" in model._spectune_lm_head_error
+    with pytest.raises(RuntimeError, match="could not be gathered at the first step"):
+        plugin._lm_head(model, 16)
+    assert calls == [(8, 4)], "no second collective, on any rank"
+    with pytest.raises(RuntimeError, match="tensor-parallel shard and was not gathered"):
+        plugin._lm_head(_shard_model(), 16)
+
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(4, 16, generator=g)
+    outcome = decide_step(make_policy("dropmatch"), draft_token_ids=target.argmax(-1).int(), num_draft_tokens=[2, 2],
+                          max_spec_len=2, target_logits=target, bonus_token_ids=torch.tensor([[1], [2]]),
+                          temperatures=[0.0, 0.0], draft_logits=target.clone(), target_hidden=torch.randn(4, 4),
+                          lm_head=lambda: plugin._lm_head(model, 16))
+    assert all(r is not None for r in outcome.fallback), "every request fell back to the lossless rule"
+    assert outcome.output_token_ids[:, :2].tolist() == target.argmax(-1).view(2, 2).tolist()
+
+
+def _shard_model() -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.lm_head = torch.nn.Linear(4, 8, bias=False)
+    return model
