@@ -111,12 +111,12 @@ class Step:
     as_handed: dict[float, torch.Tensor] = field(default_factory=dict)  # plugin_draft's, made once per T
 
     def plugin_draft(self, temperature: float) -> torch.Tensor:
-        """The draft's logits as the plugin hands them to decide_step (``draft_normalized``): T·log q_T, the
-        log of the distribution the drafts were drawn from times T (log q at T = 1 when T = 0). Made once
-        per temperature, outside any timing: the drafter makes it, not the verify step."""
+        """The draft's logits as the plugin hands them to decide_step (``draft_scaled``): divided by T (by 1
+        at T = 0), in bf16 on a GPU as a bf16 drafter's are (fp32 on CPU, where the pair runs in fp32). Made
+        once per temperature, outside any timing: the drafter makes them, not the verify step."""
         if temperature not in self.as_handed:
-            t = temperature if temperature > 0 else 1.0
-            self.as_handed[temperature] = torch.log_softmax(self.draft_logits / t, dim=-1).mul_(t)
+            dtype = torch.bfloat16 if self.draft_logits.is_cuda else self.draft_logits.dtype
+            self.as_handed[temperature] = (self.draft_logits / (temperature or 1.0)).to(dtype)
         return self.as_handed[temperature]
 
     def nbytes(self) -> int:
@@ -150,7 +150,7 @@ def call_rule(policy: Any, step: Step, temperature: float, seed: int = 0, call: 
     return decide_step(policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens,
                        max_spec_len=max(step.num_draft_tokens, default=0), target_logits=step.target_logits,
                        bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
-                       draft_logits=step.plugin_draft(temperature), draft_normalized=True, target_hidden=step.hidden,
+                       draft_logits=step.plugin_draft(temperature), draft_scaled=True, target_hidden=step.hidden,
                        lm_head=lambda: (step.weight, None), seed=seed, step=call)
 
 

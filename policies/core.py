@@ -50,10 +50,11 @@ class VerifyBatch:
     # Per-row random streams (policies.randomness.RowStreams): when set, every random number a rule draws
     # comes from its row's own stream instead of ``generator`` (a request's draws independent of the batch)
     streams: Any = None
-    # ``draft_logits / temperature`` are already log-probabilities (vLLM's plugin hands over T·log q_T, with
-    # q_T the distribution the drafts were drawn from; at T = 0, log q at T = 1): the draft's log-partition
-    # at the batch temperature is 0, and no pass over the vocabulary computes it
-    draft_normalized: bool = False
+    # ``draft_logits`` are z / T at the batch temperature (z itself at T = 0): the drafter's logits as vLLM
+    # divides them before drawing the drafts from softmax(z / T). The vLLM plugin hands them over so, in the
+    # draft's dtype (bf16 on a GPU: half the memory of a float32 distribution): q at T is softmax of them,
+    # the distribution the drafts were drawn from, and the T = 1 view (``draft_f32``) is T times them.
+    draft_scaled: bool = False
 
     def __post_init__(self) -> None:
         ids, tl = self.draft_token_ids, self.target_logits
@@ -79,8 +80,32 @@ class VerifyBatch:
         return as_float(self.target_logits)
 
     @cached_property
-    def draft_f32(self) -> Tensor | None:  # [B, L, V]
-        return None if self.draft_logits is None else as_float(self.draft_logits)
+    def draft_f32(self) -> Tensor | None:  # [B, L, V] at T = 1
+        if self.draft_logits is None:
+            return None
+        t = self.temperature
+        return self._draft_given * t if self.draft_scaled and t > 0.0 and t != 1.0 else self._draft_given
+
+    @cached_property
+    def _draft_given(self) -> Tensor:  # the draft's logits as given, in float32
+        return as_float(self.draft_logits)
+
+    def draft_at(self, temperature: float) -> Tensor:
+        """[B, L, V] logits whose softmax is the draft's distribution at ``temperature`` (> 0), once per T:
+        the given ones themselves when they are already scaled to it (``draft_scaled``)."""
+        if self.draft_logits is None:
+            raise ValueError("the draft's distribution needs draft_logits")
+        if not temperature > 0.0:
+            raise ValueError(f"a distribution at a temperature needs one > 0, got {temperature}")
+        key = ("draft_at", float(temperature))
+        if key not in self._partitions:
+            if self.draft_scaled and temperature == (self.temperature or 1.0):
+                self._partitions[key] = self._draft_given
+            else:
+                draft = self.draft_f32
+                assert draft is not None
+                self._partitions[key] = draft if temperature == 1.0 else draft / temperature
+        return self._partitions[key]
 
     @cached_property
     def target_logp(self) -> Tensor:  # [B, L, V] log-softmax (T = 1) at the draft positions
@@ -99,7 +124,7 @@ class VerifyBatch:
         return None if self.draft_f32 is None else torch.log_softmax(self.draft_f32, dim=-1)
 
     @cached_property
-    def _partitions(self) -> dict[tuple[str, float], Tensor]:
+    def _partitions(self) -> dict[tuple[str, float], Tensor]:  # log-partitions and draft_at, by (what, T)
         return {}
 
     def target_lse(self, temperature: float = 1.0) -> Tensor:
@@ -108,21 +133,24 @@ class VerifyBatch:
         return self._lse("target", self.target_f32[:, :-1], temperature)
 
     def draft_lse(self, temperature: float = 1.0) -> Tensor:
-        """[B, L] log Σ_v exp(z_v / T) of the draft's logits; ``draft_logits`` must be given."""
-        if self.draft_f32 is None:
-            raise ValueError("draft_lse needs draft_logits")
-        return self._lse("draft", self.draft_f32, temperature)
+        """[B, L] the log-partition of :meth:`draft_at` ``temperature``; ``draft_logits`` must be given."""
+        if not temperature > 0.0:
+            raise ValueError(f"a log-partition needs a temperature > 0, got {temperature}")
+        key = ("draft", float(temperature))
+        if key not in self._partitions:
+            logits = self.draft_at(temperature)
+            logp = self.draft_logp if logits is self.draft_f32 else torch.log_softmax(logits, dim=-1)
+            assert logp is not None
+            self._partitions[key] = log_partition(logits, logp)
+        return self._partitions[key]
 
     def _lse(self, which: str, logits: Tensor, temperature: float) -> Tensor:
         if not temperature > 0.0:
             raise ValueError(f"a log-partition needs a temperature > 0, got {temperature}")
         key = (which, float(temperature))
         if key not in self._partitions:
-            if which == "draft" and self.draft_normalized and temperature == (self.temperature or 1.0):
-                self._partitions[key] = logits.new_zeros(logits.shape[:-1])
-            elif temperature == 1.0:
-                logp = self.target_logp if which == "target" else self.draft_logp
-                self._partitions[key] = log_partition(logits, logp)
+            if temperature == 1.0:
+                self._partitions[key] = log_partition(logits, self.target_logp)
             else:
                 scaled = logits / temperature
                 self._partitions[key] = log_partition(scaled, torch.log_softmax(scaled, dim=-1))

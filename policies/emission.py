@@ -46,8 +46,8 @@ def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | No
     if batch.draft_f32 is None:
         residual = probs.scatter(-1, batch.draft_token_ids.gather(1, pos.unsqueeze(1)), 0.0)
     else:
-        draft_rows = _row_at(batch.draft_f32, pos)  # [B, V]
-        draft_probs = torch.softmax(draft_rows / batch.temperature, dim=-1)
+        draft_rows = _row_at(batch.draft_at(batch.temperature), pos)  # [B, V] at T
+        draft_probs = torch.softmax(draft_rows, dim=-1)
         residual = (probs - draft_probs).clamp_min(0.0)
     usable = rejected & (residual.sum(dim=-1) > 0)
     if no_draft is not None:

@@ -39,7 +39,7 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
     if batch.draft_f32 is None:
         draft_logp_d = torch.zeros_like(target_logp_d)
     else:
-        draft_logp_d = gather_last(batch.draft_f32, draft_ids) / temperature - batch.draft_lse(temperature)
+        draft_logp_d = gather_last(batch.draft_at(temperature), draft_ids) - batch.draft_lse(temperature)
     ratio = (target_logp_d - draft_logp_d).clamp(max=0.0).exp()  # [B, L]
     uniforms = uniform(tuple(draft_ids.shape), batch.generator, draft_ids.device, batch.streams)
     return Decision(accepted=uniforms < ratio, score=ratio)

@@ -89,7 +89,7 @@ def verify_flat(
     chunk_elements: int | None = None,  # default: CHUNK_ELEMENTS on a GPU, CHUNK_ELEMENTS_CPU on CPU
     lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
     streams: Any = None,  # policies.randomness.RowStreams, one row per request: draws from these, not generator
-    draft_normalized: bool = False,  # draft_logits / temperature are log-probabilities (VerifyBatch)
+    draft_scaled: bool = False,  # draft_logits are already divided by the temperature (VerifyBatch)
 ) -> FlatVerification:
     """``lengths`` spares the two device-to-host reads (the sum check and the longest draft) that a GPU
     would wait for; vLLM hands its caller the draft counts as a host list anyway."""
@@ -146,7 +146,7 @@ def verify_flat(
             temperature=temperature,
             generator=generator,
             streams=None if streams is None else streams.rows(lo, hi),
-            draft_normalized=draft_normalized,
+            draft_scaled=draft_scaled,
         )
         decision = policy.decide(batch)
         accepted = decision.accepted & valid & draft_ok[index]

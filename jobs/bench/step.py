@@ -12,7 +12,7 @@ through a random LM head, the draft's with noise, drafts the draft's argmax, som
 (each request's random draws keyed by its own seed, whatever shares the batch). Every table also times
 the reference figures side by side in the same run: the *greedy group* (lossless at T = 0, one rule for
 the step: the cheapest decision) and the ``argmax`` over the same logits that vLLM's greedy rejection
-needs at least. The draft's logits are handed over as the plugin hands them (T·log q_T, made once outside
+needs at least. The draft's logits are handed over as the plugin hands them (divided by T, made once outside
 the timing: the drafter makes them). Prints the median and min milliseconds of ``--reps`` rounds in which
 every timed call takes its turn (interleaved: a slow spell hits all of them), the fallbacks seen
 (a rule that fell back is timing the lossless rule, not itself) and the machine's load before and after.
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return decide_step(
             policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens, max_spec_len=n,
             target_logits=step.target_logits, bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
-            draft_logits=step.plugin_draft(temperature), draft_normalized=True, target_hidden=step.hidden,
+            draft_logits=step.plugin_draft(temperature), draft_scaled=True, target_hidden=step.hidden,
             lm_head=lambda: (step.weight, None), policies=[policy] * b if own else None,
             keys=["bench"] * b if own else None, request_seeds=list(range(1, b + 1)) if own else None)
 

@@ -183,15 +183,16 @@ def test_log_partitions_are_logsumexp_and_shared(temperature):
         batch.target_lse(0.0)
 
 
-@pytest.mark.parametrize("name", ["lossless", "kl_judge", "dropmatch", "typical"])
-def test_draft_handed_as_t_log_q_decides_as_raw_logits(name):
-    """The vLLM plugin hands the draft over as T·log q_T (``draft_normalized``: its log-partition at T is 0,
-    not computed). Every rule decides as it does from the raw logits (same generator, same draws)."""
+@pytest.mark.parametrize("name", ["lossless", "kl_judge", "dropmatch", "typical", "draft_entropy"])
+def test_draft_handed_scaled_by_t_decides_as_raw_logits(name):
+    """The vLLM plugin hands the draft over as its logits divided by T (``draft_scaled``, as vLLM's drafter
+    divides them). Every rule decides as it does from the raw logits (same generator, same draws)."""
     t = 0.7
     raw = make_batch(temperature=t, seed=9, scale=4.0, batch_size=6)
-    handed = replace(raw, draft_logits=torch.log_softmax(raw.draft_f32 / t, dim=-1) * t, draft_normalized=True,
+    handed = replace(raw, draft_logits=raw.draft_f32 / t, draft_scaled=True,
                      generator=torch.Generator().manual_seed(1234))
-    assert torch.equal(handed.draft_lse(t), torch.zeros(6, 5)), "no pass over the vocabulary: exactly 0"
+    assert torch.equal(handed.draft_at(t), raw.draft_f32 / t), "q at T: the given logits themselves"
+    assert torch.allclose(handed.draft_f32, raw.draft_f32, atol=1e-5), "the T = 1 view"
     raw = replace(raw, generator=torch.Generator().manual_seed(1234))
     policy = make_policy(name)
     a, b = verify(policy, raw), verify(policy, handed)

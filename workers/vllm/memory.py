@@ -4,7 +4,8 @@
 Per rank (tensor parallelism divides weights and KV heads) it counts: the weights; the KV cache of the
 batch (``max_num_seqs`` sequences of ``context`` tokens, at least one ``max_model_len`` sequence), the
 draft's too in the speculative engine; what spectune adds outside vLLM's profiling (the cached draft
-distribution q and its concatenated copy, ``[max_num_seqs x L, V]`` float32 each; DropMatch's dropout
+distribution q and its concatenated copy, ``[max_num_seqs x L, V]`` each, in the draft's dtype (the drafter's
+logits divided by T, :func:`workers.vllm.plugin.scaled_as_vllm`); DropMatch's dropout
 logits, one chunk of ``K x 2^26 / K`` float32 at most; the LM head gathered whole on every rank under TP);
 and a fixed headroom for the CUDA context, NCCL and allocator slack. From those:
 
@@ -117,7 +118,7 @@ class MemoryPlan:
 def _needs(target: ModelShape, draft: ModelShape, dtype_bytes: int, tp: int, kv_tokens: int, max_num_seqs: int,
            draft_len: int, dropmatch_k: int) -> tuple[int, int, int]:
     rows = max_num_seqs * draft_len
-    q_cache = 2 * rows * target.vocab * 4  # the cached q and its concatenated copy, float32
+    q_cache = 2 * rows * target.vocab * dtype_bytes  # the cached q and its concatenated copy, the draft's dtype
     dropmatch = min(dropmatch_k * rows * target.vocab, CHUNK_ELEMENTS * dropmatch_k) * 4
     gathered_head = 0 if tp == 1 else target.vocab * target.hidden * dtype_bytes  # full head on every rank
     extras = q_cache + dropmatch + gathered_head

@@ -18,8 +18,8 @@ is the runner vLLM-CPU subclasses):
   temperatures). spectune's engines refuse top-p/top-k/min-p at admission
   (:func:`workers.vllm.common.refuse_sampling_constraints`); a step that still carries them warns once.
 - ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
-  the one vLLM drew the token from (:func:`sampled_as_logits`; T = 1 for greedy drafting, for which vLLM
-  returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
+  the one vLLM drew the token from, as its logits divided by T in the draft's dtype
+  (:func:`scaled_as_vllm`; T = 1 for greedy drafting, for which vLLM returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
   steps whose rules never read it (lossless, top-k, typical, DropMatch naive: ``_step_needs_q``) draft
   the way vLLM does, without the full-vocabulary log-softmax and cached distribution per draft token.
 - ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
@@ -115,7 +115,7 @@ class _Step(threading.local):
     rules: list[Any] | None = None  # per request: its own rule (extra_args), or None for the rule file's
     request_seeds: list[int] | None = None  # per request: SamplingParams.seed, else a hash of its id
     positions: list[int] | None = None  # per request: tokens computed before this step
-    draft_logprobs: bool = False  # the proposer patch produced T = 1 log-probs this process
+    draft_scaled: bool = False  # the proposer patch handed over the drafter's logits divided by T (scaled_as_vllm)
     greedy_drafts: bool = False  # ... for argmax drafts while some request samples (T > 0): not their q
     skipped: list[bool] | None = None  # per request: vLLM skipped the drafter, its drafts are placeholders
     snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
@@ -138,20 +138,20 @@ def _step_needs_q(active: _Active) -> bool:
     return any(needs_draft_distribution(p) for p in policies)
 
 
-def sampled_as_logits(probs: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """vLLM's draft sampling distribution ``probs`` [rows, V] (softmax of logits / T, T = 1 in greedy rows)
-    as logits that spectune's rules turn back into exactly ``probs``: rules compute q = softmax(x / T) in
-    fp32, and x = T * log(probs) gives that (to fp32 rounding) — q is the distribution the draft token was
-    drawn from, not a re-computation from fp32 logits that differs from vLLM's bf16 division (which would
-    make "lossless" lossy at T not in {1, 2^k})."""
-    logp = torch.log(probs.float().clamp_min(torch.finfo(torch.float32).tiny))
+def scaled_as_vllm(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """The draft's logits divided by each row's temperature exactly as vLLM's drafter divides them before it
+    draws from ``softmax(logits / T)`` (``compute_probs_and_sample_next_token``: greedy rows by 1, the
+    division in place in the logits' dtype), on a copy made before vLLM divides its own: the rules' q at T
+    is then softmax of these, the distribution the drafts were drawn from (to fp32 rounding), kept in the
+    draft's dtype (bf16 on a GPU: half the bytes of a float32 distribution; vLLM's own float32 ``probs``
+    is dropped). Rows are request-major when a request drafts several per pass (parallel drafting)."""
     if temperature is None:
-        return logp
-    t = temperature.float().to(logp.device)
-    t = torch.where(t < 1e-5, torch.ones_like(t), t)  # vLLM's greedy rows: divided by 1 (_SAMPLING_EPS)
-    if t.shape[0] != logp.shape[0]:  # several draft rows per request (parallel drafting): request-major
-        t = t.repeat_interleave(logp.shape[0] // t.shape[0])
-    return logp * t.view(-1, 1)
+        return logits.clone()
+    t = temperature.to(logits.device)
+    t = torch.where(t < 1e-5, 1.0, t)  # vLLM's greedy rows (_SAMPLING_EPS): divided by 1
+    if t.shape[0] != logits.shape[0]:
+        t = t.repeat_interleave(logits.shape[0] // t.shape[0])
+    return logits.clone().div_(t.view(-1, 1))
 
 
 def _rule_now() -> _Active | None:
@@ -305,8 +305,8 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
                                                           STEP.positions[i]) for i, r in enumerate(own[:b])]
     draft_logits = hidden = None
     if draft_probs is not None:
-        # T = 1 log-probs from the proposer patch; else vLLM's own q (rules renormalize logs)
-        draft_logits = draft_probs if STEP.draft_logprobs else torch.log(draft_probs.float())
+        # the drafter's logits divided by T from the proposer patch; else vLLM's own q (rules renormalize logs)
+        draft_logits = draft_probs if STEP.draft_scaled else torch.log(draft_probs.float())
     if STEP.hidden is not None and STEP.target_indices is not None and (
             _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
         hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
@@ -339,7 +339,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         target_hidden=hidden, lm_head=None if model is None else (lambda: _lm_head(model, vocab, STEP.mask_from)),
         seed=int(active.spec.get("seed", 0)), step=active.calls, trace=tracer, policies=policies, keys=keys,
         request_seeds=request_seeds, skipped=STEP.skipped if STEP.skipped is not None and len(STEP.skipped) >= b
-        else None, greedy_drafts=STEP.draft_logprobs and STEP.greedy_drafts, draft_normalized=STEP.draft_logprobs)
+        else None, greedy_drafts=STEP.draft_scaled and STEP.greedy_drafts, draft_scaled=STEP.draft_scaled)
     try:
         digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
         LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
@@ -365,7 +365,7 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
               "lm_head_weight": None if weight is None else weight.cpu(),
               "lm_head_bias": None if bias is None else bias.cpu(),
               "bonus_token_ids": bonus.cpu(), "output_token_ids": output.cpu(),
-              "draft_normalized": bool(STEP.draft_logprobs)}
+              "draft_scaled": bool(STEP.draft_scaled)}
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
 
@@ -520,6 +520,9 @@ def register() -> None:
             if active is None or active.policy is None:
                 if active is not None:
                     RULE.report(active)
+                if STEP.draft_scaled and draft_probs is not None and not sampling_metadata.all_greedy:
+                    # drafted under a rule (the proposer patch's scaled logits), verified by vLLM's own: its q
+                    draft_probs = draft_probs.float().softmax(dim=-1)
                 output = orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                      draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
                 return agree_across_ranks(output, _tp_group())
@@ -544,24 +547,25 @@ def register() -> None:
             if active is None or active.policy is None or (sampling_metadata.all_greedy and not _step_needs_q(active)):
                 # vLLM's own drafting: its rule, or greedy steps whose rules never read q (lossless, top-k):
                 # no full-vocabulary log-softmax and cached distribution per draft token
-                STEP.draft_logprobs = STEP.greedy_drafts = False  # whatever reaches the sampler is vLLM's own q
+                STEP.draft_scaled = STEP.greedy_drafts = False  # whatever reaches the sampler is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
             if getattr(self, "use_heterogeneous_vocab", False):
                 # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
                 # draft distribution, so rules that need one fall back to lossless (counted per step)
                 _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
                            "use_heterogeneous_vocab", fallback=False)
-                STEP.draft_logprobs = STEP.greedy_drafts = False
+                STEP.draft_scaled = STEP.greedy_drafts = False
                 return orig_draft(self, hidden_states, sampling_metadata)
             logits = self.model.compute_logits(hidden_states)
             probs = None
             if not (sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False)):
-                # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs),
-                # in place; ``probs`` is exactly that distribution (fp32)
+                # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs), in
+                # place: the rules get the same division, made on a copy first; vLLM's float32 probs go
+                scaled = scaled_as_vllm(logits, sampling_metadata.temperature)
                 tokens, probs = self._sample_from_logits(logits, sampling_metadata)
             if probs is None:
                 tokens = logits.argmax(dim=-1)
-                logprobs = torch.log_softmax(logits.float(), dim=-1)  # greedy drafts: the T = 1 distribution
+                scaled = logits  # greedy drafts: the T = 1 logits, as they are
                 # greedy drafting (draft_sample_method "greedy") while some request samples: these argmax
                 # drafts were not drawn from q, so the T > 0 requests must not be judged with it (decide_step)
                 STEP.greedy_drafts = not sampling_metadata.all_greedy
@@ -571,12 +575,12 @@ def register() -> None:
                                "draft); rules that read q fall back to the lossless rule", fallback=False)
             else:
                 STEP.greedy_drafts = False
-                logprobs = sampled_as_logits(probs, sampling_metadata.temperature)
+                del probs
             width = getattr(self, "_spectune_draft_width", 0)
             if width:
-                logprobs[:, width:] = float("-inf")  # q = 0 exactly on a padded draft's missing ids
-            STEP.draft_logprobs = True
-            return tokens, logprobs
+                scaled[:, width:] = float("-inf")  # q = 0 exactly on a padded draft's missing ids
+            STEP.draft_scaled = True
+            return tokens, scaled
 
         def _input_fits_in_drafter(self, *args, **kwargs):
             fits = orig_fits(self, *args, **kwargs)

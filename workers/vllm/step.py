@@ -182,7 +182,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
                 lm_head: Any = None, seed: int = 0, step: int = 0, trace: Any = None,
                 policies: list[Any] | None = None, keys: list[str | None] | None = None,
                 request_seeds: list[int | None] | None = None, skipped: list[bool] | None = None,
-                greedy_drafts: bool = False, draft_normalized: bool = False) -> StepOutcome:
+                greedy_drafts: bool = False, draft_scaled: bool = False) -> StepOutcome:
     """One verify step over vLLM's flat rows; never raises.
 
     Every request is decided by ``policy`` unless ``policies[i]`` gives its own rule (``keys[i]`` names
@@ -208,8 +208,9 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     as a fallback (:data:`SKIPPED`). ``greedy_drafts``: the drafter proposed its argmax while some
     requests sample (T > 0), so the distribution it handed over is not the one the tokens came from;
     groups at T > 0 then get no draft distribution (q one-hot at the draft: exactly what was proposed),
-    and a rule that reads q falls back to the lossless rule (:data:`GREEDY_AT_T`). ``draft_normalized``:
-    ``draft_logits`` are the plugin's T·log q_T (:attr:`policies.core.VerifyBatch.draft_normalized`).
+    and a rule that reads q falls back to the lossless rule (:data:`GREEDY_AT_T`). ``draft_scaled``:
+    ``draft_logits`` are the drafter's logits divided by each request's temperature, as the plugin hands them
+    over (:attr:`policies.core.VerifyBatch.draft_scaled`).
     """
     from policies import make_policy
     from policies.ragged import verify_flat
@@ -249,7 +250,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         pick = (lambda x: x) if whole else (lambda x: x.index_select(0, rows))  # noqa: E731
         inputs = dict(draft_token_ids=pick(draft_token_ids).long(), num_draft_tokens=n_req,
                       target_logits=pick(target_logits), bonus_token_ids=bonus.index_select(0, req),
-                      temperature=t, lengths=lengths, draft_normalized=draft_normalized)
+                      temperature=t, lengths=lengths, draft_scaled=draft_scaled)
         greedy_q = greedy_drafts and t > 0  # the handed-over q is not what the argmax draft came from
         group_draft = None if draft_logits is None or greedy_q else pick(draft_logits)
         reason = detail = None

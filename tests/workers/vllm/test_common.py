@@ -13,7 +13,7 @@ from policies import POLICIES, get_spec, make_policy
 from tests.workers.vllm.test_rule_fallback import D, V, step_inputs
 from workers.vllm.common import engine_kwargs, memory_shares, merge_rank_ledgers, rule_missing
 from workers.vllm.host_syncs import HostSyncs
-from workers.vllm.plugin import sampled_as_logits
+from workers.vllm.plugin import scaled_as_vllm
 from workers.vllm.settings import VLLMSettings
 from workers.vllm.step import decide_step
 
@@ -55,21 +55,34 @@ def test_a_rank_that_did_not_run_the_rule_fails_the_request_check():
 
 @pytest.mark.parametrize("temperature", [0.7, 0.3, 1.3])
 def test_the_rules_see_exactly_the_distribution_vllm_drew_the_draft_from(temperature):
-    """vLLM draws draft tokens from softmax(bf16 logits / T) (division in bf16, in place). The rules get
-    T * log(that) and compute softmax(x / T) in fp32: the same distribution to fp32 rounding, where a
-    recomputation from the fp32 logits is off by bf16's rounding of the division."""
+    """vLLM draws draft tokens from softmax(bf16 logits / T) (the division in place, in bf16; greedy rows by 1).
+    The plugin hands the rules the same division, made on a copy, in bf16 (half a float32 distribution's
+    bytes), and they take q = softmax of it: vLLM's distribution to fp32 rounding, where a recomputation
+    from the logits in fp32 is off by bf16's rounding of the division."""
+    from policies import VerifyBatch
+
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(6, 4000, generator=g) * 4).to(torch.bfloat16)
     temps = torch.full((6,), temperature)
-    vllm_probs = logits.clone().div_(temps.to(torch.bfloat16).view(-1, 1)).softmax(dim=-1, dtype=torch.float32)
-    x = sampled_as_logits(vllm_probs, temps)
-    rule_q = torch.softmax(x / temperature, dim=-1)  # what policies.distributions does with it
-    assert (rule_q - vllm_probs).abs().max() < 1e-6
-    recomputed = torch.softmax(logits.float() / temperature, dim=-1)
-    assert (recomputed - vllm_probs).abs().max() > 1e-4, "bf16's division should differ from fp32's here"
-    # vLLM's greedy rows in a mixed batch are divided by 1: the rules get T = 1 log-probs there
-    greedy = sampled_as_logits(vllm_probs, torch.zeros(6))
-    assert torch.allclose(greedy, torch.log(vllm_probs.clamp_min(torch.finfo(torch.float32).tiny)))
+    temps[5] = 0.0  # a greedy row in a sampling batch
+
+    def vllm_draw(x):  # vLLM's compute_probs_and_sample_next_token, its division and softmax
+        t = torch.where(temps < 1e-5, 1.0, temps)
+        return x.div_(t.view(-1, 1)).softmax(dim=-1, dtype=torch.float32)
+
+    scaled = scaled_as_vllm(logits, temps)
+    vllm_probs = vllm_draw(logits.clone())
+    assert scaled.dtype == torch.bfloat16, "kept in the draft's dtype"
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    batch = VerifyBatch(draft_token_ids=ids, draft_logits=scaled[:5].unsqueeze(0), draft_scaled=True,
+                        target_logits=torch.zeros(1, 6, 4000), temperature=temperature)
+    rule_q = torch.softmax(batch.draft_at(temperature), dim=-1)[0]  # what the lossless rule and emission use
+    assert (rule_q - vllm_probs[:5]).abs().max() < 1e-6
+    assert torch.allclose(batch.draft_lse(temperature)[0], torch.logsumexp(scaled[:5].float(), -1))
+    recomputed = torch.softmax(logits[:5].float() / temperature, dim=-1)
+    assert (recomputed - vllm_probs[:5]).abs().max() > 1e-4, "bf16's division should differ from fp32's here"
+    assert torch.equal(scaled[5], logits[5]), "vLLM's greedy rows in a mixed batch are divided by 1"
+    assert torch.allclose(batch.draft_f32[0], scaled[:5].float() * temperature), "the T = 1 view"
 
 
 def test_host_syncs_are_counted():

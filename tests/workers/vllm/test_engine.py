@@ -87,7 +87,7 @@ def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
             target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
             draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
             lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
-            temperature=call["temperature"], draft_normalized=call["draft_normalized"], **randomness(call))
+            temperature=call["temperature"], draft_scaled=call["draft_scaled"], **randomness(call))
         assert torch.equal(replay.output_token_ids, call["output_token_ids"])
         # 2) the per-request reference (policies.verify on a [1, L] batch) decides the same
         n = int(call["num_draft_tokens"][0])
