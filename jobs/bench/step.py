@@ -6,7 +6,7 @@
 
 The step as the plugin sees it (``workers.vllm.step.decide_step``: vLLM's flat ``[N, V]`` target logits,
 the draft's logits, the target's hidden states and LM head, the lossless fallback armed), fp32,
-synthetic seeded logits of the real target's vocabulary (``jobs.gpu_check.synthetic_step``: target logits
+synthetic seeded logits of the real target's vocabulary (``jobs.gpu.steps.synthetic_step``: target logits
 through a random LM head, the draft's with noise, drafts the draft's argmax, some rejected). With
 ``--per-request-seeds`` every request carries its own rule and seed, as per-request rules in vLLM do
 (each request's random draws keyed by its own seed, whatever shares the batch). Every table also times
@@ -48,7 +48,7 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str,
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from jobs.gpu_check import synthetic_step
+    from jobs.gpu.steps import synthetic_step
     from policies import make_policy
     from workers.vllm.step import decide_step
 

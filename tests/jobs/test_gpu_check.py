@@ -9,11 +9,11 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from jobs import gpu_check
+from jobs.gpu.steps import CHI2_P_MIN
 from policies import POLICIES, Decision
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +53,7 @@ def test_the_small_cpu_run_passes_and_covers_every_section_rule_and_temperature(
         assert check["drafts_at_a_later_tie"] > 0 and check["placeholder_drafts"] > 0
         assert check["requests_without_drafts"] > 0 and check["full_acceptances"] > 0
     assert {c["dtype"] for c in results["exactness"]["checks"]} == {"bfloat16", "float32"}
-    assert all(c["p"] >= gpu_check.CHI2_P_MIN for c in results["chi_square"]["cases"])
+    assert all(c["p"] >= CHI2_P_MIN for c in results["chi_square"]["cases"])
     assert results["determinism"]["inputs_equal"] and len(results["determinism"]["hashes"]) == len(rule_x_t())
     pair = results["tiny_pair"]
     assert pair["equal"] and len(pair["reference"]) == small.pair_tokens and pair["accepted_drafts"] > 0
@@ -71,7 +71,7 @@ def test_a_lossless_rule_that_accepts_everything_fails_exactness_and_chi_square(
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["correctness"]["failed"] == ["chi_square", "exactness"]
     assert all(c["mismatched_requests"] > 0 for c in results["exactness"]["checks"])
-    assert all(c["p"] < gpu_check.CHI2_P_MIN for c in results["chi_square"]["cases"])
+    assert all(c["p"] < CHI2_P_MIN for c in results["chi_square"]["cases"])
 
 
 def test_a_spent_budget_skips_measurements_and_records_why(tmp_path, capsys):
@@ -83,23 +83,3 @@ def test_a_spent_budget_skips_measurements_and_records_why(tmp_path, capsys):
     assert cases and all(c["skipped"] and "budget" in c["reason"] for c in cases)
     assert len(results["skipped"]) == len(cases)
     assert "skipping its remaining cases" in capsys.readouterr().out
-
-
-def test_the_reference_is_vllms_greedy_rule_with_the_first_index_among_ties():
-    logits = np.array([[1.0, 3.0, 3.0], [5.0, 0.0, 5.0], [0.0, 0.0, 1.0], [2.0, 2.0, 0.0]], dtype=np.float32)
-    # flat rows 0-1 are request 0's: draft 1 (the first of a tie: accepted), then 2 (a max, not the first:
-    # rejected, emit 0); row 2 is request 1's: draft -1 (placeholder: rejected, emit 0); request 2: no
-    # drafts (its bonus)
-    out = gpu_check.vllm_greedy_reference(np.array([1, 2, -1]), [2, 1, 0], logits[[0, 1, 3]], np.array([7, 8, 9]), 2)
-    assert out.tolist() == [[1, 0, -1], [0, -1, -1], [9, -1, -1]]
-
-
-def test_chi_square_p_values():
-    expected = np.full(16, 1000.0)
-    assert gpu_check.chi_square_p(expected.copy(), expected)[2] > 0.99
-    skewed = expected.copy()
-    skewed[0], skewed[1] = 1300, 700
-    stat, df, p = gpu_check.chi_square_p(skewed, expected)
-    assert df == 15 and stat == pytest.approx(180.0) and p < 1e-20
-    # the smallest bins are pooled until they expect 5: [1, 2, 3] -> 6, leaving two bins
-    assert gpu_check.chi_square_p(np.array([1, 2, 3, 94]), np.array([1.0, 2.0, 3.0, 94.0]))[1] == 1
