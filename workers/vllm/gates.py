@@ -27,6 +27,7 @@ because vLLM's plugin loader only logs a plugin that raises:
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 SUPPORTED = ((0, 32), (0, 33))  # vLLM major.minor releases the patches are written for (0.33: unverified here)
@@ -134,3 +135,38 @@ def verify(**kwargs: Any) -> None:
     problems = check(**kwargs)
     if problems:
         raise PatchGateError(message(problems))
+
+
+ALLOW_UNPATCHED_ENV = "SPECTUNE_VLLM_ALLOW_UNPATCHED"
+
+
+def refuse_unsupported() -> bool:
+    """The version and signature gates, applied by the plugin before it patches anything. On a mismatch nothing is patched, the
+    problems go to :data:`~workers.vllm.FAILURES` (spectune's engines raise them before vLLM starts)
+    and are logged, and — since vLLM's plugin loader only logs a plugin that raises — vLLM's
+    ``rejection_sample`` raises them on first use: every speculative step of this process fails loudly
+    (a request asking for a spectune rule cannot be told apart once the patch is off, so none runs
+    silently under vLLM's own rule). A vLLM environment with spectune installed but meant for vLLM's
+    own rule sets ``SPECTUNE_VLLM_ALLOW_UNPATCHED=1``."""
+    import logging
+
+    try:
+        problems = check()
+    except Exception as err:  # noqa: BLE001 - the check itself failed: as loud as a mismatch
+        problems = [f"the version/signature check failed ({type(err).__name__}: {err})"]
+    if not problems:
+        return False
+    FAILURES[:] = problems
+    logging.getLogger(__name__).error(message(problems))
+    if os.environ.get(ALLOW_UNPATCHED_ENV, "").strip() == "1":
+        return True
+    try:
+        import vllm.v1.sample.rejection_sampler as rs
+    except ImportError:
+        return True
+
+    def rejection_sample(*args: Any, **kwargs: Any) -> Any:
+        raise PatchGateError(message(problems) + f"\n(set {ALLOW_UNPATCHED_ENV}=1 to run vLLM's own rule)")
+
+    rs.rejection_sample = rejection_sample
+    return True

@@ -46,12 +46,12 @@ def test_register_on_a_mismatch_makes_vllms_rule_raise_on_first_use(monkeypatch)
     vLLM's rejection_sample raises the gate's message instead (stock `vllm serve` fails loudly)."""
     import vllm.v1.sample.rejection_sampler as rs
 
-    from workers.vllm import gates, plugin
+    from workers.vllm import gates
 
     monkeypatch.setattr(rs, "rejection_sample", rs.rejection_sample)  # restored after the test
     monkeypatch.setattr(gates, "FAILURES", [])
     monkeypatch.setattr(gates, "check", lambda: ["x.f: expected (self), found (self, y)"])
-    assert plugin._refuse_unsupported_vllm()
+    assert gates.refuse_unsupported()
     with pytest.raises(gates.PatchGateError, match=r"x\.f: expected \(self\), found \(self, y\)"):
         rs.rejection_sample()
 

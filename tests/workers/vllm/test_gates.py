@@ -69,11 +69,10 @@ def test_the_engines_raise_what_register_recorded(monkeypatch):
 
 
 def test_the_gate_records_failures_in_the_plugin_process(monkeypatch):
-    from workers.vllm import plugin
 
     monkeypatch.setattr(gates, "FAILURES", [])
     monkeypatch.setattr(gates, "check", lambda: ["a.b: expected (self), found ()"])
-    assert plugin._refuse_unsupported_vllm()
+    assert gates.refuse_unsupported()
     assert gates.FAILURES == ["a.b: expected (self), found ()"]
 
 
@@ -93,7 +92,7 @@ class FakeGroup:
 
 
 def test_ranks_take_rank_zeros_tokens():
-    from workers.vllm.plugin import agree_across_ranks
+    from workers.vllm.heads import agree_across_ranks
 
     mine = torch.tensor([[5, -1, -1], [7, 8, 9]], dtype=torch.int32)  # this rank fell back alone
     rank0 = torch.tensor([[5, 6, -1], [7, 8, 9]], dtype=torch.int32)
@@ -103,19 +102,19 @@ def test_ranks_take_rank_zeros_tokens():
 
 
 def test_the_head_is_gathered_once_under_tp_only(monkeypatch):
-    from workers.vllm import plugin
+    from workers.vllm import heads
 
     gathered = []
-    monkeypatch.setattr(plugin, "_lm_head", lambda model, vocab, mask, gather: gathered.append((vocab, mask, gather)))
+    monkeypatch.setattr(heads, "_lm_head", lambda model, vocab, mask, gather: gathered.append((vocab, mask, gather)))
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 8, bias=False)
-    plugin.gather_head_under_tp(model, 16, 0, None)
+    heads.gather_head_under_tp(model, 16, 0, None)
     assert gathered == []
-    plugin.gather_head_under_tp(model, 16, 12, FakeGroup(None))
+    heads.gather_head_under_tp(model, 16, 12, FakeGroup(None))
     assert gathered == [(16, 12, True)]
     quantized = torch.nn.Module()
     quantized.lm_head = torch.nn.Module()  # no plain weight: skipped alike on every rank
-    plugin.gather_head_under_tp(quantized, 16, 0, FakeGroup(None))
+    heads.gather_head_under_tp(quantized, 16, 0, FakeGroup(None))
     assert gathered == [(16, 12, True)]
 
 
@@ -127,7 +126,7 @@ def test_a_failed_gather_never_raises_and_dropmatch_falls_back_on_every_step(mon
     import types
 
     from policies import make_policy
-    from workers.vllm import plugin
+    from workers.vllm import heads
     from workers.vllm.step import decide_step
 
     calls = []
@@ -141,20 +140,20 @@ def test_a_failed_gather_never_raises_and_dropmatch_falls_back_on_every_step(mon
     monkeypatch.setitem(sys.modules, "vllm.distributed", fake)
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 8, bias=False)  # a shard: 8 of 16 rows
-    plugin.gather_head_under_tp(model, 16, 0, FakeGroup(None))  # must not raise
+    heads.gather_head_under_tp(model, 16, 0, FakeGroup(None))  # must not raise
     assert calls == [(8, 4)] and "8 of 16 rows" in model._spectune_lm_head_error
     with pytest.raises(RuntimeError, match="could not be gathered at the first step"):
-        plugin._lm_head(model, 16)
+        heads._lm_head(model, 16)
     assert calls == [(8, 4)], "no second collective, on any rank"
     with pytest.raises(RuntimeError, match="tensor-parallel shard and was not gathered"):
-        plugin._lm_head(_shard_model(), 16)
+        heads._lm_head(_shard_model(), 16)
 
     g = torch.Generator().manual_seed(0)
     target = torch.randn(4, 16, generator=g)
     outcome = decide_step(make_policy("dropmatch"), draft_token_ids=target.argmax(-1).int(), num_draft_tokens=[2, 2],
                           max_spec_len=2, target_logits=target, bonus_token_ids=torch.tensor([[1], [2]]),
                           temperatures=[0.0, 0.0], draft_logits=target.clone(), target_hidden=torch.randn(4, 4),
-                          lm_head=lambda: plugin._lm_head(model, 16))
+                          lm_head=lambda: heads._lm_head(model, 16))
     assert all(r is not None for r in outcome.fallback), "every request fell back to the lossless rule"
     assert outcome.output_token_ids[:, :2].tolist() == target.argmax(-1).view(2, 2).tolist()
 
