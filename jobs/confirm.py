@@ -24,14 +24,18 @@ from pathlib import Path
 from typing import Any
 
 from jobs.attempts import AttemptLedger, attempt_of
-from jobs.flips import answer_of, divergence, flip_rows, reason_of, write_flips
+from jobs.evidence import (
+    bound_between,
+    confirmation_rows,
+    ordered_prefix,
+    write_evidence,
+)
+from jobs.flips import flip_rows, write_flips
 from workers.certify.decide import (
     Candidate,
     Certificate,
     DropBound,
     certifies,
-    drop_bound,
-    first_prune,
     fixed_sequence,
     items_needed,
     order_candidates,
@@ -43,101 +47,6 @@ from workers.certify.exact import exact_bound
 from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.evaluation import Record
 from workers.metrics import score_of
-
-
-def paired(reference: dict[str, Record], trial: dict[str, Record]) -> tuple[list[float], list[float]]:
-    """Scores of the items both arms attempted, reference order; failures count as 0 in their arm."""
-    keys = [k for k in reference if k in trial]
-    return [score_of(reference[k]) for k in keys], [score_of(trial[k]) for k in keys]
-
-
-def ordered_prefix(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record]
-                   ) -> tuple[list[float], list[float]]:
-    """Paired scores of the longest run of items, in the fixed item ``order``, that are all done.
-
-    The anytime-valid prune test assumes the items arrive in an order fixed before their outcomes
-    are seen; completion order is not (a long, wrong answer finishes late), so looks use only the
-    completed prefix of the item order."""
-    ref, got = [], []
-    for key in order:
-        if key not in trial:
-            break
-        if key in reference:
-            ref.append(score_of(reference[key]))
-            got.append(score_of(trial[key]))
-    return ref, got
-
-
-def bound_between(reference: dict[str, Record], trial: dict[str, Record], alpha: float) -> DropBound:
-    ref, got = paired(reference, trial)
-    return drop_bound(ref, got, alpha)
-
-
-def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
-                      futility: tuple[float, float] | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """The per-item evidence of a candidate's certificate, over the *whole* fixed confirmation item set.
-
-    Nothing flips sides: a reference item that failed (or is missing) counts as right, so a candidate
-    cannot win on it; a candidate item that failed or never came back (a timeout, an actor lost) counts
-    as wrong. A candidate stopped for futility (``futility`` = (budget, alpha) of its prune test) keeps
-    the items up to the first look at which the test fired and counts the rest as wrong: its evidence is
-    then the same whatever finished after the stop. Returns one row per item (``item_id``,
-    ``reference_score``, ``candidate_score``, ``reference``/``candidate`` status: ok, failed, missing, or
-    after_stop; ``divergence``: the first output token position where the two differ, -1 if identical;
-    ``*_answer`` / ``*_reason``: what each arm's scorer extracted and why it scored so)
-    and the counts of ``reference_failed``, ``reference_missing``, ``candidate_failed``,
-    ``candidate_missing`` and ``kept``."""
-    keep = len(order)
-    if futility is not None:
-        a, b = ordered_prefix(order, reference, trial)
-        fired = first_prune(a, b, futility[0], futility[1]) if a else None
-        keep = len(order) if fired is None else fired
-    counts = dict.fromkeys(("reference_failed", "reference_missing", "candidate_failed", "candidate_missing"), 0)
-    rows = []
-    for i, key in enumerate(order):
-        r, t = reference.get(key), trial.get(key)
-        ref_status = ("not_run" if i >= keep else "missing") if r is None else "failed" if r.failed else "ok"
-        got_status = ("after_stop" if t is not None else "missing") if t is None or i >= keep else \
-            "failed" if t.failed else "ok"
-        if ref_status in ("missing", "failed"):
-            counts[f"reference_{ref_status}"] += 1
-        if got_status != "ok":
-            counts["candidate_failed" if got_status == "failed" else "candidate_missing"] += 1
-        where = divergence(r, t) if ref_status == "ok" and got_status == "ok" else None
-        rows.append({"item_id": key, "reference_score": 1.0 if ref_status != "ok" else score_of(r),
-                     "candidate_score": score_of(t) if got_status == "ok" else 0.0,
-                     "reference": ref_status, "candidate": got_status, "divergence": where,
-                     # why: what each arm's scorer extracted and said (an error for a failed item)
-                     "reference_answer": answer_of(r), "candidate_answer": answer_of(t) if i < keep else "",
-                     "reference_reason": reason_of(r), "candidate_reason": reason_of(t) if i < keep else ""})
-    counts["kept"] = keep
-    return rows, counts
-
-
-def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
-                       futility: tuple[float, float] | None = None) -> tuple[list[float], list[float], dict[str, int]]:
-    """(reference scores, candidate scores, counts) of :func:`confirmation_rows`: what the certificate is
-    decided on."""
-    rows, counts = confirmation_rows(order, reference, trial, futility)
-    return [r["reference_score"] for r in rows], [r["candidate_score"] for r in rows], counts
-
-
-def write_evidence(path: Path, rows: list[dict[str, Any]]) -> None:
-    """The per-item paired outcomes as CSV (via a temporary file): anyone can recompute the certificate."""
-    import csv
-    import io
-
-    buf = io.StringIO()
-    fields = ["item_id", "reference_score", "candidate_score", "reference", "candidate", "divergence",
-              "reference_answer", "candidate_answer", "reference_reason", "candidate_reason"]
-    writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
-    writer.writeheader()
-    writer.writerows({**dict.fromkeys(fields, ""), **r, "divergence": "" if r["divergence"] is None else r["divergence"]}
-                     for r in rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".csv.tmp")
-    tmp.write_text(buf.getvalue())
-    tmp.replace(path)
 
 
 def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000

@@ -31,7 +31,7 @@ import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from jobs.confirm import ordered_prefix, paired  # noqa: E402
+from jobs.evidence import ordered_prefix, paired  # noqa: E402
 from jobs.flips import flip_rows, flips_page, write_flips  # noqa: E402
 from jobs.progress import Progress  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402

@@ -7,15 +7,8 @@ import math
 
 import pytest
 
-from jobs.confirm import (
-    Confirmation,
-    confirmation_pairs,
-    noise_floor_row,
-    ordered_prefix,
-    paired,
-    speed_figures,
-    write_evidence,
-)
+from jobs.confirm import Confirmation, noise_floor_row, speed_figures
+from jobs.evidence import confirmation_pairs, ordered_prefix, paired, write_evidence
 from tests.workers.test_metrics import rec
 from workers.certify.decide import Candidate, drop_bound, first_prune
 from workers.certify.exact import certify_paired

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.confirm import write_evidence
+from jobs.evidence import write_evidence
 from jobs.results import main, recompute
 from workers.certify.decide import certifies, sequential_bound
 from workers.certify.sequential import look_plan
