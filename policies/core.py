@@ -27,11 +27,19 @@ def as_float(x: Tensor) -> Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def log_partition(logits: Tensor, logp: Tensor) -> Tensor:
-    """log Σ exp(logits) over the last dim, from the log-softmax ``logp`` of the same logits:
-    max(logits) - max(logp). ``torch.logsumexp`` makes three full-size passes and two temporaries on
-    CPU (amax, the difference, exp); the fused log-softmax makes one temporary, and the two maxima are
-    cheap. Exact in the sense that the kernel's max(logp) is -log Σ exp(logits - max)."""
+def _positive(temperature: float) -> float:
+    if not temperature > 0.0:
+        raise ValueError(f"a distribution at a temperature needs one > 0, got {temperature}")
+    return float(temperature)
+
+
+def log_partition(logits: Tensor, logp: Tensor | None = None) -> Tensor:
+    """log Σ exp(logits) over the last dim, from the log-softmax ``logp`` of the same logits (computed here
+    when not given): max(logits) - max(logp). ``torch.logsumexp`` makes three full-size passes and two
+    temporaries on CPU (amax, the difference, exp); the fused log-softmax makes one temporary, and the two
+    maxima are cheap. Exact in the sense that the kernel's max(logp) is -log Σ exp(logits - max)."""
+    if logp is None:
+        logp = torch.log_softmax(logits, dim=-1)
     return logits.amax(dim=-1) - logp.amax(dim=-1)
 
 
@@ -90,22 +98,6 @@ class VerifyBatch:
     def _draft_given(self) -> Tensor:  # the draft's logits as given, in float32
         return as_float(self.draft_logits)
 
-    def draft_at(self, temperature: float) -> Tensor:
-        """[B, L, V] logits whose softmax is the draft's distribution at ``temperature`` (> 0), once per T:
-        the given ones themselves when they are already scaled to it (``draft_scaled``)."""
-        if self.draft_logits is None:
-            raise ValueError("the draft's distribution needs draft_logits")
-        if not temperature > 0.0:
-            raise ValueError(f"a distribution at a temperature needs one > 0, got {temperature}")
-        key = ("draft_at", float(temperature))
-        if key not in self._partitions:
-            if self.draft_scaled and temperature == (self.temperature or 1.0):
-                self._partitions[key] = self._draft_given
-            else:
-                draft = self.draft_f32
-                assert draft is not None
-                self._partitions[key] = draft if temperature == 1.0 else draft / temperature
-        return self._partitions[key]
 
     @cached_property
     def target_logp(self) -> Tensor:  # [B, L, V] log-softmax (T = 1) at the draft positions
@@ -124,37 +116,41 @@ class VerifyBatch:
         return None if self.draft_f32 is None else torch.log_softmax(self.draft_f32, dim=-1)
 
     @cached_property
-    def _partitions(self) -> dict[tuple[str, float], Tensor]:  # log-partitions and draft_at, by (what, T)
+    def _at_t(self) -> dict[tuple[str, float], Tensor]:  # log-partitions and draft_at, by (what, T)
         return {}
 
     def target_lse(self, temperature: float = 1.0) -> Tensor:
         """[B, L] log Σ_v exp(z_v / T) of the target at the draft positions, once per batch and T (the
         lossless fallback, DropMatch's rest atom and others share it). T = 1 reuses ``target_logp``."""
-        return self._lse("target", self.target_f32[:, :-1], temperature)
+        key = ("target", _positive(temperature))
+        if key not in self._at_t:
+            target = self.target_f32[:, :-1]
+            self._at_t[key] = (log_partition(target, self.target_logp) if temperature == 1.0
+                               else log_partition(target / temperature, None))
+        return self._at_t[key]
+
+    def draft_at(self, temperature: float) -> Tensor:
+        """[B, L, V] logits whose softmax is the draft's distribution at ``temperature`` (> 0), once per T:
+        the given ones themselves when they are already scaled to it (``draft_scaled``)."""
+        if self.draft_logits is None:
+            raise ValueError("the draft's distribution needs draft_logits")
+        key = ("draft_at", _positive(temperature))
+        if key not in self._at_t:
+            draft = self.draft_f32
+            assert draft is not None
+            if self.draft_scaled and temperature == (self.temperature or 1.0):
+                self._at_t[key] = self._draft_given
+            else:
+                self._at_t[key] = draft if temperature == 1.0 else draft / temperature
+        return self._at_t[key]
 
     def draft_lse(self, temperature: float = 1.0) -> Tensor:
         """[B, L] the log-partition of :meth:`draft_at` ``temperature``; ``draft_logits`` must be given."""
-        if not temperature > 0.0:
-            raise ValueError(f"a log-partition needs a temperature > 0, got {temperature}")
-        key = ("draft", float(temperature))
-        if key not in self._partitions:
+        key = ("draft", _positive(temperature))
+        if key not in self._at_t:
             logits = self.draft_at(temperature)
-            logp = self.draft_logp if logits is self.draft_f32 else torch.log_softmax(logits, dim=-1)
-            assert logp is not None
-            self._partitions[key] = log_partition(logits, logp)
-        return self._partitions[key]
-
-    def _lse(self, which: str, logits: Tensor, temperature: float) -> Tensor:
-        if not temperature > 0.0:
-            raise ValueError(f"a log-partition needs a temperature > 0, got {temperature}")
-        key = (which, float(temperature))
-        if key not in self._partitions:
-            if temperature == 1.0:
-                self._partitions[key] = log_partition(logits, self.target_logp)
-            else:
-                scaled = logits / temperature
-                self._partitions[key] = log_partition(scaled, torch.log_softmax(scaled, dim=-1))
-        return self._partitions[key]
+            self._at_t[key] = log_partition(logits, self.draft_logp if logits is self.draft_f32 else None)
+        return self._at_t[key]
 
     @property
     def batch_size(self) -> int:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from policies.core import as_float
+from policies.randomness import sample_rows
 
 
 def log_probs(logits: Tensor) -> Tensor:
@@ -26,10 +27,11 @@ def entropy_from_logprobs(logp: Tensor, probs: Tensor | None = None) -> Tensor:
 def kl_from_logprobs(logp: Tensor, logq: Tensor, probs: Tensor | None = None) -> Tensor:
     """KL(p ‖ q) in nats over the last dim; terms with p = 0 contribute 0."""
     p = logp.exp() if probs is None else probs
-    # Where p = 0 the difference is -inf or nan (both logits masked): those terms are 0. Where p > 0 and
-    # q = 0 it is +inf: KL is infinite, as it should be. In place on the one temporary, and always, not
-    # after a check of the result (a host read that a GPU waits for in every verify step).
-    diff = (logp - logq).nan_to_num_(nan=0.0, neginf=0.0, posinf=float("inf"))
+    # Where p = 0 — a masked logit, or one so far below the rest that p underflows — the term is 0 whatever
+    # the difference is (-inf, nan, or +inf where q = 0 too: 0 * inf would be nan). Where p > 0 and q = 0 it
+    # is +inf: KL is infinite, as it should be. In place on the one temporary, and always, not after a
+    # check of the result (a host read that a GPU waits for in every verify step).
+    diff = (logp - logq).masked_fill_(p == 0, 0.0)
     return torch.linalg.vecdot(p, diff).clamp_min(0.0)
 
 
@@ -57,6 +59,4 @@ def gather_last(x: Tensor, index: Tensor) -> Tensor:
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One categorical draw per row of a [N, V] probability matrix (rows need not be normalized): inverse
     CDF at one uniform per row (``torch.multinomial`` would wait on the host twice per call on a GPU)."""
-    from policies.randomness import sample_rows
-
     return sample_rows(probs, torch.rand(probs.shape[:-1], generator=generator, device=probs.device))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies.core import as_float
-from policies.randomness import uniform
+from policies.randomness import sample_rows, uniform
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,9 @@ def draw_head_randomness(
     masks, uniforms = [], []
     for _ in range(k):
         if p_drop > 0.0:
-            draw = uniform((batch_size, draft_len, hidden_size), generator, device, streams)
-            masks.append(draw >= p_drop)
+            masks.append(torch.rand((batch_size, draft_len, hidden_size), generator=generator, device=device) >= p_drop)
         if sampling:
-            uniforms.append(uniform((batch_size, draft_len), generator, device, streams))
+            uniforms.append(torch.rand((batch_size, draft_len), generator=generator, device=device))
     return (torch.stack(masks) if masks else None), (torch.stack(uniforms) if uniforms else None)
 
 
@@ -86,7 +85,7 @@ def dropout_heads(
     lm_head_weight: Tensor,  # [V, d]
     lm_head_bias: Tensor | None,  # [V]
     target_logits: Tensor,  # [B, L, V] the undropped logits at the same positions
-    target_lse: Callable[[float], Tensor] | None,  # T -> [B, L] log Σ exp(z / T) (VerifyBatch.target_lse)
+    target_lse: Callable[[float], Tensor],  # T -> [B, L] log Σ exp(z / T) (VerifyBatch.target_lse)
     draft_token_ids: Tensor,  # [B, L]
     k: int,
     p_drop: float,
@@ -126,8 +125,7 @@ def dropout_heads(
     cand_target = target.gather(-1, cand).masked_fill(slot_off, float("-inf"))  # [B, L, C]
 
     def with_rest(head_logits: Tensor, temp: float) -> Tensor:
-        lse = target_lse(temp) if target_lse is not None else torch.logsumexp(target / temp, dim=-1)
-        rest = _rest_logit(lse, cand_target, temp)  # [B, L]
+        rest = _rest_logit(target_lse(temp), cand_target, temp)  # [B, L]
         return torch.cat([head_logits, rest.expand(k, b, n).unsqueeze(-1)], dim=-1)
 
     atom_ids = torch.cat([cand, cand.new_full((b, n, 1), -1)], dim=-1)  # [B, L, C+1]
@@ -156,10 +154,7 @@ def head_tokens(heads: DropoutHeads) -> Tensor:
         atom = real.argmax(dim=-1)
     else:
         assert heads.uniforms is not None
-        cdf = torch.softmax(heads.sample_logits, dim=-1).cumsum(dim=-1)  # [K, B, L, A]
-        target = (heads.uniforms * cdf[..., -1]).unsqueeze(-1)
-        atom = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=True).squeeze(-1)
-        atom = atom.clamp(max=cdf.shape[-1] - 1)
+        atom = sample_rows(torch.softmax(heads.sample_logits, dim=-1), heads.uniforms)  # [K, B, L]
     if heads.atom_ids is None:
         return atom
     k = atom.shape[0]

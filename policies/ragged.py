@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from policies.core import Policy, VerifyBatch
+from policies.core import Policy, VerifyBatch, as_float
 from policies.emission import emit_tokens, leading_run
 
 CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
@@ -70,6 +70,7 @@ def _target_block(flat: Tensor, index: Tensor, first_row: int | None) -> Tensor:
         storage = flat[first_row:first_row + b * n + 1]
     else:
         storage = flat.index_select(0, torch.cat([index.reshape(-1), index[-1, -1:]]))  # [b·L + 1, V]
+    storage = as_float(storage)  # upcast here (bf16 logits): after the view it would copy the aliased block
     return storage.as_strided((b, n + 1, v), (n * v, v, 1))
 
 

@@ -59,9 +59,6 @@ class RowStreams:
     def rows(self, lo: int, hi: int) -> RowStreams:
         return RowStreams(self.keys[lo:hi], self.draws)
 
-    def to(self, device: torch.device | str) -> RowStreams:
-        return RowStreams(self.keys.to(device), self.draws)
-
     def uniform(self, shape: tuple[int, ...] | torch.Size, bits: int = 24, heads: bool = False) -> Tensor:
         """float32 in (0, 1) of ``shape`` (``shape[0]`` = the rows), then the next draw.
 
@@ -104,7 +101,7 @@ def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
     raises there, after a host read)."""
     cdf = probs.float().cumsum(dim=-1)
     total = cdf[..., -1]
-    target = (uniforms.to(cdf.dtype) * total).unsqueeze(-1)
+    target = (uniforms.to(cdf.dtype) * total).unsqueeze(-1).contiguous()
     ids = torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
     broken = ~(torch.isfinite(total) & (total > 0))
     return torch.where(broken, probs.argmax(dim=-1), ids)

@@ -48,9 +48,8 @@ def interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str,
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    from jobs.gpu.steps import synthetic_step
+    from jobs.gpu.steps import call_rule, fallbacks, synthetic_step
     from policies import make_policy
-    from workers.vllm.step import decide_step
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=32, help="requests in the step (B)")
@@ -73,12 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     step = synthetic_step(b, v, args.hidden_size, torch.device("cpu"), draft_len=n, head_dtype=torch.float32)
 
     def call(policy, temperature: float, own: bool):
-        return decide_step(
-            policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens, max_spec_len=n,
-            target_logits=step.target_logits, bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
-            draft_logits=step.plugin_draft(temperature), draft_scaled=True, target_hidden=step.hidden,
-            lm_head=lambda: (step.weight, None), policies=[policy] * b if own else None,
-            keys=["bench"] * b if own else None, request_seeds=list(range(1, b + 1)) if own else None)
+        return call_rule(policy, step, temperature, per_request=own)
 
     mode = "per-request rules and seeds" if args.per_request_seeds else "one rule for the step"
     print(f"B={b} L={n} V={v} d={args.hidden_size} fp32 T={t:g} ({mode})  torch threads={torch.get_num_threads()}  "
@@ -93,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     (ref, ref_min), (group, group_min) = timed["argmax"], timed["group"]
     for i, ((name, params), (_, policy)) in enumerate(zip(rules, policies, strict=True)):
         med, low = timed[f"rule{i}"]
-        seen = sorted({r for r in call(policy, t, args.per_request_seeds).fallback if r is not None})
+        seen = fallbacks(call(policy, t, args.per_request_seeds))
         label = name + (f" {params}" if params else "")
         print(f"| {label} (decide_step) | {med:.1f} | {low:.1f} | {med / group:.2f}x | {med / ref:.1f}x | "
               f"{'; '.join(seen) or 'none'} |")

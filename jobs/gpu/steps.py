@@ -97,16 +97,19 @@ def synthetic_step(b: int, vocab: int, hidden_size: int, device: torch.device, s
     return Step(drafts, [draft_len] * b, target, draft, bonus, hidden, weight)
 
 
-def call_rule(policy: Any, step: Step, temperature: float, seed: int = 0, call: int = 0) -> Any:
-    """decide_step as workers.vllm.plugin.apply_rule calls it (one rule for the step)."""
+def call_rule(policy: Any, step: Step, temperature: float, seed: int = 0, call: int = 0,
+              per_request: bool = False) -> Any:
+    """decide_step as workers.vllm.plugin.apply_rule calls it: one rule for the step, or (``per_request``)
+    every request carrying its own copy of the rule and its own seed, as per-request rules in vLLM do."""
     from workers.vllm.step import decide_step
 
     b = len(step.num_draft_tokens)
+    own = dict(policies=[policy] * b, keys=["own"] * b, request_seeds=list(range(1, b + 1))) if per_request else {}
     return decide_step(policy, draft_token_ids=step.draft_token_ids, num_draft_tokens=step.num_draft_tokens,
                        max_spec_len=max(step.num_draft_tokens, default=0), target_logits=step.target_logits,
                        bonus_token_ids=step.bonus_token_ids, temperatures=[temperature] * b,
                        draft_logits=step.plugin_draft(temperature), draft_scaled=True, target_hidden=step.hidden,
-                       lm_head=lambda: (step.weight, None), seed=seed, step=call)
+                       lm_head=lambda: (step.weight, None), seed=seed, step=call, **own)
 
 
 def fallbacks(outcome: Any) -> list[str]:

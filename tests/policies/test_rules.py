@@ -179,7 +179,7 @@ def test_log_partitions_are_logsumexp_and_shared(temperature):
     assert torch.allclose(batch.target_lse(temperature), want, atol=1e-5)
     assert batch.target_lse(temperature) is batch.target_lse(temperature), "computed once per batch and T"
     assert torch.allclose(batch.draft_lse(temperature), torch.logsumexp(batch.draft_f32 / temperature, -1), atol=1e-5)
-    with pytest.raises(ValueError, match="temperature > 0"):
+    with pytest.raises(ValueError, match="needs one > 0"):
         batch.target_lse(0.0)
 
 
@@ -198,3 +198,17 @@ def test_draft_handed_scaled_by_t_decides_as_raw_logits(name):
     a, b = verify(policy, raw), verify(policy, handed)
     assert torch.equal(a.decision.accepted, b.decision.accepted)
     assert torch.equal(a.output_token_ids, b.output_token_ids)
+
+
+def test_kl_terms_where_p_underflows_are_zero_not_nan():
+    """A target token far below the rest (p underflows to 0, logp finite) where the draft has q = 0: 0 · inf
+    must count 0, not make KL nan (a nan KL silently rejects); p > 0 where q = 0 is infinite KL."""
+    from policies.distributions import kl_from_logprobs
+
+    target = torch.tensor([[10.0, 0.0, -200.0, float("-inf")]])
+    draft = torch.tensor([[10.0, 0.0, float("-inf"), float("-inf")]])
+    logp, logq = torch.log_softmax(target, -1), torch.log_softmax(draft, -1)
+    kl = kl_from_logprobs(logp, logq, torch.softmax(target, -1))
+    assert torch.isfinite(kl).all() and float(kl[0]) < 1e-6
+    assert kl_from_logprobs(torch.log_softmax(torch.tensor([[0.0, 0.0]]), -1),
+                            torch.log_softmax(torch.tensor([[0.0, float("-inf")]]), -1)).isinf().all()

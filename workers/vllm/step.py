@@ -263,14 +263,19 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             if device.type == "cuda":
                 keys_cpu = keys_cpu.pin_memory()
             streams = RowStreams(keys_cpu.to(device, non_blocking=True))
+        def draws() -> dict[str, Any]:
+            """The group's random numbers, the same for the rule and its fallback: the requests' own streams
+            (verify_flat never advances them), or the step's generator, seeded afresh."""
+            if streams is not None:
+                return {"streams": streams}
+            return {"generator": torch.Generator(device=device).manual_seed(gen_seed)}
+
         try:
             if _needs_hidden(pol) and target_hidden is not None:
                 hidden = pick(target_hidden)
                 weight, bias = lm_head() if lm_head is not None else (None, None)
             result = verify_flat(pol, **inputs, draft_logits=group_draft, target_hidden=hidden,
-                                 lm_head_weight=weight, lm_head_bias=bias, streams=streams,
-                                 generator=None if streams is not None else
-                                 torch.Generator(device=device).manual_seed(gen_seed))
+                                 lm_head_weight=weight, lm_head_bias=bias, **draws())
             used = pol
         except Exception as err:  # noqa: BLE001 - a worker must never die on a rule
             reason, detail = _reason(err), f"{type(err).__name__}: {err}"
@@ -278,10 +283,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
                 reason = GREEDY_AT_T
             used = make_policy("lossless")
             try:
-                result = verify_flat(used, **inputs, draft_logits=group_draft,
-                                     streams=None if streams is None else streams.rows(0, len(streams)),
-                                     generator=None if streams is not None else
-                                     torch.Generator(device=device).manual_seed(gen_seed))
+                result = verify_flat(used, **inputs, draft_logits=group_draft, **draws())
             except Exception as err2:  # noqa: BLE001
                 reason = f"{reason}; lossless failed too ({type(err2).__name__}), greedy"
                 detail = f"{detail}; then {type(err2).__name__}: {err2}"
@@ -321,10 +323,12 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
 
 
 def _lossless_everywhere(reason: str, detail: str, draft_token_ids, num_draft_tokens, max_spec_len, target_logits,
-                         bonus_token_ids, sampling_metadata, req_ids: list[str] | None = None) -> torch.Tensor:
+                         bonus_token_ids, sampling_metadata, req_ids: list[str] | None = None,
+                         skipped: list[bool] | None = None, step: int = 0) -> torch.Tensor:
     """The guard's answer when the plugin itself failed before a rule could run: lossless for every
     request of the step (q one-hot: no input is trusted), counted under ``req_ids`` (vLLM's request ids
-    in batch order), one warning per reason."""
+    in batch order), one warning per reason. ``skipped``: the drafter's placeholders (rejected, counted as
+    such); ``step``: the step counter, so that fallback steps do not all draw the same numbers."""
     from policies import make_policy
 
     _warn_once(reason, detail)
@@ -336,7 +340,8 @@ def _lossless_everywhere(reason: str, detail: str, draft_token_ids, num_draft_to
         temps = [0.0] * b
     outcome = decide_step(make_policy("lossless"), draft_token_ids=draft_token_ids, num_draft_tokens=num_draft_tokens,
                           max_spec_len=max_spec_len, target_logits=target_logits, bonus_token_ids=bonus_token_ids,
-                          temperatures=temps)
+                          temperatures=temps, step=step,
+                          skipped=skipped if skipped is not None and len(skipped) >= b else None)
     try:
         LEDGER.record(req_ids, num_draft_tokens, [reason] * b)
     except Exception:  # noqa: BLE001
