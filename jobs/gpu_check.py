@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--determinism-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from workers.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # as in the engines: the host's full-vocabulary temporaries (CPU runs) reuse the heap
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2

@@ -160,6 +160,9 @@ class SpecDecoder:
         """``prefix_cache``: a new prompt reuses the KV entries of the longest prefix it shares
         with what each model's cache holds (a few-shot preamble, a system prompt, the same
         prompt under another rule) instead of recomputing them. Off, every prefill starts empty."""
+        from workers.host_memory import keep_freed_memory
+
+        keep_freed_memory()  # the verify step's full-vocabulary temporaries: heap, not fresh pages per pass
         self.pair = pair
         self.prefix_cache = prefix_cache
         # A narrower draft (pair.padded): its logits are padded with -inf to the target's width and

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-request-seeds", action="store_true",
                     help="each request its own rule and seed (vLLM per-request rules), not one rule for the step")
     ap.add_argument("--rule", action="append", default=None, help="NAME or NAME:k=v,... (repeatable; default lossless)")
+    ap.add_argument("--glibc-default-malloc", action="store_true",
+                    help="leave glibc's malloc thresholds as they are (freed blocks back to the kernel: fresh pages on "
+                         "every pass), to measure workers.host_memory against them")
     args = ap.parse_args(argv)
     require_positive(args, "requests", "draft_len", "vocab", "reps", "hidden_size")
     if not args.temperature >= 0.0:
@@ -68,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     rules = [parse_rule(r) for r in (args.rule or ["lossless"])]
     policies = [(name, make_policy(name, **params)) for name, params in rules]  # bad names/values: one line
 
+    from workers.host_memory import keep_freed_memory
+
+    kept = False if args.glibc_default_malloc else keep_freed_memory()
     b, n, v, t = args.requests, args.draft_len, args.vocab, args.temperature
     step = synthetic_step(b, v, args.hidden_size, torch.device("cpu"), draft_len=n, head_dtype=torch.float32)
 
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
 
     mode = "per-request rules and seeds" if args.per_request_seeds else "one rule for the step"
     print(f"B={b} L={n} V={v} d={args.hidden_size} fp32 T={t:g} ({mode})  torch threads={torch.get_num_threads()}  "
-          f"cpus={os.cpu_count()}  load(1m) before={os.getloadavg()[0]:.2f}")
+          f"cpus={os.cpu_count()}  load(1m) before={os.getloadavg()[0]:.2f}  "
+          f"freed memory kept (workers.host_memory)={kept}")
     print("| step decided by | median ms | min ms | vs greedy group | vs argmax | fallbacks |\n|---|---:|---:|---:|---:|---|")
     lossless = make_policy("lossless")
     fns: dict[str, Callable[[], object]] = {"argmax": lambda: step.target_logits.argmax(dim=-1),

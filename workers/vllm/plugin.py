@@ -324,10 +324,12 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: patch vLLM once per process; in a process vLLM started
     for a spectune engine, also leave when its parent is gone (:mod:`workers.vllm.orphans`)."""
     global _patched
+    from workers.host_memory import keep_freed_memory
     from workers.vllm import gates
     from workers.vllm.orphans import watch_parent
 
     watch_parent()
+    keep_freed_memory()  # every vLLM process: the rules' full-vocabulary temporaries reuse the heap
     with _lock:
         if _patched:
             return
