@@ -126,6 +126,7 @@ class _Step(threading.local):
     request_seeds: list[int] | None = None  # per request: SamplingParams.seed, else a hash of its id
     positions: list[int] | None = None  # per request: tokens computed before this step
     draft_scaled: bool = False  # the proposer patch handed over the drafter's logits divided by T (scaled_as_vllm)
+    temps_cpu: list[float] | None = None  # per request: its temperature, from the host copy vLLM keeps
     greedy_drafts: bool = False  # ... for argmax drafts while some request samples (T > 0): not their q
     skipped: list[bool] | None = None  # per request: vLLM skipped the drafter, its drafts are placeholders
     snapshot: bool = False  # inside ``sample_tokens``: every hook of the step uses ``active``
@@ -164,6 +165,18 @@ def scaled_as_vllm(logits: torch.Tensor, temperature: torch.Tensor | None) -> to
     return logits.clone().div_(t.view(-1, 1))
 
 
+def step_temperatures(sampling_metadata: Any, b: int) -> list[float]:
+    """Each request's temperature for the step, as host floats: from vLLM's host copy of them
+    (``InputBatch.temperature_cpu``, which its device tensor is copied from), taken in ``sample_tokens``,
+    so that no step waits on a device-to-host read; from the device tensor only where that copy is not
+    there (another runner)."""
+    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
+        return [0.0] * b
+    if STEP.temps_cpu is not None and len(STEP.temps_cpu) >= b:
+        return [max(0.0, t) for t in STEP.temps_cpu[:b]]
+    return sampling_metadata.temperature.float().clamp(min=0.0)[:b].tolist()
+
+
 def _rule_now() -> _Active | None:
     """The rule file's rule for this hook: the step's snapshot inside ``sample_tokens`` (the file is read
     once per step, so a write between two hooks of one step cannot split it), else the file now."""
@@ -200,10 +213,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         # spectune's engines refuse them at admission; another front end (a vLLM server) may not
         _warn_once("top-p/top-k requests under a spectune rule", "the rule decides from the full target distribution "
                    "at the temperature; vLLM applies top-p/top-k to the bonus token only", fallback=False)
-    if sampling_metadata.all_greedy or sampling_metadata.temperature is None:
-        temps = [0.0] * b
-    else:
-        temps = sampling_metadata.temperature.float().clamp(min=0.0)[:b].tolist()
+    temps = step_temperatures(sampling_metadata, b)
     model, vocab = STEP.model, target_logits.shape[1]
     tracer = None
     if os.environ.get(TRACE_DIR_ENV):
@@ -482,6 +492,8 @@ def register() -> None:
                 STEP.target_indices = None if meta is None else meta.target_logits_indices
                 STEP.model = self.model
                 STEP.req_ids = list(self.input_batch.req_ids)
+                host_temps = getattr(self.input_batch, "temperature_cpu", None)
+                STEP.temps_cpu = None if host_temps is None else [float(t) for t in host_temps[:len(STEP.req_ids)]]
                 skipped = getattr(self, "_spectune_skipped", None)  # drafts of this step the drafter never made
                 STEP.skipped = [rid in skipped for rid in STEP.req_ids] if skipped else None
                 try:
@@ -493,7 +505,7 @@ def register() -> None:
                 return orig_sample_tokens(self, grammar_output)
             finally:
                 STEP.hidden = STEP.target_indices = STEP.model = STEP.req_ids = None
-                STEP.rules = STEP.request_seeds = STEP.positions = STEP.skipped = None
+                STEP.rules = STEP.request_seeds = STEP.positions = STEP.skipped = STEP.temps_cpu = None
                 STEP.active, STEP.snapshot, STEP.mask_from = None, False, 0
 
         rs.rejection_sample = rejection_sample

@@ -124,6 +124,27 @@ def test_a_verify_step_makes_no_host_sync_and_one_rule_call_per_group(rule, temp
     assert two_groups.total == 0 and len(calls) == (2 if temperature else 1), dict(two_groups.by_kind)
 
 
+def test_step_temperatures_come_from_vllms_host_copy_without_a_device_read():
+    """The plugin takes each request's temperature from vLLM's host copy (InputBatch.temperature_cpu, read in
+    sample_tokens), not from the device tensor: no step waits on a device-to-host read for it."""
+    from types import SimpleNamespace
+
+    from workers.vllm import plugin
+
+    meta = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.7, 0.0, 1.3]))
+    plugin.STEP.temps_cpu = [0.7, 0.0, 1.3]
+    try:
+        with HostSyncs() as syncs:
+            temps = plugin.step_temperatures(meta, 3)
+        assert syncs.total == 0 and temps == [0.7, 0.0, 1.3]
+    finally:
+        plugin.STEP.temps_cpu = None
+    with HostSyncs() as syncs:  # no host copy (another runner): the device tensor, one read
+        assert plugin.step_temperatures(meta, 3) == pytest.approx([0.7, 0.0, 1.3])
+    assert syncs.total == 1
+    assert plugin.step_temperatures(SimpleNamespace(all_greedy=True, temperature=None), 2) == [0.0, 0.0]
+
+
 @pytest.mark.parametrize("rule,needs", [(("lossless", {}), False), (("top_k", {"k": 4}), False),
                                         (("dropmatch", {"criterion": "naive"}), False), (("typical", {}), False),
                                         (("kl_judge", {"threshold": 0.5}), True),
