@@ -5,7 +5,7 @@ Per rank (tensor parallelism divides weights and KV heads) it counts: the weight
 batch (``max_num_seqs`` sequences of ``context`` tokens, at least one ``max_model_len`` sequence), the
 draft's too in the speculative engine; what spectune adds outside vLLM's profiling (the cached draft
 distribution q and its concatenated copy, ``[max_num_seqs x L, V]`` each, in the draft's dtype (the drafter's
-logits divided by T, :func:`workers.vllm.plugin.scaled_as_vllm`); DropMatch's dropout
+logits divided by T, :func:`workers.vllm.drafts.scaled_as_vllm`); DropMatch's dropout
 logits, one chunk of ``K x 2^26 / K`` float32 at most; the LM head gathered whole on every rank under TP);
 and a fixed headroom for the CUDA context, NCCL and allocator slack. From those:
 

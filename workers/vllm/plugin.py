@@ -19,7 +19,7 @@ is the runner vLLM-CPU subclasses):
   (:func:`workers.vllm.common.refuse_sampling_constraints`); a step that still carries them warns once.
 - ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
   the one vLLM drew the token from, as its logits divided by T in the draft's dtype
-  (:func:`scaled_as_vllm`; T = 1 for greedy drafting, for which vLLM returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
+  (:func:`workers.vllm.drafts.scaled_as_vllm`; T = 1 for greedy drafting, for which vLLM returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
   steps whose rules never read it (lossless, top-k, typical, DropMatch naive: ``_step_needs_q``) draft
   the way vLLM does, without the full-vocabulary log-softmax and cached distribution per draft token.
 - ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
@@ -36,7 +36,7 @@ is the runner vLLM-CPU subclasses):
   dropout heads get the same mask as a bias.
 - ``GPUModelRunner._input_fits_in_drafter`` also notes which requests' next drafts are placeholders: near
   ``max_model_len`` vLLM skips the drafter for the whole batch and fills the next step's drafts with
-  token id 0 and no distribution (:func:`note_drafter`). The rules never judge those: they become -1
+  token id 0 and no distribution (:func:`workers.vllm.drafts.note_drafter`). The rules never judge those: they become -1
   (rejected by every rule, the target's token emitted), counted as a fallback.
 - Greedy drafting (``draft_sample_method="greedy"``) while a request samples (T > 0): the argmax drafts
   were not drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q
@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from workers.vllm.drafts import note_drafter, scaled_as_vllm
 from workers.vllm.faults import FAULTS_ENV  # noqa: F401 - public here too
 from workers.vllm.heads import (  # noqa: F401 - public here too
     TP_AGREEMENT,
@@ -147,22 +148,6 @@ def _step_needs_q(active: _Active) -> bool:
     if rules is None or any(r is None for r in rules):
         policies.append(active.policy)
     return any(needs_draft_distribution(p) for p in policies)
-
-
-def scaled_as_vllm(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
-    """The draft's logits divided by each row's temperature exactly as vLLM's drafter divides them before it
-    draws from ``softmax(logits / T)`` (``compute_probs_and_sample_next_token``: greedy rows by 1, the
-    division in place in the logits' dtype), on a copy made before vLLM divides its own: the rules' q at T
-    is then softmax of these, the distribution the drafts were drawn from (to fp32 rounding), kept in the
-    draft's dtype (bf16 on a GPU: half the bytes of a float32 distribution; vLLM's own float32 ``probs``
-    is dropped). Rows are request-major when a request drafts several per pass (parallel drafting)."""
-    if temperature is None:
-        return logits.clone()
-    t = temperature.to(logits.device)
-    t = torch.where(t < 1e-5, 1.0, t)  # vLLM's greedy rows (_SAMPLING_EPS): divided by 1
-    if t.shape[0] != logits.shape[0]:
-        t = t.repeat_interleave(logits.shape[0] // t.shape[0])
-    return logits.clone().div_(t.view(-1, 1))
 
 
 def step_temperatures(sampling_metadata: Any, b: int) -> list[float]:
@@ -278,19 +263,6 @@ def request_seed(req_id: str, seed: int | None) -> int:
         return int(seed)
     child = _CHILD.match(req_id)
     return int(child.group(1)) + 1 if child else 0
-
-
-def note_drafter(runner: Any, fits: bool) -> None:
-    """After a step's verification, vLLM decides whether to run the drafter (``_input_fits_in_drafter``):
-    near ``max_model_len`` it skips it for the whole batch and fills the next step's drafts with token
-    id 0 and no draft distribution. Remember which requests got such placeholders (``_spectune_skipped``;
-    a later step that drafts for them forgets them; finished requests are dropped), so the rules never
-    judge them (:func:`~workers.vllm.step.decide_step`'s ``skipped``)."""
-    skipped = set(getattr(runner, "_spectune_skipped", None) or ())
-    current = set(runner.input_batch.req_ids)
-    skipped = (skipped | current) if not fits else (skipped - current)
-    live = getattr(runner, "requests", None)
-    runner._spectune_skipped = skipped & set(live) if isinstance(live, dict) else skipped
 
 
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:

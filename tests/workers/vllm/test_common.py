@@ -12,8 +12,8 @@ import torch
 from policies import POLICIES, get_spec, make_policy
 from tests.workers.vllm.test_rule_fallback import D, V, step_inputs
 from workers.vllm.common import engine_kwargs, memory_shares, merge_rank_ledgers, rule_missing
+from workers.vllm.drafts import scaled_as_vllm
 from workers.vllm.host_syncs import HostSyncs
-from workers.vllm.plugin import scaled_as_vllm
 from workers.vllm.settings import VLLMSettings
 from workers.vllm.step import decide_step
 
