@@ -22,13 +22,26 @@ import os
 from pathlib import Path
 
 from workers.benchmarks import gsm8k, humaneval, ifeval, mmlu, mtbench  # noqa: F401  (register themselves)
-from workers.benchmarks.base import BENCHMARKS, Benchmark, Item, Score, get_benchmark, select
+from workers.benchmarks.base import BENCHMARKS, Benchmark, Item, Score, load_entry_points, select
 from workers.benchmarks.ifeval import summary as ifeval_summary
 from workers.benchmarks.mmlu import per_topic
 from workers.benchmarks.similarity import similarity
+from workers.benchmarks.taskfile import load_task
 
 __all__ = ["BENCHMARKS", "Benchmark", "Item", "Score", "fetch_benchmarks", "get_benchmark", "ifeval_summary",
            "per_topic", "select", "similarity"]
+
+
+def get_benchmark(name: str) -> Benchmark:
+    """A built-in benchmark by name, or a task file by path (``*.yaml``: ``workers.benchmarks.taskfile``)."""
+    if isinstance(name, str) and name.lower().endswith((".yaml", ".yml")):
+        return load_task(name)
+    if name not in BENCHMARKS:
+        load_entry_points()
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)} or a task file (PATH.yaml)")
+    return BENCHMARKS[name]
+
 
 
 def fetch_benchmarks(names: list[str] | None = None, cache_dir: str | os.PathLike[str] | None = None

@@ -86,19 +86,6 @@ def register(cls: type[_B]) -> type[_B]:
     return cls
 
 
-def get_benchmark(name: str) -> Benchmark:
-    """A built-in benchmark by name, or a task file by path (``*.yaml``: ``workers.benchmarks.taskfile``)."""
-    if isinstance(name, str) and name.lower().endswith((".yaml", ".yml")):
-        from workers.benchmarks.taskfile import load_task
-
-        return load_task(name)
-    if name not in BENCHMARKS:
-        load_entry_points()
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; valid: {sorted(BENCHMARKS)} or a task file (PATH.yaml)")
-    return BENCHMARKS[name]
-
-
 ENTRY_POINTS = "spectune.benchmarks"  # [project.entry-points."spectune.benchmarks"] name = "module:Class"
 
 

@@ -89,15 +89,14 @@ class _FaultyRule:
         raise RuntimeError("injected fault (SPECTUNE_VLLM_TEST_FAULTS raise_every)")
 
 
-def install() -> bool:
+def install(plugin: Any) -> bool:
     """Wrap the plugin's patched vLLM functions with the fault hooks, only when ``SPECTUNE_VLLM_TEST_FAULTS``
-    is set in this process (tests); the production patch (:mod:`workers.vllm.plugin`) carries no fault code.
-    Called by ``register()`` after it patched; idempotent. Returns whether the hooks are in place."""
+    is set in this process (tests); the production patch (:mod:`workers.vllm.plugin`, handed in as ``plugin``:
+    this module never imports it) carries no fault code. Called by ``register()`` after it patched;
+    idempotent. Returns whether the hooks are in place."""
     if not os.environ.get(FAULTS_ENV):
         return False
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    from workers.vllm import plugin
 
     if getattr(GPUModelRunner, "_spectune_faults", False):
         return True

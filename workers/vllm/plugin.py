@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,6 @@ from typing import Any
 import torch
 
 from workers.vllm.drafts import note_drafter, scaled_as_vllm
-from workers.vllm.faults import FAULTS_ENV  # noqa: F401 - public here too
 from workers.vllm.heads import (  # noqa: F401 - public here too
     TP_AGREEMENT,
     _lm_head,
@@ -494,4 +494,4 @@ def register() -> None:
         _patched = True
     from workers.vllm.faults import install
 
-    install()  # tests only (SPECTUNE_VLLM_TEST_FAULTS set): fault hooks around the patched functions
+    install(sys.modules[__name__])  # tests only (SPECTUNE_VLLM_TEST_FAULTS set): fault hooks around the patched functions
