@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -32,18 +33,26 @@ import torch
 from workers.cli import one_line_errors, parse_rule, require_positive
 
 
-def interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float]]:
-    """Median and min ms of each function over ``reps`` rounds, the functions taking turns within each
-    round (a slow spell of a shared machine hits all of them, not the one that happened to run then)."""
+def interleaved_ms(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, tuple[float, float, float, float]]:
+    """Per function over ``reps`` rounds, the functions taking turns within each round (a slow spell of a
+    shared machine hits all of them, not the one that happened to run then): median and min wall ms, and
+    the median page faults and kernel (system) ms per call, from ``getrusage`` (the host allocator's cost:
+    workers.host_memory)."""
     for fn in fns.values():
         fn()  # warm-up (allocator, lazy imports)
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[float]] = {name: [] for name in fns}
+    kernel: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+            t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            times[name].append((t1 - t0) * 1e3)
+            faults[name].append(r1.ru_minflt - r0.ru_minflt)
+            kernel[name].append((r1.ru_stime - r0.ru_stime) * 1e3)
+    return {name: (statistics.median(times[name]), min(times[name]), statistics.median(faults[name]),
+                   statistics.median(kernel[name])) for name in fns}
 
 
 @one_line_errors
@@ -84,23 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"B={b} L={n} V={v} d={args.hidden_size} fp32 T={t:g} ({mode})  torch threads={torch.get_num_threads()}  "
           f"cpus={os.cpu_count()}  load(1m) before={os.getloadavg()[0]:.2f}  "
           f"freed memory kept (workers.host_memory)={kept}")
-    print("| step decided by | median ms | min ms | vs greedy group | vs argmax | fallbacks |\n|---|---:|---:|---:|---:|---|")
+    print("| step decided by | median ms | min ms | vs greedy group | vs argmax | fallbacks | page faults / call "
+          "| kernel ms / call |\n|---|---:|---:|---:|---:|---|---:|---:|")
     lossless = make_policy("lossless")
     fns: dict[str, Callable[[], object]] = {"argmax": lambda: step.target_logits.argmax(dim=-1),
                                              "group": lambda: call(lossless, 0.0, False)}
     for i, (_, policy) in enumerate(policies):
         fns[f"rule{i}"] = lambda p=policy: call(p, t, args.per_request_seeds)
     timed = interleaved_ms(fns, args.reps)
-    (ref, ref_min), (group, group_min) = timed["argmax"], timed["group"]
+    ref, group = timed["argmax"][0], timed["group"][0]
+
+    def row(label: str, key: str, seen: str) -> None:
+        med, low, flt, sys_ms = timed[key]
+        print(f"| {label} | {med:.1f} | {low:.1f} | {med / group:.2f}x | {med / ref:.1f}x | {seen} | {flt:.0f} "
+              f"| {sys_ms:.0f} |")
+
     for i, ((name, params), (_, policy)) in enumerate(zip(rules, policies, strict=True)):
-        med, low = timed[f"rule{i}"]
         seen = fallbacks(call(policy, t, args.per_request_seeds))
-        label = name + (f" {params}" if params else "")
-        print(f"| {label} (decide_step) | {med:.1f} | {low:.1f} | {med / group:.2f}x | {med / ref:.1f}x | "
-              f"{'; '.join(seen) or 'none'} |")
-    print(f"| greedy group: lossless T=0, one rule (decide_step) | {group:.1f} | {group_min:.1f} | 1.00x | "
-          f"{group / ref:.1f}x | none |")
-    print(f"| argmax only (vLLM's greedy core) | {ref:.1f} | {ref_min:.1f} | {ref / group:.2f}x | 1.0x | - |")
+        row(name + (f" {params}" if params else "") + " (decide_step)", f"rule{i}", "; ".join(seen) or "none")
+    row("greedy group: lossless T=0, one rule (decide_step)", "group", "none")
+    row("argmax only (vLLM's greedy core)", "argmax", "-")
     print(f"load(1m) after={os.getloadavg()[0]:.2f}")
     return 0
 

@@ -92,6 +92,7 @@ def test_bench_step_times_each_rule_against_the_greedy_group_and_argmax(capsys, 
         "dropmatch {'criterion': 'js'} (decide_step)", "greedy group: lossless T=0, one rule (decide_step)",
         "argmax only (vLLM's greedy core)"]
     assert all(r.split("|")[6].strip() in ("none", "-") for r in rows), "no rule timed its fallback"
+    assert all(float(r.split("|")[7]) >= 0 and float(r.split("|")[8]) >= 0 for r in rows), "faults, kernel ms"
     assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out
     assert ("per-request rules and seeds" in out) == bool(extra)
 
