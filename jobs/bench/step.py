@@ -14,7 +14,8 @@ the reference figures side by side in the same run: the *greedy group* (lossless
 the step: the cheapest decision) and the ``argmax`` over the same logits that vLLM's greedy rejection
 needs at least. The draft's logits are handed over as the plugin hands them (divided by T, made once outside
 the timing: the drafter makes them). Prints the median and min milliseconds of ``--reps`` rounds in which
-every timed call takes its turn (interleaved: a slow spell hits all of them), the fallbacks seen
+every timed call takes its turn (interleaved: a slow spell hits all of them), the median page faults and
+kernel milliseconds per call (``getrusage``: the host allocator's share, ``--glibc-default-malloc``), the fallbacks seen
 (a rule that fell back is timing the lossless rule, not itself) and the machine's load before and after.
 No assertions: this is a measurement (docs/measurements.md "Per-step cost").
 """
