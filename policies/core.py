@@ -119,10 +119,36 @@ class VerifyBatch:
     def _at_t(self) -> dict[tuple[str, float], Tensor]:  # log-partitions and draft_at, by (what, T)
         return {}
 
+    @cached_property
+    def fused(self) -> Any:
+        """The fused statistics of the draft positions at the batch's temperature and at T = 1
+        (:class:`policies.fused.RowStats`: both log-partitions of the target and the draft, KL, max p) in one
+        pass, or None where the fused kernel does not run (:func:`policies.fused.enabled`): the eager
+        kernels then compute what a rule asks for, one pass each."""
+        from policies import fused
+
+        target = self.target_f32[:, :-1]
+        if not fused.enabled(target):
+            return None
+        t = self.temperature
+        scale = (1.0, 1.0)  # the draft's logits as given -> at T = 1 and at T
+        if self.draft_logits is not None and t > 0.0:
+            scale = (t, 1.0) if self.draft_scaled else (1.0, 1.0 / t)
+        return fused.row_stats(target, self.draft_logits, t, scale)
+
+    def _fused_at(self, temperature: float) -> Any:
+        """The fused statistics when they hold ``temperature`` (1, or the batch's), else None."""
+        stats = self.fused
+        return stats if stats is not None and temperature in (1.0, self.temperature) else None
+
     def target_lse(self, temperature: float = 1.0) -> Tensor:
         """[B, L] log Σ_v exp(z_v / T) of the target at the draft positions, once per batch and T (the
-        lossless fallback, DropMatch's rest atom and others share it). T = 1 reuses ``target_logp``."""
+        lossless fallback, DropMatch's rest atom and others share it): from the fused statistics where they
+        run, else T = 1 reuses ``target_logp``."""
         key = ("target", _positive(temperature))
+        stats = self._fused_at(temperature)
+        if stats is not None:
+            return stats.target_lse1 if temperature == 1.0 else stats.target_lse
         if key not in self._at_t:
             target = self.target_f32[:, :-1]
             self._at_t[key] = (log_partition(target, self.target_logp) if temperature == 1.0
@@ -136,21 +162,35 @@ class VerifyBatch:
             raise ValueError("the draft's distribution needs draft_logits")
         key = ("draft_at", _positive(temperature))
         if key not in self._at_t:
-            draft = self.draft_f32
-            assert draft is not None
             if self.draft_scaled and temperature == (self.temperature or 1.0):
-                self._at_t[key] = self._draft_given
+                self._at_t[key] = self._draft_given  # as given (draft_f32 would be a full pass)
             else:
+                draft = self.draft_f32
+                assert draft is not None
                 self._at_t[key] = draft if temperature == 1.0 else draft / temperature
         return self._at_t[key]
 
     def draft_lse(self, temperature: float = 1.0) -> Tensor:
         """[B, L] the log-partition of :meth:`draft_at` ``temperature``; ``draft_logits`` must be given."""
         key = ("draft", _positive(temperature))
+        stats = self._fused_at(temperature)
+        if stats is not None and stats.draft_lse is not None:
+            return stats.draft_lse1 if temperature == 1.0 else stats.draft_lse
         if key not in self._at_t:
             logits = self.draft_at(temperature)
             self._at_t[key] = log_partition(logits, self.draft_logp if logits is self.draft_f32 else None)
         return self._at_t[key]
+
+    def draft_logp_at(self, index: Tensor) -> Tensor:
+        """[B, L, k] the draft's log-probabilities at T = 1 at token ids ``index`` ([B, L, k]): gathered from
+        the logits as given, so nothing of vocabulary size is made beyond the log-partition."""
+        if self.draft_logits is None:
+            raise ValueError("the draft's distribution needs draft_logits")
+        t = self.temperature
+        picked = as_float(self.draft_logits.gather(-1, index))
+        if self.draft_scaled and t > 0.0 and t != 1.0:
+            picked = picked * t
+        return picked - self.draft_lse(1.0).unsqueeze(-1)
 
     @property
     def batch_size(self) -> int:

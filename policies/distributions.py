@@ -56,6 +56,35 @@ def gather_last(x: Tensor, index: Tensor) -> Tensor:
     return x.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 
+SEGMENT = 64  # top_ids: entries per segment
+
+
+def top_ids(x: Tensor, k: int) -> Tensor:
+    """The ids of the ``k`` largest entries along the last dim of ``x`` ``[..., V]``, largest first: the same
+    set as ``x.topk(k).indices`` (which of equal entries is taken, and their order, may differ), without a
+    selection over the whole vocabulary (``torch.topk`` on CPU costs several times a maximum's pass).
+
+    The row is cut into segments of 64 consecutive ids; the k segments with the largest maxima hold every
+    one of the k largest entries (an entry of any other segment has k segment maxima at least as large above
+    it: k entries), so the selection runs over their ``64·k`` entries (and the ``V mod 64`` ids past the
+    last full segment) after one vectorised pass of maxima. NaN entries count as largest, as in
+    ``torch.topk``."""
+    v = x.shape[-1]
+    segments = v // SEGMENT
+    if k > segments // 4 or x.stride(-1) != 1:
+        return x.topk(k, dim=-1).indices  # small vocabularies: nothing to save
+    main = segments * SEGMENT
+    blocks = x[..., :main].unflatten(-1, (segments, SEGMENT))  # [..., S, 64] (a view, no copy)
+    best = blocks.amax(dim=-1).topk(k, dim=-1).indices  # [..., k] the segments with the largest maxima
+    pool = blocks.gather(-2, best.unsqueeze(-1).expand(*best.shape, SEGMENT)).flatten(-2)  # [..., 64·k]
+    ids = (best.unsqueeze(-1) * SEGMENT + torch.arange(SEGMENT, device=x.device)).flatten(-2)
+    if main < v:
+        tail = torch.arange(main, v, device=x.device).expand(*ids.shape[:-1], v - main)
+        ids = torch.cat([ids, tail], dim=-1)
+        pool = torch.cat([pool, x[..., main:]], dim=-1)
+    return ids.gather(-1, pool.topk(k, dim=-1).indices)
+
+
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     """One categorical draw per row of a [N, V] probability matrix (rows need not be normalized): inverse
     CDF at one uniform per row (``torch.multinomial`` would wait on the host twice per call on a GPU)."""

@@ -71,6 +71,8 @@ def decide_dropmatch(batch: VerifyBatch, config: DropMatchConfig) -> Decision:
     head_probs = heads.logits.softmax(dim=-1)  # [K, B, L, A]
     centroid = heads.logits.mean(dim=0).softmax(dim=-1)  # [B, L, A]
     spread = js_from_probs(head_probs, centroid.unsqueeze(0)).amax(dim=0)  # [B, L]
-    draft_js = js_from_probs(atoms_of(heads, batch.draft_logp).exp(), centroid)  # [B, L]
+    # candidate mode gathers the draft's log-probabilities at its atoms (no full-vocabulary log-softmax)
+    draft_atoms = atoms_of(heads, batch.draft_logp if heads.atom_ids is None else batch.draft_logp_at)
+    draft_js = js_from_probs(draft_atoms.exp(), centroid)  # [B, L]
     relaxed = (draft_js <= spread) | (2 * votes > config.k)
     return with_lossless(lossless, relaxed, spread - draft_js)

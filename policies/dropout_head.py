@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from policies.core import as_float
+from policies.distributions import top_ids
 from policies.randomness import sample_rows, uniform
 
 
@@ -111,7 +112,7 @@ def dropout_heads(
 
     # candidate mode
     m = min(num_candidates, target.shape[-1])
-    top = target.topk(m, dim=-1).indices  # [B, L, M]
+    top = top_ids(target, m)  # [B, L, M] the target's top-M (the same set as topk's, cheaper on CPU)
     cand = torch.cat([top, draft_token_ids.unsqueeze(-1)], dim=-1)  # [B, L, C = M+1]
     duplicate = (top == draft_token_ids.unsqueeze(-1)).any(dim=-1)  # draft already in top-M
     slot_off = torch.zeros_like(cand, dtype=torch.bool)
@@ -134,13 +135,19 @@ def dropout_heads(
     return DropoutHeads(logits, sample_logits, atom_ids, uniforms)
 
 
-def atoms_of(heads: DropoutHeads, draft_logp: Tensor) -> Tensor:
-    """The draft's log-probabilities (T = 1, [B, L, V]) over the heads' atoms: [B, L, A]."""
+def atoms_of(heads: DropoutHeads, draft_logp: Callable[[Tensor], Tensor] | Tensor) -> Tensor:
+    """The draft's log-probabilities (T = 1) over the heads' atoms: [B, L, A]. ``draft_logp``: the full
+    ``[B, L, V]`` log-probabilities, or a function from token ids ``[B, L, k]`` to theirs
+    (:meth:`policies.core.VerifyBatch.draft_logp_at`: candidate mode then makes nothing of vocabulary size)."""
+    full = draft_logp if isinstance(draft_logp, Tensor) else None
     if heads.atom_ids is None:
-        return draft_logp
+        if full is None:
+            raise ValueError("exact mode's atoms are the whole vocabulary: pass the full draft log-probabilities")
+        return full
     cand = heads.atom_ids[..., :-1]
     slot_off = torch.isneginf(heads.logits[0, ..., :-1])  # the duplicate draft slot
-    cand_logp = draft_logp.gather(-1, cand).masked_fill(slot_off, float("-inf"))
+    picked = full.gather(-1, cand) if full is not None else draft_logp(cand)  # type: ignore[operator]
+    cand_logp = picked.masked_fill(slot_off, float("-inf"))
     rest = torch.log1p(-torch.logsumexp(cand_logp, dim=-1).exp().clamp(max=1.0))
     return torch.cat([cand_logp, rest.unsqueeze(-1)], dim=-1)
 

@@ -43,7 +43,7 @@ def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | No
     rejected = num_accepted < (n_draft if num_draft is None else num_draft)  # [B]; False: bonus slot
     # every row, rejected or not (no host read of ``rejected``): [B, V] rows, small beside [B, L, V]
     pos = num_accepted.clamp(max=n_draft - 1)
-    if batch.draft_f32 is None:
+    if batch.draft_logits is None:  # (not draft_f32: that would make the T = 1 view, a full pass)
         residual = probs.scatter(-1, batch.draft_token_ids.gather(1, pos.unsqueeze(1)), 0.0)
     else:
         draft_rows = _row_at(batch.draft_at(batch.temperature), pos)  # [B, V] at T

@@ -34,7 +34,12 @@ def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
     """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""
     require(batch, "draft_logits", "kl_judge", "KL(target ‖ draft) needs the draft's distribution")
     lossless = lossless_accept(batch)
-    kl = kl_from_logprobs(batch.target_logp, batch.draft_logp, batch.target_probs)  # [B, L]
-    confident = batch.target_logp.amax(dim=-1).exp() > config.confidence  # [B, L] max p_t
+    stats = batch.fused  # one fused pass (policies.fused), where it runs
+    if stats is not None and stats.kl1 is not None:
+        kl, max_p = stats.kl1, stats.max_prob1
+    else:
+        kl = kl_from_logprobs(batch.target_logp, batch.draft_logp, batch.target_probs)  # [B, L]
+        max_p = batch.target_logp.amax(dim=-1).exp()
+    confident = max_p > config.confidence  # [B, L] max p_t
     relaxed = ~confident & (kl <= config.threshold)
     return with_lossless(lossless, relaxed, kl)

@@ -36,7 +36,7 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
     # Only p_t(d) and q(d) are needed: logit(d)/T - logsumexp(logits/T), no full softmax.
     # The log-partitions are the batch's, shared with any other rule (or DropMatch's rest atom) at this T.
     target_logp_d = gather_last(target, draft_ids) / temperature - batch.target_lse(temperature)
-    if batch.draft_f32 is None:
+    if batch.draft_logits is None:  # (not draft_f32: that would make the T = 1 view, a full pass)
         draft_logp_d = torch.zeros_like(target_logp_d)
     else:
         draft_logp_d = gather_last(batch.draft_at(temperature), draft_ids) - batch.draft_lse(temperature)

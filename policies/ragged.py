@@ -21,13 +21,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from policies import fused
 from policies.core import Policy, VerifyBatch, as_float
 from policies.emission import emit_tokens, leading_run
 
 CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
-# On CPU a rule's passes over the block run at cache speed only when it is small: 8 MiB blocks (two
-# requests at L 5, V 152k). Chosen from exploratory timings, not a committed benchmark (docs/measurements.md).
+# On CPU the eager kernels' passes over the block run at cache speed only when it is small: 8 MiB blocks
+# (two requests at L 5, V 152k). With the fused statistics kernel (policies.fused) a rule reads the block
+# in few passes and its per-chunk work (DropMatch's heads, streams, emission) dominates: 32 MiB blocks
+# (nine requests), just under the size above which glibc maps every temporary afresh (workers.host_memory).
+# ``python -m jobs.bench.step --chunk-mib 8 --chunk-mib 32`` times both.
 CHUNK_ELEMENTS_CPU = 1 << 21
+CHUNK_ELEMENTS_CPU_FUSED = 1 << 23
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ def verify_flat(
     lm_head_bias: Tensor | None = None,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
-    chunk_elements: int | None = None,  # default: CHUNK_ELEMENTS on a GPU, CHUNK_ELEMENTS_CPU on CPU
+    chunk_elements: int | None = None,  # default: CHUNK_ELEMENTS on a GPU, CHUNK_ELEMENTS_CPU(_FUSED) on CPU
     lengths: list[int] | None = None,  # num_draft_tokens as host ints, when the caller has them
     streams: Any = None,  # policies.randomness.RowStreams, one row per request: draws from these, not generator
     draft_scaled: bool = False,  # draft_logits are already divided by the temperature (VerifyBatch)
@@ -122,7 +127,8 @@ def verify_flat(
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
     if chunk_elements is None:
-        chunk_elements = CHUNK_ELEMENTS_CPU if device.type == "cpu" else CHUNK_ELEMENTS
+        chunk_elements = CHUNK_ELEMENTS if device.type != "cpu" else (
+            CHUNK_ELEMENTS_CPU_FUSED if fused.enabled(target_logits) else CHUNK_ELEMENTS_CPU)
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view

@@ -25,6 +25,7 @@ from workers.models import calibrate
     (bench_batch.main, ["--rule", "dropmatch:p_drop=2"], "p_drop"),
     (bench_step.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
     (bench_step.main, ["--requests", "0"], "--requests must be >= 1"),
+    (bench_step.main, ["--chunk-mib", "0"], "--chunk-mib must be > 0"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
@@ -95,6 +96,25 @@ def test_bench_step_times_each_rule_against_the_greedy_group_and_argmax(capsys, 
     assert all(float(r.split("|")[7]) >= 0 and float(r.split("|")[8]) >= 0 for r in rows), "faults, kernel ms"
     assert "B=3 L=2 V=50" in out and "load(1m) before=" in out and "load(1m) after=" in out
     assert ("per-request rules and seeds" in out) == bool(extra)
+
+
+def test_bench_step_times_the_eager_kernels_and_other_blocks_beside_the_default(capsys, monkeypatch):
+    """--compare-eager and --chunk-mib add a row per rule and variant, in the same rounds; the fused kernel
+    forced on (SPECTUNE_FUSED=1) at this small vocabulary so that both kinds of row are really timed."""
+    monkeypatch.setenv("SPECTUNE_FUSED", "1")
+    assert bench_step.main(["--requests", "4", "--draft-len", "2", "--vocab", "64", "--hidden-size", "8", "--reps", "1",
+                            "--temperature", "0.7", "--per-request-seeds", "--rule", "kl_judge", "--compare-eager",
+                            "--chunk-mib", "0.001", "--chunk-mib", "1"]) == 0
+    out = capsys.readouterr().out
+    labels = [line.split("|")[1].strip() for line in out.splitlines() if line.startswith("| kl_judge")]
+    assert labels == ["kl_judge (decide_step, 0.001 MiB blocks)", "kl_judge (decide_step, 1 MiB blocks)",
+                      "kl_judge (decide_step, eager kernels, 0.001 MiB blocks)",
+                      "kl_judge (decide_step, eager kernels, 1 MiB blocks)"], labels
+    assert "SPECTUNE_FUSED=1" in out and "fused kernel failed" not in out
+    monkeypatch.setenv("SPECTUNE_FUSED", "yes")
+    assert bench_step.main(["--requests", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "SPECTUNE_FUSED must be auto, 0 or 1, got 'yes'" in err and "Traceback" not in err
 
 
 def test_certify_level_prints_the_old_decision_above_alpha_and_the_exact_test_within(capsys):

@@ -1,0 +1,184 @@
+"""The full-vocabulary statistics a verify step needs at T > 0, in one fused pass per block.
+
+At a temperature T > 0 the lossless rule needs the log-partitions of the target and the draft at T; the
+KL judge adds both at T = 1 and Σ p·(log p − log q); DropMatch's rest atom and candidate atoms need the
+same log-partitions. Computed with torch's eager kernels, each is a pass of its own over the
+``[B, L, V]`` block (log-softmax, max, division...), and on CPU each pass costs about what the greedy
+step's whole argmax costs. :func:`row_stats` computes all of them from two maxima and one pass of sums
+that reads each logit once, compiled by ``torch.compile`` (Inductor: a C++/OpenMP loop on CPU, Triton on
+a GPU), with the temperature as a tensor so that no temperature compiles a kernel of its own.
+
+For the target's logits z and the draft's logits g (``draft_scale``: the draft's T = 1 logits are
+``c1·g`` and its logits at T are ``cT·g``), with ``e = exp(z − max z)``::
+
+    target log Z_1 = max z + log Σ e               target log Z_T = max z / T + log Σ exp((z − max z) / T)
+    draft  log Z_1 = c1·max g + log Σ exp(c1·(g − max g))     (the same at T with cT)
+    KL(p_1 ‖ q_1) = Σ e·((z − max z) − c1·(g − max g)) / Σ e − log Σ e + log Σ exp(c1·(g − max g))
+    max p_1 = 1 / Σ e
+
+Terms with e = 0 (a masked logit) contribute 0 to the KL, as in :func:`policies.distributions.kl_from_logprobs`;
+where the target has mass and the draft none (g = −inf) the KL is +inf.
+
+Where it runs (:func:`enabled`): ``SPECTUNE_FUSED=auto`` (default) on CPU for vocabularies of at least
+:data:`MIN_VOCAB` (a real model's; the tiny test pairs take the eager kernels), ``1`` everywhere (a GPU:
+not measured yet), ``0`` never. The first call compiles (seconds; Inductor caches it on disk for later
+processes); a compile or run that fails is reported once and the eager kernels decide from then on,
+never a failed step. The choice is by vocabulary, never by batch size, so a request's numbers do not
+depend on what shares its batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ENV = "SPECTUNE_FUSED"
+MIN_VOCAB = 32_768
+
+
+@dataclass(frozen=True)
+class RowStats:
+    """Per row (every leading index of a ``[..., V]`` block): float32 ``[...]``."""
+
+    target_lse1: Tensor  # log Σ exp(z)
+    target_lse: Tensor  # log Σ exp(z / T)
+    max_prob1: Tensor  # max softmax(z)
+    draft_lse1: Tensor | None = None  # log Σ exp(draft's logits at T = 1)
+    draft_lse: Tensor | None = None  # log Σ exp(draft's logits at T)
+    kl1: Tensor | None = None  # KL(softmax(z) ‖ softmax(draft's logits at T = 1)), >= 0
+
+
+def _target_sums(z: Tensor, inv_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    mz = z.amax(dim=-1, keepdim=True)
+    dz = z - mz
+    e = dz.exp()
+    s1 = e.sum(dim=-1)
+    st = (dz * inv_t).exp().sum(dim=-1)
+    mz = mz.squeeze(-1)
+    return mz + s1.log(), mz * inv_t + st.log(), s1.reciprocal(), dz, e
+
+
+def _target_stats(z: Tensor, inv_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    lse1, lse, max_p, _, _ = _target_sums(z, inv_t)
+    return lse1, lse, max_p
+
+
+def _pair_stats(z: Tensor, g: Tensor, inv_t: Tensor, c1: Tensor, ct: Tensor) -> tuple[Tensor, ...]:
+    lse1, lse, max_p, dz, e = _target_sums(z, inv_t)
+    g = g.float()  # a bf16 draft upcast inside the loop, not by a pass of its own
+    mg = g.amax(dim=-1, keepdim=True)
+    dg = g - mg
+    sg1 = (dg * c1).exp().sum(dim=-1)
+    sgt = (dg * ct).exp().sum(dim=-1)
+    cross = torch.where(e > 0, e * (dz - dg * c1), 0.0).sum(dim=-1)
+    mg = mg.squeeze(-1)
+    log_sg1 = sg1.log()
+    kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)  # cross / Σe − log Σe + log Σ exp(c1·dg)
+    return lse1, lse, max_p, mg * c1 + log_sg1, mg * ct + sgt.log(), kl
+
+
+_lock = threading.Lock()
+_compiled: dict[str, Any] = {}
+_failed: list[str] = []  # why the fused kernels are off in this process (first failure), empty while they work
+
+
+_forced: list[str] = []  # forced(): a mode that overrides the environment (benchmarks, tests)
+
+
+def mode() -> str:
+    """``auto``, ``0`` or ``1``: :data:`ENV`, or what :func:`forced` set. ValueError naming the variable for
+    anything else (engines and commands call this at start, so a typo fails there, not silently later)."""
+    if _forced:
+        return _forced[-1]
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"{ENV} must be auto, 0 or 1, got {value!r}")
+    return value
+
+
+@contextmanager
+def forced(value: str) -> Iterator[None]:
+    """Decide with the fused kernels on (``"1"``), off (``"0"``) or as by default (``"auto"``) inside the
+    block, whatever the environment says."""
+    if value not in ("auto", "0", "1"):
+        raise ValueError(f"a fused mode is auto, 0 or 1, got {value!r}")
+    _forced.append(value)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def enabled(block: Tensor) -> bool:
+    """Whether :func:`row_stats` should decide ``block`` (``[..., V]`` logits). Never raises (it runs inside
+    verify steps): a bad :data:`ENV` value is reported once and means off."""
+    if _failed:
+        return False
+    try:
+        want = mode()
+    except ValueError as err:
+        _report(str(err))
+        return False
+    if want == "0":
+        return False
+    if want == "1":
+        return True
+    return block.device.type == "cpu" and block.shape[-1] >= MIN_VOCAB
+
+
+def _kernel(name: str) -> Any:
+    fn = _compiled.get(name)
+    if fn is None:
+        with _lock:
+            fn = _compiled.get(name)
+            if fn is None:
+                fn = torch.compile({"target": _target_stats, "pair": _pair_stats}[name], dynamic=True)
+                _compiled[name] = fn
+    return fn
+
+
+def failure() -> str | None:
+    """Why the fused kernels were switched off in this process, or None."""
+    return _failed[0] if _failed else None
+
+
+def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_scale: tuple[float, float] = (1.0, 1.0),
+              ) -> RowStats | None:
+    """The statistics of ``target`` (float32 ``[..., V]`` logits at T = 1) and ``draft`` (float32 logits, the
+    same shape, or None) at ``temperature`` (T = 0 counts as 1), fused; ``draft_scale`` = (c1, cT), the
+    factors that make the draft's logits at T = 1 and at T. None when the fused kernel failed (reported
+    once): the caller computes them with the eager kernels."""
+    t = temperature if temperature > 0.0 else 1.0
+    dev = target.device
+    inv_t = torch.tensor(1.0 / t, dtype=torch.float32, device=dev)
+    try:
+        if draft is None:
+            lse1, lse, max_p = _kernel("target")(target, inv_t)
+            return RowStats(lse1, lse, max_p)
+        c1 = torch.tensor(draft_scale[0], dtype=torch.float32, device=dev)
+        ct = torch.tensor(draft_scale[1], dtype=torch.float32, device=dev)
+        lse1, lse, max_p, d_lse1, d_lse, kl = _kernel("pair")(target, draft, inv_t, c1, ct)
+        return RowStats(lse1, lse, max_p, d_lse1, d_lse, kl)
+    except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead
+        if not _failed:
+            _failed.append(f"{type(err).__name__}: {err}"[:500])
+            _report(f"the fused statistics kernel failed ({_failed[0]}); the eager kernels decide from now on in "
+                    f"this process (slower, the same rules). {ENV}=0 skips the attempt")
+        return None
+
+
+_reported: set[str] = set()
+
+
+def _report(message: str) -> None:
+    if message not in _reported:
+        _reported.add(message)
+        logging.getLogger("spectune.policies").warning("spectune: %s", message)
