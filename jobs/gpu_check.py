@@ -31,7 +31,8 @@ Measurements (never fail the run; skipped with a note, recorded as skipped, once
 spent): ``syncs`` (CUDA sync-debug warnings and HostSyncs' dispatch count per call), ``launches``
 (profiler: device kernels and copies on CUDA, leaf aten ops on CPU), ``memory`` (peak allocated above
 the inputs per call, CUDA only; DropMatch with bf16 heads [152064, 3584] and [128256, 8192]) and
-``timing`` (median of timed calls against ``argmax`` over the same logits; CUDA events on CUDA).
+``timing`` (median of timed calls against ``argmax`` over the same logits; CUDA events on CUDA; at T > 0
+also with the fused statistics kernel forced on where it is off by default, as on CUDA: policies.fused).
 Writes ``results.json`` and ``results.md`` to ``--out``.
 """
 
@@ -92,13 +93,16 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | {entry} |")
     lines.append(f"| **all** | **{results['correctness']['passed']}** |")
     if "timing" in results:
-        lines += ["", "| rule | T | B | V | median ms | min ms | argmax ms | x argmax |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| rule | T | B | V | median ms | min ms | argmax ms | x argmax | fused kernel ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for c in results["timing"]["cases"]:
             if c.get("skipped"):
-                lines.append(f"| {c['rule']} | {c['T']:g} | {c['B']} | {c['V']} | skipped | | | |")
+                lines.append(f"| {c['rule']} | {c['T']:g} | {c['B']} | {c['V']} | skipped | | | | |")
             else:
+                fused_ms = ("failed" if c.get("fused_failed") else f"{c['fused_median_ms']:.3f}") \
+                    if "fused_median_ms" in c else "-"
                 lines.append(f"| {c['rule']} | {c['T']:g} | {c['B']} | {c['V']} | {c['median_ms']:.3f} | "
-                             f"{c['min_ms']:.3f} | {c['argmax_ms']:.3f} | {c['ratio']} |")
+                             f"{c['min_ms']:.3f} | {c['argmax_ms']:.3f} | {c['ratio']} | {fused_ms} |")
     probes = {(c["rule"], c["T"]): c for s in ("syncs", "launches") for c in results.get(s, {}).get("cases", [])
               if not c.get("skipped")}
     if probes:

@@ -131,7 +131,7 @@ def memory_cases(run: Run) -> list[dict[str, Any]]:
 
 
 def timing_cases(run: Run) -> list[dict[str, Any]]:
-    from policies import make_policy
+    from policies import fused, make_policy
 
     cases = []
     for b in run.shapes.batches:  # smallest batch first: a spent budget cuts the biggest shapes
@@ -157,6 +157,12 @@ def timing_cases(run: Run) -> list[dict[str, Any]]:
                     case.update(median_ms=round(med, 3), min_ms=round(low, 3), argmax_ms=round(argmax_ms, 3),
                                 ratio=round(med / argmax_ms, 2) if argmax_ms else None,
                                 reps=run.shapes.reps, fallback=fallbacks(holder["outcome"]))
+                    if t > 0 and not fused.enabled(step.target_logits):
+                        # the fused statistics kernel (policies.fused), off by default here, timed beside:
+                        # what SPECTUNE_FUSED=1 would give on this device (its compilation in the warm-up)
+                        with fused.forced("1"):
+                            fmed, _ = timed_ms(run, fn)
+                        case.update(fused_median_ms=round(fmed, 3), fused_failed=fused.failure())
             done = [c for c in cases[-2 * len(rules()):] if "median_ms" in c]
             if done:
                 run.log(f"timing B={b} V={vocab}: argmax {argmax_ms:.3f} ms; "

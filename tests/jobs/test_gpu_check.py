@@ -44,6 +44,8 @@ def test_the_small_cpu_run_passes_and_covers_every_section_rule_and_temperature(
     assert {(c["rule"], c["T"], c["B"], c["V"]) for c in timing} == {
         (name, t, b, v) for name, t in rule_x_t() for b in small.batches for v in small.vocabs}
     assert all(c["median_ms"] > 0 and c["argmax_ms"] > 0 and c["L"] == 5 for c in timing)
+    # at T > 0 the fused statistics kernel is timed beside (off by default at these vocabularies), and works
+    assert all(c["fused_median_ms"] > 0 and c["fused_failed"] is None for c in timing if c["T"] > 0)
     assert all(c["cuda_sync_warnings"] == "n/a" and c["host_syncs"] >= 0 for c in results["syncs"]["cases"])
     assert all(c["leaf_aten_ops"] > 0 for c in results["launches"]["cases"])
     heads = {tuple(c["head"]) for c in results["memory"]["cases"] if c["rule"] == "dropmatch"}

@@ -51,7 +51,9 @@ is the runner vLLM-CPU subclasses):
 
 A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
 send it, so every TP rank sees the same rule; requests are grouped by rule; random draws keyed by rule
-seed, request seed and position); requests without one use the rule file's, read once per step. Nothing here raises inside a worker: a step the rule cannot decide (its
+seed, request seed and position); requests without one use the rule file's, read once per step (under
+TP by rank 0 alone and broadcast to the others: :meth:`workers.vllm.rules._RuleState.shared`). Nothing here
+raises inside a worker: a step the rule cannot decide (its
 draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
 requests concerned, counted per request in a ledger the front end reads through
 :class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
@@ -299,7 +301,8 @@ class WorkerExtension:
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-                "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"]}
+                "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"],
+                "rule_file_reads": RULE.file_reads}
 
 
 def register() -> None:
@@ -443,7 +446,7 @@ def register() -> None:
 
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
-            active = RULE.current()
+            active = RULE.shared(_tp_group())  # read once per step, by rank 0 alone under TP, and shared
             STEP.active, STEP.snapshot = active, True
             mask = getattr(self, "_spectune_mask_from", None)
             if mask is None:

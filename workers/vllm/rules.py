@@ -71,6 +71,43 @@ class _RuleState:
 
     def __init__(self) -> None:
         self.active: _Active | None = None
+        self.file_reads = 0  # times this process read the rule file (WorkerExtension.spectune_env reports it)
+
+    def shared(self, group: Any) -> _Active | None:
+        """The step's rule under tensor parallelism (``group``: vLLM's TP group; None: :meth:`current`). Rank 0
+        alone reads the rule file and every rank takes rank 0's rule, ``(spec, stamp)`` in one small
+        broadcast per step (vLLM's ``broadcast_object``: its shared-memory queue where it has one), so the
+        ranks decide, draft and keep their ledgers by the same rule in every step, a rewrite of the file
+        between two ranks' reads included. Every rank calls it once per step. Never raises: a broadcast
+        that fails is reported once and each rank reads the file itself (rank 0's tokens still decide,
+        :func:`workers.vllm.heads.agree_across_ranks`)."""
+        if group is None:
+            return self.current()
+        rank0 = int(getattr(group, "rank_in_group", 0)) == 0
+        mine = self.current() if rank0 else None
+        try:
+            payload = group.broadcast_object(None if mine is None else (mine.spec, mine.stamp), src=0)
+        except Exception as err:  # noqa: BLE001 - never a dead engine
+            _warn_once(f"the rule could not be shared across tensor-parallel ranks ({type(err).__name__}); each "
+                       "rank reads the rule file", str(err), fallback=False)
+            return mine if rank0 else self.current()
+        if rank0:
+            return mine
+        if payload is None:
+            self.active = None
+            return None
+        spec, stamp = payload
+        stamp = tuple(stamp)
+        if self.active is None or self.active.stamp != stamp or self.active.spec != spec:
+            try:
+                from policies import make_policy
+
+                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
+                self.active = _Active(policy, spec, rule_digest(spec), stamp)
+            except Exception as err:  # noqa: BLE001 - rank 0 built it; keep the last rule rather than fail
+                _warn_once(f"rank 0's rule does not build here ({type(err).__name__}); keeping the previous rule",
+                           str(err), fallback=False)
+        return self.active
 
     def current(self) -> _Active | None:
         """The rule to apply; never raises inside a worker. A rule file that cannot be read keeps the
@@ -86,6 +123,7 @@ class _RuleState:
                 from policies import make_policy
 
                 spec = json.loads(Path(path).read_text())
+                self.file_reads += 1
                 policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
                 self.active = _Active(policy, spec, rule_digest(spec), stamp)
         except Exception as err:  # noqa: BLE001

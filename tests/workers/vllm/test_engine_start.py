@@ -103,8 +103,12 @@ def test_tp2_ranks_decide_every_step_with_the_same_rule_seed_and_result(tiny_dir
         gens = eng.generate_batch(PROMPTS, rule, draft_len=L, max_new_tokens=16, temperature=0.8, seeds=[1, 2, 3])
         assert all(g.stats.num_drafts > 0 for g in gens)
         # every verify step ends with rank 0's tokens broadcast to both ranks (plugin.agree_across_ranks)
-        broadcasts = [r["tp_broadcasts"] for r in eng.worker_env()]
+        env = eng.worker_env()
+        broadcasts = [r["tp_broadcasts"] for r in env]
         assert broadcasts[0] == broadcasts[1] > 0, broadcasts
+        # the rule file is read by rank 0 alone and shared (workers.vllm.rules._RuleState.shared)
+        reads = sorted(r["rule_file_reads"] for r in env)
+        assert reads[0] == 0 < reads[1], reads
         # greedy lossless at TP 2 = the target's own greedy decoding at TP 1 (the CPU engine), token for token
         greedy = eng.generate_batch(PROMPTS, make_policy("lossless"), draft_len=L, max_new_tokens=16, temperature=0.0)
         for prompt, g in zip(PROMPTS, greedy, strict=True):
