@@ -124,7 +124,17 @@ class VerifyBatch:
         """The fused statistics of the draft positions at the batch's temperature and at T = 1
         (:class:`policies.fused.RowStats`: both log-partitions of the target and the draft, KL, max p) in one
         pass, or None where the fused kernel does not run (:func:`policies.fused.enabled`): the eager
-        kernels then compute what a rule asks for, one pass each."""
+        kernels then compute what a rule asks for, one pass each. A rule that reads the T = 1 statistics
+        asks for these first; the lossless rule alone needs only :attr:`fused_at_t`."""
+        return self._fused(at_t_only=False)
+
+    @cached_property
+    def fused_at_t(self) -> Any:
+        """The two log-partitions at the batch's temperature T > 0 alone (half the exponentials of
+        :attr:`fused`), unless :attr:`fused` was computed already."""
+        return self.__dict__.get("fused") or self._fused(at_t_only=True)
+
+    def _fused(self, at_t_only: bool) -> Any:
         from policies import fused
 
         target = self.target_f32[:, :-1]
@@ -134,10 +144,12 @@ class VerifyBatch:
         scale = (1.0, 1.0)  # the draft's logits as given -> at T = 1 and at T
         if self.draft_logits is not None and t > 0.0:
             scale = (t, 1.0) if self.draft_scaled else (1.0, 1.0 / t)
-        return fused.row_stats(target, self.draft_logits, t, scale)
+        return fused.row_stats(target, self.draft_logits, t, scale, at_t_only=at_t_only)
 
     def _fused_at(self, temperature: float) -> Any:
         """The fused statistics when they hold ``temperature`` (1, or the batch's), else None."""
+        if temperature == self.temperature and temperature != 1.0 and "fused" not in self.__dict__:
+            return self.fused_at_t  # the lossless rule's two log-partitions (or all, when computed already)
         stats = self.fused
         return stats if stats is not None and temperature in (1.0, self.temperature) else None
 
@@ -148,7 +160,7 @@ class VerifyBatch:
         key = ("target", _positive(temperature))
         stats = self._fused_at(temperature)
         if stats is not None:
-            return stats.target_lse1 if temperature == 1.0 else stats.target_lse
+            return stats.target_lse if temperature == self.temperature else stats.target_lse1
         if key not in self._at_t:
             target = self.target_f32[:, :-1]
             self._at_t[key] = (log_partition(target, self.target_logp) if temperature == 1.0
@@ -175,7 +187,7 @@ class VerifyBatch:
         key = ("draft", _positive(temperature))
         stats = self._fused_at(temperature)
         if stats is not None and stats.draft_lse is not None:
-            return stats.draft_lse1 if temperature == 1.0 else stats.draft_lse
+            return stats.draft_lse if temperature == self.temperature else stats.draft_lse1
         if key not in self._at_t:
             logits = self.draft_at(temperature)
             self._at_t[key] = log_partition(logits, self.draft_logp if logits is self.draft_f32 else None)

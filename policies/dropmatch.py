@@ -48,6 +48,8 @@ def decide_dropmatch(batch: VerifyBatch, config: DropMatchConfig) -> Decision:
     draft_logits = None
     if config.criterion == "js":
         draft_logits = require(batch, "draft_logits", "dropmatch", "criterion 'js' compares the draft's distribution")
+    if config.mode == "candidate" or draft_logits is not None:
+        batch.fused  # noqa: B018 - the T = 1 log-partitions too (rest atom, draft atoms): one fused pass, shared
     lossless = lossless_accept(batch)
     heads = dropout_heads(
         hidden=hidden[:, :-1],

@@ -48,9 +48,9 @@ MIN_VOCAB = 32_768
 class RowStats:
     """Per row (every leading index of a ``[..., V]`` block): float32 ``[...]``."""
 
-    target_lse1: Tensor  # log Σ exp(z)
+    target_lse1: Tensor | None  # log Σ exp(z)
     target_lse: Tensor  # log Σ exp(z / T)
-    max_prob1: Tensor  # max softmax(z)
+    max_prob1: Tensor | None  # max softmax(z)
     draft_lse1: Tensor | None = None  # log Σ exp(draft's logits at T = 1)
     draft_lse: Tensor | None = None  # log Σ exp(draft's logits at T)
     kl1: Tensor | None = None  # KL(softmax(z) ‖ softmax(draft's logits at T = 1)), >= 0
@@ -71,6 +71,34 @@ def _target_stats(z: Tensor, inv_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return lse1, lse, max_p
 
 
+def _draft_lse(g: Tensor, scale: Tensor) -> Tensor:
+    g = g.float()  # a bf16 draft upcast inside the loop, not by a pass of its own
+    mg = g.amax(dim=-1, keepdim=True)
+    return mg.squeeze(-1) * scale + ((g - mg) * scale).exp().sum(dim=-1).log()
+
+
+def _pair_at_t(z: Tensor, g: Tensor, inv_t: Tensor, ct: Tensor) -> tuple[Tensor, Tensor]:
+    """What the lossless rule reads at T > 0: the two log-partitions at T (two exponentials per logit)."""
+    mz = z.amax(dim=-1, keepdim=True)
+    lse = mz.squeeze(-1) * inv_t + ((z - mz) * inv_t).exp().sum(dim=-1).log()
+    return lse, _draft_lse(g, ct)
+
+
+def _pair_at_one(z: Tensor, g: Tensor, c1: Tensor) -> tuple[Tensor, ...]:
+    """Everything at T = 1 (a greedy step's KL judge, DropMatch js): no second temperature."""
+    mz = z.amax(dim=-1, keepdim=True)
+    dz = z - mz
+    e = dz.exp()
+    max_p = e.sum(dim=-1).reciprocal()
+    g = g.float()
+    mg = g.amax(dim=-1, keepdim=True)
+    dg = g - mg
+    log_sg1 = (dg * c1).exp().sum(dim=-1).log()
+    cross = torch.where(e > 0, e * (dz - dg * c1), 0.0).sum(dim=-1)
+    kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)
+    return mz.squeeze(-1) - max_p.log(), max_p, mg.squeeze(-1) * c1 + log_sg1, kl
+
+
 def _pair_stats(z: Tensor, g: Tensor, inv_t: Tensor, c1: Tensor, ct: Tensor) -> tuple[Tensor, ...]:
     lse1, lse, max_p, dz, e = _target_sums(z, inv_t)
     g = g.float()  # a bf16 draft upcast inside the loop, not by a pass of its own
@@ -83,6 +111,9 @@ def _pair_stats(z: Tensor, g: Tensor, inv_t: Tensor, c1: Tensor, ct: Tensor) -> 
     log_sg1 = sg1.log()
     kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)  # cross / Σe − log Σe + log Σ exp(c1·dg)
     return lse1, lse, max_p, mg * c1 + log_sg1, mg * ct + sgt.log(), kl
+
+
+KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t, "pair_at_one": _pair_at_one}
 
 
 _lock = threading.Lock()
@@ -140,7 +171,7 @@ def _kernel(name: str) -> Any:
         with _lock:
             fn = _compiled.get(name)
             if fn is None:
-                fn = torch.compile({"target": _target_stats, "pair": _pair_stats}[name], dynamic=True)
+                fn = torch.compile(KERNELS[name], dynamic=True)
                 _compiled[name] = fn
     return fn
 
@@ -151,20 +182,28 @@ def failure() -> str | None:
 
 
 def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_scale: tuple[float, float] = (1.0, 1.0),
-              ) -> RowStats | None:
-    """The statistics of ``target`` (float32 ``[..., V]`` logits at T = 1) and ``draft`` (float32 logits, the
-    same shape, or None) at ``temperature`` (T = 0 counts as 1), fused; ``draft_scale`` = (c1, cT), the
-    factors that make the draft's logits at T = 1 and at T. None when the fused kernel failed (reported
-    once): the caller computes them with the eager kernels."""
-    t = temperature if temperature > 0.0 else 1.0
+              at_t_only: bool = False) -> RowStats | None:
+    """The statistics of ``target`` (float32 ``[..., V]`` logits at T = 1) and ``draft`` (logits of the same
+    shape, any float dtype, or None) at ``temperature`` (T = 0: at T = 1 only), fused; ``draft_scale`` =
+    (c1, cT), the factors that make the draft's logits at T = 1 and at T. ``at_t_only``: the two
+    log-partitions at T > 0 alone (what the lossless rule reads: half the exponentials); the other fields
+    are None then. None when the fused kernel failed (reported once): the caller computes them with the
+    eager kernels."""
     dev = target.device
-    inv_t = torch.tensor(1.0 / t, dtype=torch.float32, device=dev)
+    sampling = temperature > 0.0
+    inv_t = torch.tensor(1.0 / temperature if sampling else 1.0, dtype=torch.float32, device=dev)
     try:
         if draft is None:
             lse1, lse, max_p = _kernel("target")(target, inv_t)
             return RowStats(lse1, lse, max_p)
         c1 = torch.tensor(draft_scale[0], dtype=torch.float32, device=dev)
         ct = torch.tensor(draft_scale[1], dtype=torch.float32, device=dev)
+        if sampling and at_t_only:
+            lse, d_lse = _kernel("pair_at_t")(target, draft, inv_t, ct)
+            return RowStats(None, lse, None, None, d_lse, None)
+        if not sampling:
+            lse1, max_p, d_lse1, kl = _kernel("pair_at_one")(target, draft, c1)
+            return RowStats(lse1, lse1, max_p, d_lse1, d_lse1, kl)
         lse1, lse, max_p, d_lse1, d_lse, kl = _kernel("pair")(target, draft, inv_t, c1, ct)
         return RowStats(lse1, lse, max_p, d_lse1, d_lse, kl)
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead

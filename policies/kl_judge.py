@@ -33,8 +33,8 @@ class KLJudgeConfig(PolicyConfig):
 def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
     """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""
     require(batch, "draft_logits", "kl_judge", "KL(target ‖ draft) needs the draft's distribution")
+    stats = batch.fused  # one fused pass (policies.fused) where it runs: first, so the lossless part shares it
     lossless = lossless_accept(batch)
-    stats = batch.fused  # one fused pass (policies.fused), where it runs
     if stats is not None and stats.kl1 is not None:
         kl, max_p = stats.kl1, stats.max_prob1
     else:

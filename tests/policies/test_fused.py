@@ -48,6 +48,23 @@ def test_row_stats_are_the_eager_log_partitions_kl_and_max_prob(temperature, sca
     torch.testing.assert_close(target_only.target_lse, stats.target_lse, **tol)
 
 
+def test_the_lossless_rules_share_is_the_two_log_partitions_at_t_and_a_kl_rule_gets_everything_once():
+    z = _logits(8, (2, 3, 700))
+    w = z + _logits(9, (2, 3, 700))
+    with fused.forced("1"):
+        half = fused.row_stats(z, w / 0.7, 0.7, (0.7, 1.0), at_t_only=True)
+    assert half.target_lse1 is None and half.kl1 is None and half.draft_lse1 is None
+    torch.testing.assert_close(half.target_lse, torch.logsumexp(z / 0.7, -1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(half.draft_lse, torch.logsumexp(w / 0.7, -1), rtol=1e-5, atol=1e-4)
+    batch = make_batch(seed=3, vocab=400, temperature=0.7)
+    with fused.forced("1"):
+        make_policy("lossless").decide(batch)
+        assert "fused" not in batch.__dict__ and batch.fused_at_t.kl1 is None  # lossless: the half kernel
+        judged = replace(batch)  # a fresh batch: the KL judge asks for everything first, then shares it
+        make_policy("kl_judge").decide(judged)
+        assert judged.__dict__["fused"].kl1 is not None and "fused_at_t" not in judged.__dict__
+
+
 def test_kl_is_infinite_where_the_target_has_mass_and_the_draft_none_and_zero_where_neither():
     z = _logits(2, (2, 3, 500), masked=20)
     w = z.clone()
@@ -84,7 +101,7 @@ def test_every_rule_decides_alike_with_the_fused_kernel_and_without(name, temper
         for mode in ("0", "1"):
             with fused.forced(mode):
                 fresh = replace(batch, generator=torch.Generator().manual_seed(9))
-                results[mode] = (policy.decide(fresh), fresh.__dict__.get("fused"))
+                results[mode] = (policy.decide(fresh), fresh.__dict__.get("fused") or fresh.__dict__.get("fused_at_t"))
         (eager, none), (fast, stats) = results["0"], results["1"]
         # at T > 0 every rule reads log-partitions (the lossless part); at T = 0 the KL judge and DropMatch js (its draft atoms)
         assert none is None and (stats is not None) == (temperature > 0 or name in ("kl_judge", "any_of", "dropmatch")), name
