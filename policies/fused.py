@@ -119,6 +119,7 @@ KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t
 _lock = threading.Lock()
 _compiled: dict[str, Any] = {}
 _failed: list[str] = []  # why the fused kernels are off in this process (first failure), empty while they work
+CALLS = {"fused": 0}  # blocks this process decided with the fused kernel (a vLLM worker reports it)
 
 
 _forced: list[str] = []  # forced(): a mode that overrides the environment (benchmarks, tests)
@@ -193,6 +194,7 @@ def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_sc
     sampling = temperature > 0.0
     inv_t = torch.tensor(1.0 / temperature if sampling else 1.0, dtype=torch.float32, device=dev)
     try:
+        CALLS["fused"] += 1
         if draft is None:
             lse1, lse, max_p = _kernel("target")(target, inv_t)
             return RowStats(lse1, lse, max_p)

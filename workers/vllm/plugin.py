@@ -296,13 +296,17 @@ class WorkerExtension:
         return LEDGER.take(request_ids)
 
     def spectune_env(self) -> dict[str, Any]:
-        """What the worker process runs with: its thread binding, CPUs, OpenMP threads, step timeout."""
+        """What the worker process runs with: its thread binding, CPUs, OpenMP threads, step timeout; and
+        what it did: TP broadcasts, rule-file reads, blocks decided by the fused kernel (policies.fused)."""
+        from policies import fused
+
         return {"pid": os.getpid(), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"],
-                "rule_file_reads": RULE.file_reads}
+                "rule_file_reads": RULE.file_reads, "fused_calls": fused.CALLS["fused"],
+                "fused_failure": fused.failure()}
 
 
 def register() -> None:

@@ -278,3 +278,41 @@ def test_vllm_processes_leave_with_their_owner(tiny_dirs, sig):
                 except ProcessLookupError:
                     pass
         proc.wait(timeout=30)
+
+
+# -- the fused statistics kernel (policies.fused) inside vLLM's worker -------------------------------------
+
+def test_the_fused_kernel_compiles_and_decides_inside_the_vllm_worker(tiny_dirs, trace_dir, monkeypatch):
+    """SPECTUNE_FUSED=1 (the tiny pair's vocabulary is below the automatic threshold) reaches the worker
+    process, Inductor compiles the kernel there, and every verify step of a sampled KL-judge and DropMatch
+    run is decided by it: the worker counts its calls and reports no failure, and the plugin's flat path
+    replayed here with the same kernel returns exactly the tokens vLLM received."""
+    from policies import fused
+    from policies.ragged import verify_flat
+    from tests.workers.vllm.test_engine import randomness
+
+    monkeypatch.setenv(fused.ENV, "1")
+    eng = VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
+    try:
+        for name, params in (("kl_judge", {"threshold": 0.5}), ("dropmatch", {"criterion": "js", "k": 3})):
+            clear(trace_dir)
+            policy = make_policy(name, **params)
+            gens = eng.generate_batch(PROMPTS, policy, draft_len=L, max_new_tokens=16, temperature=0.8,
+                                      seeds=[1, 2, 3])
+            assert all(g.stats.num_drafts > 0 for g in gens)
+            calls = [c for c in traces(trace_dir) if int(sum(c["num_draft_tokens"])) > 0]
+            assert calls and all(c["spec"]["policy"] == name == c["decided_by"] and c["fallback"] is None
+                                 for c in calls), name
+            with fused.forced("1"):
+                for call in calls:
+                    replay = verify_flat(
+                        policy, draft_token_ids=call["draft_token_ids"], num_draft_tokens=call["num_draft_tokens"],
+                        target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
+                        draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
+                        lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
+                        temperature=call["temperature"], draft_scaled=call["draft_scaled"], **randomness(call))
+                    assert torch.equal(replay.output_token_ids, call["output_token_ids"]), name
+        (worker,) = eng.worker_env()
+        assert worker["fused_failure"] is None and worker["fused_calls"] >= len(calls) > 0, worker
+    finally:
+        eng.close()
