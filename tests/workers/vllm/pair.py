@@ -24,3 +24,25 @@ def clear(trace_dir: Path) -> None:
 def traces(trace_dir: Path) -> list[dict]:
     files = sorted(trace_dir.glob("*.pt"), key=lambda f: (int(f.name.split("-")[1]), f.name))
     return [torch.load(f, weights_only=False) for f in files]
+
+
+def randomness(call: dict) -> dict:
+    """Where a traced call drew its random numbers: per-request streams (a request's own rule: keyed by its
+    seed) or one generator seeded for the step."""
+    if call.get("row_keys") is not None:
+        from policies.randomness import RowStreams
+
+        return {"streams": RowStreams(torch.tensor(call["row_keys"], dtype=torch.int64))}
+    return {"generator": torch.Generator().manual_seed(call["generator_seed"])}
+
+
+def replay(policy, call: dict):
+    """The plugin's flat path (policies.ragged.verify_flat) run again on a traced call's tensors."""
+    from policies.ragged import verify_flat
+
+    return verify_flat(
+        policy, draft_token_ids=call["draft_token_ids"], num_draft_tokens=call["num_draft_tokens"],
+        target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
+        draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
+        lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
+        temperature=call["temperature"], draft_scaled=call["draft_scaled"], **randomness(call))

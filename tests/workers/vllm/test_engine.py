@@ -16,8 +16,7 @@ import torch
 
 from policies import get_spec, make_policy, verify
 from policies.core import VerifyBatch
-from policies.ragged import verify_flat
-from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, traces
+from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, randomness, replay, traces
 from workers.models.pair import tiny_random_pair
 from workers.vllm.engine import VLLMDecoder
 from workers.vllm.rules import RULE_FILE_ENV
@@ -60,16 +59,6 @@ def test_greedy_lossless_equals_cpu_engine_and_target_only(engine, cpu_engine, p
 RULES = ["kl_judge", "top_k", "typical", "target_entropy", "draft_entropy", "relaxed_topk", "dropmatch"]
 
 
-def randomness(call: dict) -> dict:
-    """Where a traced call drew its random numbers: per-request streams (a request's own rule: keyed by its
-    seed) or one generator seeded for the step."""
-    if call.get("row_keys") is not None:
-        from policies.randomness import RowStreams
-
-        return {"streams": RowStreams(torch.tensor(call["row_keys"], dtype=torch.int64))}
-    return {"generator": torch.Generator().manual_seed(call["generator_seed"])}
-
-
 @pytest.mark.parametrize("name", RULES)
 def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
     clear(trace_dir)
@@ -82,13 +71,7 @@ def test_each_rule_inside_vllm_decides_as_policies(engine, trace_dir, name):
     for call in calls:
         assert call["spec"]["policy"] == name
         # 1) the plugin's flat path, replayed on the recorded tensors, gives what vLLM received
-        replay = verify_flat(
-            policy, draft_token_ids=call["draft_token_ids"], num_draft_tokens=call["num_draft_tokens"],
-            target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
-            draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
-            lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
-            temperature=call["temperature"], draft_scaled=call["draft_scaled"], **randomness(call))
-        assert torch.equal(replay.output_token_ids, call["output_token_ids"])
+        assert torch.equal(replay(policy, call).output_token_ids, call["output_token_ids"])
         # 2) the per-request reference (policies.verify on a [1, L] batch) decides the same
         n = int(call["num_draft_tokens"][0])
         row = [t for t in call["output_token_ids"][0].tolist() if t != -1]

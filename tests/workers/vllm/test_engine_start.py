@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from policies import make_policy
-from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, traces
+from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, replay, traces
 from workers.vllm.engine import VLLMDecoder, VLLMUnavailable
 from workers.vllm.rules import TRACE_DIR_ENV
 from workers.vllm.settings import VLLMSettings
@@ -288,8 +288,6 @@ def test_the_fused_kernel_compiles_and_decides_inside_the_vllm_worker(tiny_dirs,
     run is decided by it: the worker counts its calls and reports no failure, and the plugin's flat path
     replayed here with the same kernel returns exactly the tokens vLLM received."""
     from policies import fused
-    from policies.ragged import verify_flat
-    from tests.workers.vllm.test_engine import randomness
 
     monkeypatch.setenv(fused.ENV, "1")
     eng = VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
@@ -305,13 +303,7 @@ def test_the_fused_kernel_compiles_and_decides_inside_the_vllm_worker(tiny_dirs,
                                  for c in calls), name
             with fused.forced("1"):
                 for call in calls:
-                    replay = verify_flat(
-                        policy, draft_token_ids=call["draft_token_ids"], num_draft_tokens=call["num_draft_tokens"],
-                        target_logits=call["target_logits"], bonus_token_ids=call["bonus_token_ids"],
-                        draft_logits=call["draft_logits"], target_hidden=call["target_hidden"],
-                        lm_head_weight=call["lm_head_weight"], lm_head_bias=call["lm_head_bias"],
-                        temperature=call["temperature"], draft_scaled=call["draft_scaled"], **randomness(call))
-                    assert torch.equal(replay.output_token_ids, call["output_token_ids"]), name
+                    assert torch.equal(replay(policy, call).output_token_ids, call["output_token_ids"]), name
         (worker,) = eng.worker_env()
         assert worker["fused_failure"] is None and worker["fused_calls"] >= len(calls) > 0, worker
     finally:
