@@ -50,17 +50,15 @@ is the runner vLLM-CPU subclasses):
   (:func:`workers.vllm.gates.refuse_unsupported`); spectune's engines raise before vLLM starts.
 
 A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
-send it, so every TP rank sees the same rule; requests are grouped by rule; random draws keyed by rule
-seed, request seed and position); requests without one use the rule file's, read once per step (under
-TP by rank 0 alone and broadcast to the others: :meth:`workers.vllm.rules._RuleState.shared`). Nothing here
-raises inside a worker: a step the rule cannot decide (its
-draft distribution or hidden states missing, or it failed) is decided by the lossless rule for the
-requests concerned, counted per request in a ledger the front end reads through
-:class:`WorkerExtension` (``collective_rpc``). The step decision itself (grouping, keyed seeds, the
-fallbacks, the ledger) is :mod:`workers.vllm.step` and which rule decides (the rule file, request
-rules) is :mod:`workers.vllm.rules`, neither importing vLLM; test-only fault injection is
-:mod:`workers.vllm.faults`, which wraps the patched functions only when ``SPECTUNE_VLLM_TEST_FAULTS`` is set. This module is the glue that patches vLLM and hands it a step's inputs.
-See docs/vllm-engine.md.
+send it; requests are grouped by rule; random draws keyed by rule seed, request seed and position);
+requests without one use the rule file's, read once per step (under TP by rank 0 alone, then shared:
+:meth:`workers.vllm.rules._RuleState.shared`). Nothing here raises inside a worker: a step the rule
+cannot decide (its draft distribution or hidden states missing, or it failed) is decided by the
+lossless rule for the requests concerned, counted per request in a ledger the front end reads through
+:class:`WorkerExtension` (``collective_rpc``). The step decision (grouping, keyed seeds, fallbacks,
+ledger) is :mod:`workers.vllm.step`, which rule decides is :mod:`workers.vllm.rules` (neither imports
+vLLM), test-only fault injection is :mod:`workers.vllm.faults` (only with ``SPECTUNE_VLLM_TEST_FAULTS``
+set). This module is the glue that patches vLLM and hands it a step's inputs. See docs/vllm-engine.md.
 
 Each process that applies a rule writes ``<rule file>.seen.<pid>.json`` (rule digest and call count)
 so the engine can assert that the rule it asked for is the one running — a plugin that did not
@@ -79,6 +77,7 @@ from typing import Any
 
 import torch
 
+from policies import fused
 from workers.vllm.drafts import note_drafter, scaled_as_vllm
 from workers.vllm.heads import (  # noqa: F401 - public here too
     TP_AGREEMENT,
@@ -298,15 +297,12 @@ class WorkerExtension:
     def spectune_env(self) -> dict[str, Any]:
         """What the worker process runs with: its thread binding, CPUs, OpenMP threads, step timeout; and
         what it did: TP broadcasts, rule-file reads, blocks decided by the fused kernel (policies.fused)."""
-        from policies import fused
-
         return {"pid": os.getpid(), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"],
-                "rule_file_reads": RULE.file_reads, "fused_calls": fused.CALLS["fused"],
-                "fused_failure": fused.failure()}
+                "rule_file_reads": RULE.file_reads, "fused_calls": fused.CALLS["fused"], "fused_failure": fused.failure()}
 
 
 def register() -> None:
