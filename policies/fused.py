@@ -42,6 +42,9 @@ from torch import Tensor
 
 ENV = "SPECTUNE_FUSED"
 MIN_VOCAB = 32_768
+# Rules whose full-vocabulary work is this kernel's (with the kernel on): they take larger blocks on CPU
+# (policies.ragged). The others still make eager passes (log-softmax, rank), which prefer small blocks.
+READERS = frozenset({"lossless", "kl_judge", "dropmatch"})
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from policies.emission import emit_tokens, leading_run
 
 CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
 # On CPU the eager kernels' passes over the block run at cache speed only when it is small: 8 MiB blocks
-# (two requests at L 5, V 152k). With the fused statistics kernel (policies.fused) a rule reads the block
-# in few passes and its per-chunk work (DropMatch's heads, streams, emission) dominates: 32 MiB blocks
-# (nine requests), just under the size above which glibc maps every temporary afresh (workers.host_memory).
-# ``python -m jobs.bench.step --chunk-mib 8 --chunk-mib 32`` times both.
+# (two requests at L 5, V 152k). A rule whose full-vocabulary work is the fused statistics kernel's
+# (policies.fused.READERS, with the kernel on) reads the block in few passes and its per-chunk work
+# (DropMatch's heads, streams, emission) dominates: 32 MiB blocks (nine requests), just under the size above
+# which glibc maps every temporary afresh (workers.host_memory). ``python -m jobs.bench.step --chunk-mib 8
+# --chunk-mib 32`` times both.
 CHUNK_ELEMENTS_CPU = 1 << 21
 CHUNK_ELEMENTS_CPU_FUSED = 1 << 23
 
@@ -127,8 +128,9 @@ def verify_flat(
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
     if chunk_elements is None:
+        big = getattr(policy, "name", None) in fused.READERS and fused.enabled(target_logits)
         chunk_elements = CHUNK_ELEMENTS if device.type != "cpu" else (
-            CHUNK_ELEMENTS_CPU_FUSED if fused.enabled(target_logits) else CHUNK_ELEMENTS_CPU)
+            CHUNK_ELEMENTS_CPU_FUSED if big else CHUNK_ELEMENTS_CPU)
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view

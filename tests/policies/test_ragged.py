@@ -169,3 +169,36 @@ def test_the_target_block_has_contiguous_draft_positions():
     block = _target_block(flat[:5], ragged, None)
     assert block[:, :-1].is_contiguous() and torch.equal(block[0, :2], flat[:2])
     assert torch.equal(block[2, :3], flat[2:5])
+
+
+@pytest.mark.parametrize("name, fused_on, big", [("kl_judge", "1", True), ("dropmatch", "1", True),
+                                                 ("top_k", "1", False), ("kl_judge", "0", False)])
+def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, big):
+    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks; every other rule (its
+    eager passes prefer small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
+    import policies.ragged as ragged
+    from policies import fused
+
+    b, n, v = 12, 3, 64
+    per_request = (n + 1) * v
+    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU", 2 * per_request)
+    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_FUSED", 6 * per_request)
+    rule = make_policy(name, **get_spec(name).example)
+    sizes: list[int] = []
+
+    class Recording:
+        def __init__(self) -> None:
+            self.name, self.config = rule.name, rule.config
+
+        def decide(self, batch):
+            sizes.append(batch.batch_size)
+            return rule.decide(batch)
+
+    g = torch.Generator().manual_seed(0)
+    with fused.forced(fused_on):
+        verify_flat(Recording(), draft_token_ids=torch.randint(0, v, (b * n,), generator=g),
+                    num_draft_tokens=torch.full((b,), n), target_logits=torch.randn(b * n, v, generator=g),
+                    bonus_token_ids=torch.zeros(b, dtype=torch.long), draft_logits=torch.randn(b * n, v, generator=g),
+                    target_hidden=torch.randn(b * n, 8, generator=g), lm_head_weight=torch.randn(v, 8, generator=g),
+                    temperature=0.7, generator=torch.Generator().manual_seed(1))
+    assert sizes == ([6, 6] if big else [2] * 6), sizes
