@@ -49,71 +49,68 @@ READERS = frozenset({"lossless", "kl_judge", "dropmatch"})
 
 @dataclass(frozen=True)
 class RowStats:
-    """Per row (every leading index of a ``[..., V]`` block): float32 ``[...]``."""
+    """Per row (every leading index of a ``[..., V]`` block): float32 ``[...]``; None where not computed."""
 
     target_lse1: Tensor | None  # log Σ exp(z)
-    target_lse: Tensor  # log Σ exp(z / T)
+    target_lse: Tensor | None  # log Σ exp(z / T)
     max_prob1: Tensor | None  # max softmax(z)
-    draft_lse1: Tensor | None = None  # log Σ exp(draft's logits at T = 1)
-    draft_lse: Tensor | None = None  # log Σ exp(draft's logits at T)
-    kl1: Tensor | None = None  # KL(softmax(z) ‖ softmax(draft's logits at T = 1)), >= 0
+    draft_lse1: Tensor | None  # log Σ exp(draft's logits at T = 1)
+    draft_lse: Tensor | None  # log Σ exp(draft's logits at T)
+    kl1: Tensor | None  # KL(softmax(z) ‖ softmax(draft's logits at T = 1)), >= 0
 
 
-def _target_sums(z: Tensor, inv_t: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    mz = z.amax(dim=-1, keepdim=True)
-    dz = z - mz
-    e = dz.exp()
-    s1 = e.sum(dim=-1)
-    st = (dz * inv_t).exp().sum(dim=-1)
-    mz = mz.squeeze(-1)
-    return mz + s1.log(), mz * inv_t + st.log(), s1.reciprocal(), dz, e
+def _shifted(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(max x, x − max x) over the last dim, in float32 (a bf16 draft upcast inside the loop, not by a pass)."""
+    x = x.float()
+    m = x.amax(dim=-1, keepdim=True)
+    return m.squeeze(-1), x - m
 
 
-def _target_stats(z: Tensor, inv_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    lse1, lse, max_p, _, _ = _target_sums(z, inv_t)
-    return lse1, lse, max_p
+def _log_sum_exp(shifted: Tensor, scale: Tensor) -> Tensor:
+    return (shifted * scale).exp().sum(dim=-1).log()
 
 
-def _draft_lse(g: Tensor, scale: Tensor) -> Tensor:
-    g = g.float()  # a bf16 draft upcast inside the loop, not by a pass of its own
-    mg = g.amax(dim=-1, keepdim=True)
-    return mg.squeeze(-1) * scale + ((g - mg) * scale).exp().sum(dim=-1).log()
+def _stats(z: Tensor, g: Tensor | None, inv_t: Tensor, c1: Tensor, ct: Tensor, at_one: bool, at_t: bool
+           ) -> tuple[Tensor | None, ...]:
+    """(target lse at 1, target lse at T, max p at 1, draft lse at 1, draft lse at T, KL at 1): what
+    ``at_one`` and ``at_t`` ask for, None for the rest. One function, compiled once per (kernel, flags)."""
+    mz, dz = _shifted(z)
+    lse1 = max_p = lse = d_lse1 = d_lse = kl = e = None
+    if at_one:
+        e = dz.exp()
+        s1 = e.sum(dim=-1)
+        max_p = s1.reciprocal()
+        lse1 = mz + s1.log()
+    if at_t:
+        lse = mz * inv_t + _log_sum_exp(dz, inv_t)
+    if g is not None:
+        mg, dg = _shifted(g)
+        if at_t:
+            d_lse = mg * ct + _log_sum_exp(dg, ct)
+        if at_one:
+            log_sg1 = _log_sum_exp(dg, c1)
+            d_lse1 = mg * c1 + log_sg1
+            cross = torch.where(e > 0, e * (dz - dg * c1), 0.0).sum(dim=-1)
+            kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)  # cross / Σe − log Σe + log Σ exp(c1·dg)
+    return lse1, lse, max_p, d_lse1, d_lse, kl
 
 
-def _pair_at_t(z: Tensor, g: Tensor, inv_t: Tensor, ct: Tensor) -> tuple[Tensor, Tensor]:
+def _target_stats(z: Tensor, inv_t: Tensor) -> tuple[Tensor | None, ...]:
+    return _stats(z, None, inv_t, inv_t, inv_t, True, True)
+
+
+def _pair_stats(z: Tensor, g: Tensor, inv_t: Tensor, c1: Tensor, ct: Tensor) -> tuple[Tensor | None, ...]:
+    return _stats(z, g, inv_t, c1, ct, True, True)
+
+
+def _pair_at_t(z: Tensor, g: Tensor, inv_t: Tensor, ct: Tensor) -> tuple[Tensor | None, ...]:
     """What the lossless rule reads at T > 0: the two log-partitions at T (two exponentials per logit)."""
-    mz = z.amax(dim=-1, keepdim=True)
-    lse = mz.squeeze(-1) * inv_t + ((z - mz) * inv_t).exp().sum(dim=-1).log()
-    return lse, _draft_lse(g, ct)
+    return _stats(z, g, inv_t, ct, ct, False, True)
 
 
-def _pair_at_one(z: Tensor, g: Tensor, c1: Tensor) -> tuple[Tensor, ...]:
+def _pair_at_one(z: Tensor, g: Tensor, c1: Tensor) -> tuple[Tensor | None, ...]:
     """Everything at T = 1 (a greedy step's KL judge, DropMatch js): no second temperature."""
-    mz = z.amax(dim=-1, keepdim=True)
-    dz = z - mz
-    e = dz.exp()
-    max_p = e.sum(dim=-1).reciprocal()
-    g = g.float()
-    mg = g.amax(dim=-1, keepdim=True)
-    dg = g - mg
-    log_sg1 = (dg * c1).exp().sum(dim=-1).log()
-    cross = torch.where(e > 0, e * (dz - dg * c1), 0.0).sum(dim=-1)
-    kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)
-    return mz.squeeze(-1) - max_p.log(), max_p, mg.squeeze(-1) * c1 + log_sg1, kl
-
-
-def _pair_stats(z: Tensor, g: Tensor, inv_t: Tensor, c1: Tensor, ct: Tensor) -> tuple[Tensor, ...]:
-    lse1, lse, max_p, dz, e = _target_sums(z, inv_t)
-    g = g.float()  # a bf16 draft upcast inside the loop, not by a pass of its own
-    mg = g.amax(dim=-1, keepdim=True)
-    dg = g - mg
-    sg1 = (dg * c1).exp().sum(dim=-1)
-    sgt = (dg * ct).exp().sum(dim=-1)
-    cross = torch.where(e > 0, e * (dz - dg * c1), 0.0).sum(dim=-1)
-    mg = mg.squeeze(-1)
-    log_sg1 = sg1.log()
-    kl = (cross * max_p + max_p.log() + log_sg1).clamp_min(0.0)  # cross / Σe − log Σe + log Σ exp(c1·dg)
-    return lse1, lse, max_p, mg * c1 + log_sg1, mg * ct + sgt.log(), kl
+    return _stats(z, g, c1, c1, c1, True, False)
 
 
 KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t, "pair_at_one": _pair_at_one}
@@ -130,7 +127,8 @@ _forced: list[str] = []  # forced(): a mode that overrides the environment (benc
 
 def mode() -> str:
     """``auto``, ``0`` or ``1``: :data:`ENV`, or what :func:`forced` set. ValueError naming the variable for
-    anything else (engines and commands call this at start, so a typo fails there, not silently later)."""
+    anything else (the CPU and vLLM engines and ``jobs.bench.step`` call this at start, so a typo fails there,
+    not once per step later)."""
     if _forced:
         return _forced[-1]
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
@@ -197,20 +195,20 @@ def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_sc
     sampling = temperature > 0.0
     inv_t = torch.tensor(1.0 / temperature if sampling else 1.0, dtype=torch.float32, device=dev)
     try:
-        CALLS["fused"] += 1
         if draft is None:
-            lse1, lse, max_p = _kernel("target")(target, inv_t)
-            return RowStats(lse1, lse, max_p)
-        c1 = torch.tensor(draft_scale[0], dtype=torch.float32, device=dev)
-        ct = torch.tensor(draft_scale[1], dtype=torch.float32, device=dev)
-        if sampling and at_t_only:
-            lse, d_lse = _kernel("pair_at_t")(target, draft, inv_t, ct)
-            return RowStats(None, lse, None, None, d_lse, None)
-        if not sampling:
-            lse1, max_p, d_lse1, kl = _kernel("pair_at_one")(target, draft, c1)
-            return RowStats(lse1, lse1, max_p, d_lse1, d_lse1, kl)
-        lse1, lse, max_p, d_lse1, d_lse, kl = _kernel("pair")(target, draft, inv_t, c1, ct)
-        return RowStats(lse1, lse, max_p, d_lse1, d_lse, kl)
+            stats = RowStats(*_kernel("target")(target, inv_t))
+        else:
+            c1 = torch.tensor(draft_scale[0], dtype=torch.float32, device=dev)
+            ct = torch.tensor(draft_scale[1], dtype=torch.float32, device=dev)
+            if sampling and at_t_only:
+                stats = RowStats(*_kernel("pair_at_t")(target, draft, inv_t, ct))
+            elif not sampling:  # T = 0: the T = 1 statistics stand for both
+                lse1, _, max_p, d_lse1, _, kl = _kernel("pair_at_one")(target, draft, c1)
+                stats = RowStats(lse1, lse1, max_p, d_lse1, d_lse1, kl)
+            else:
+                stats = RowStats(*_kernel("pair")(target, draft, inv_t, c1, ct))
+        CALLS["fused"] += 1
+        return stats
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead
         if not _failed:
             _failed.append(f"{type(err).__name__}: {err}"[:500])

@@ -160,8 +160,10 @@ class SpecDecoder:
         """``prefix_cache``: a new prompt reuses the KV entries of the longest prefix it shares
         with what each model's cache holds (a few-shot preamble, a system prompt, the same
         prompt under another rule) instead of recomputing them. Off, every prefill starts empty."""
+        from policies import fused
         from workers.host_memory import keep_freed_memory
 
+        fused.mode()  # a bad SPECTUNE_FUSED fails here, naming it, not once per step later
         keep_freed_memory()  # the verify step's full-vocabulary temporaries: heap, not fresh pages per pass
         self.pair = pair
         self.prefix_cache = prefix_cache

@@ -156,6 +156,12 @@ def test_bad_inputs_get_clear_errors(engine):
         engine.generate([1, 2], "lossless", temperature=-1.0)
 
 
+def test_a_bad_fused_mode_is_refused_at_start_naming_the_variable(engine, monkeypatch):
+    monkeypatch.setenv("SPECTUNE_FUSED", "fast")
+    with pytest.raises(ValueError, match="SPECTUNE_FUSED must be auto, 0 or 1, got 'fast'"):
+        SpecDecoder(engine.pair)
+
+
 def test_prefix_cache_reuses_shared_prefix_and_changes_no_output(engine):
     plain = SpecDecoder(engine.pair, prefix_cache=False)
     shared = encode(engine, "A long shared preamble that every request repeats word for word. ")

@@ -191,9 +191,11 @@ class VLLMProcessSetup:
     def __init__(self, settings: VLLMSettings, prefix: str = "spectune-vllm-") -> None:
         import tempfile
 
+        from policies import fused
         from workers.vllm.rules import RULE_FILE_ENV, write_rule
         from workers.vllm.settings import _on_cpu, set_cpu_thread_binding, set_step_timeout
 
+        fused.mode()  # a bad SPECTUNE_FUSED fails here, before vLLM starts, naming it (its workers inherit it)
         check_plugin_installed()
         check_patch_gates()
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")

@@ -66,6 +66,14 @@ class _Active:
     calls: int = 0
 
 
+def _activate(spec: dict[str, Any], stamp: tuple[int, int]) -> _Active:
+    """A rule file's spec built into the rule it names (None for vLLM's own); raises if it does not build."""
+    from policies import make_policy
+
+    policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
+    return _Active(policy, spec, rule_digest(spec), stamp)
+
+
 class _RuleState:
     """The rule named by this process's rule file, re-read when the file changes."""
 
@@ -100,10 +108,7 @@ class _RuleState:
         stamp = tuple(stamp)
         if self.active is None or self.active.stamp != stamp or self.active.spec != spec:
             try:
-                from policies import make_policy
-
-                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
-                self.active = _Active(policy, spec, rule_digest(spec), stamp)
+                self.active = _activate(spec, stamp)
             except Exception as err:  # noqa: BLE001 - rank 0 built it; keep the last rule rather than fail
                 _warn_once(f"rank 0's rule does not build here ({type(err).__name__}); keeping the previous rule",
                            str(err), fallback=False)
@@ -120,12 +125,9 @@ class _RuleState:
             st = os.stat(path)
             stamp = (st.st_mtime_ns, st.st_size)
             if self.active is None or self.active.stamp != stamp:
-                from policies import make_policy
-
                 spec = json.loads(Path(path).read_text())
                 self.file_reads += 1
-                policy = None if spec["policy"] == NATIVE else make_policy(spec["policy"], **spec.get("params", {}))
-                self.active = _Active(policy, spec, rule_digest(spec), stamp)
+                self.active = _activate(spec, stamp)
         except Exception as err:  # noqa: BLE001
             _warn_once(f"rule file {path} unreadable ({type(err).__name__}); keeping the previous rule", str(err),
                        fallback=False)

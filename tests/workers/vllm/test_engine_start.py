@@ -28,6 +28,12 @@ def test_plugin_filtered_out_fails_before_starting(tiny_dirs, monkeypatch):
         VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
 
 
+def test_a_bad_fused_mode_fails_before_starting(tiny_dirs, monkeypatch):
+    monkeypatch.setenv("SPECTUNE_FUSED", "fast")
+    with pytest.raises(ValueError, match="SPECTUNE_FUSED must be auto, 0 or 1, got 'fast'"):
+        VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
+
+
 def test_a_changed_patched_signature_fails_the_engine_start_before_vllm(tiny_dirs, monkeypatch):
     """The gates (workers/vllm/gates.py) against the installed vLLM: they pass as recorded; a recorded
     signature that differs stops the engine before any vLLM process, naming symbol, expected and found."""
