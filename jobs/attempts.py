@@ -1,97 +1,222 @@
-"""Confirmation attempts, recorded append-only, so that no budget is tested twice on the same items.
+"""The certificate ledger: every confirmation item is used by one attempt, once.
 
-Testing a budget on confirmation items, seeing "not certified", and testing it again on the same items
-(more trials, other candidates, a larger pool that contains the first) is a second look: two looks at
-alpha = 0.05 certify a drop at the budget about 9% of the time, not 5%. So every confirmation attempt is
-recorded in ``<runs root>/attempts/<benchmark>-<pair>-<dtype>.jsonl``, one JSON line per (study, budget):
-the alpha, the candidates in test order (their decoding-spec keys), the confirmation item ids, and the
-outcome. Before a budget is confirmed:
+Testing a budget on confirmation items, seeing "not certified", and testing again on the same items
+(another budget a hair away, another alpha, dtype, seed, runs root, or the pair spelled otherwise) is a
+second look: k looks at a rule sitting at the boundary certify it with probability 1 - (1 - 0.05)^k, not
+0.05. So a confirmation is an *attempt*, and the ledger holds every attempt ever made on a (benchmark,
+model pair), keyed by what the models are (``workers.models.identity``: weights, config and tokenizer),
+never by names, dtype or where runs are written:
 
-- the same study, budget, alpha, candidates and items as a recorded attempt: that attempt resumed or
-  reported again (its records are cached, so it decides the same): allowed, and not recorded twice;
-- any other attempt at the same budget on items that overlap a recorded attempt's: refused, with the
-  reason and the earlier attempt named. A fresh certificate needs items no earlier attempt has seen
-  (a new ``--subset-seed`` gives the same pool another order, not new items; another pair or benchmark
-  is another ledger).
+- an ``opened`` row is written (and flushed to disk) **before** the first confirmation item is evaluated:
+  a run killed mid-confirmation has still used its items;
+- a ``decided`` row per budget when its certificate is decided, with the items it actually used (a
+  group-sequential confirmation that stopped at its first look used only that look's items);
+- an item used by any attempt is never used by another: a new attempt whose items overlap is refused,
+  naming the earlier attempt. Resuming the *same* attempt (same study and the same plan: budgets, alphas,
+  candidates, looks, items planned) is allowed: it gets the items recorded when it opened.
+- ``--new-items`` (``fresh=True``): the attempt takes the first items of the pool's fixed order that no
+  attempt has used, and its certificate lists the earlier attempts.
 
-Knows budgets, item ids and candidate keys; nothing about models, Ray or MLflow. Refusing is the whole
-policy: no alpha is spent across attempts.
+The ledger lives with the asset cache (``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger``), shared by every
+runs root on the machine (a cluster: point both at the shared volume). Attempts made before it existed are
+shipped with the project (``known_attempts.jsonl`` beside this file) and read as part of every ledger.
+
+Knows item ids, budgets and candidate keys; nothing about models (it gets their fingerprint), Ray or MLflow.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from jobs.records import slug
 
+LEDGER_ENV = "SPECTUNE_LEDGER"
+KNOWN = Path(__file__).with_name("known_attempts.jsonl")
+
+
+def ledger_root() -> Path:
+    """``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger`` (``$SPECTUNE_CACHE`` moves the asset cache)."""
+    given = os.environ.get(LEDGER_ENV)
+    if given:
+        return Path(given).expanduser().resolve()
+    from workers.models.assets import cache_root
+
+    return cache_root() / "ledger"
+
 
 @dataclass(frozen=True)
-class Attempt:
+class Plan:
+    """What a confirmation attempt will test, fixed before any confirmation item is evaluated."""
+
     study: str
-    budget: float
-    alpha: float
-    candidates: tuple[str, ...]  # decoding-spec keys, in test order
-    items: tuple[str, ...]  # confirmation item ids, in order
+    budgets: tuple[float, ...]
+    alphas: tuple[float, ...]  # per budget (--joint: alpha / number of budgets each)
+    candidates: tuple[tuple[str, ...], ...]  # per budget: decoding-spec keys in test order
+    looks: int
+    n: int  # confirmation items planned
 
     @property
-    def items_digest(self) -> str:
-        return hashlib.sha256("\n".join(self.items).encode()).hexdigest()[:16]
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
 
-    def same_as(self, row: dict[str, Any]) -> bool:
-        return (row["study"] == self.study and row["budget"] == self.budget and row["alpha"] == self.alpha
-                and tuple(row["candidates"]) == self.candidates and row["items_digest"] == self.items_digest)
+
+class LedgerRefusal(ValueError):
+    """A new attempt would reuse items an earlier attempt used."""
 
 
 class AttemptLedger:
-    """The attempts of one (benchmark, pair, dtype) under a runs root."""
+    """The attempts on one (benchmark, model pair)."""
 
-    def __init__(self, root: str | Path, benchmark: str, pair: str, dtype: str) -> None:
-        self.path = Path(root) / "attempts" / f"{slug(f'{benchmark}-{pair}-{dtype}')}.jsonl"
+    def __init__(self, benchmark: str, pair_id: str, root: str | os.PathLike[str] | None = None) -> None:
+        self.benchmark, self.pair_id = benchmark, pair_id
+        base = Path(root) if root is not None else ledger_root()
+        tag = hashlib.sha256(pair_id.encode()).hexdigest()[:16]
+        self.path = base / f"{slug(benchmark, 60)}-{tag}.jsonl"
+
+    # -- reading ---------------------------------------------------------------------------------
 
     def rows(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
+        """Every row of this (benchmark, pair): the shipped ones, then this machine's."""
         out = []
-        for line in self.path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by a crash: that attempt never finished recording
+        for path in (KNOWN, self.path):
+            if not path.is_file():
+                continue
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by a crash: its attempt never finished opening
+                if row.get("benchmark") == self.benchmark and row.get("pair_id") == self.pair_id:
+                    out.append(row)
         return out
 
-    def check(self, attempt: Attempt) -> tuple[bool, str | None]:
-        """(recorded already, refusal): refusal is None when the attempt may run."""
-        mine = set(attempt.items)
+    def attempts(self) -> dict[str, dict[str, Any]]:
+        """attempt id -> its opened row with ``decided`` (budget -> decided row) and ``used`` (item ids)."""
+        out: dict[str, dict[str, Any]] = {}
         for row in self.rows():
-            if row["budget"] != attempt.budget:
-                continue
-            if attempt.same_as(row):
-                return True, None
-            shared = len(mine.intersection(row["items"]))
-            if shared:
-                return False, (f"budget {attempt.budget:g} was already tested on {shared} of these {len(mine)} "
-                               f"confirmation items (study {row['study']}, {row['when']}, candidates "
-                               f"{', '.join(row['candidates']) or 'none'}: "
-                               f"{'certified' if row['certified'] else 'not certified'}); a second test on items "
-                               "whose result was seen inflates the error (two looks at alpha 0.05 err ~9% of the "
-                               "time), so this attempt is refused. Certify on items no attempt has used")
-        return False, None
+            if row.get("event") == "opened":
+                out.setdefault(row["attempt"], {**row, "decided": {}})
+        for row in self.rows():
+            if row.get("event") == "decided" and row.get("attempt") in out:
+                out[row["attempt"]]["decided"].setdefault(str(float(row["budget"])), row)
+        for a in out.values():
+            done = a["decided"]
+            closed = len(done) >= len(a.get("budgets", ())) and all(r.get("items_used") is not None
+                                                                   for r in done.values())
+            # an attempt that never closed (killed mid-run) used every item it planned
+            a["used"] = a["items"][: max(int(r["items_used"]) for r in done.values())] if closed and done \
+                else list(a["items"])
+        return out
 
-    def record(self, attempt: Attempt, certified: bool, reason: str) -> None:
-        row = {"study": attempt.study, "budget": attempt.budget, "alpha": attempt.alpha,
-               "candidates": list(attempt.candidates), "items_digest": attempt.items_digest,
-               "n_items": len(attempt.items), "certified": bool(certified), "reason": reason,
-               "when": time.strftime("%Y-%m-%d %H:%M:%S"), "items": list(attempt.items)}
+    def find(self, plan: Plan) -> dict[str, Any] | None:
+        """The attempt this plan resumes (same study and plan), or None."""
+        return next((a for a in self.attempts().values()
+                     if a.get("study") == plan.study and a.get("plan") == plan.digest), None)
+
+    def used(self, exclude: str | None = None) -> dict[str, str]:
+        """item id -> the attempt that used it (every attempt but ``exclude``)."""
+        out: dict[str, str] = {}
+        for aid, a in self.attempts().items():
+            if aid != exclude:
+                for item in a["used"]:
+                    out.setdefault(item, aid)
+        return out
+
+    @staticmethod
+    def describe(a: dict[str, Any]) -> str:
+        outcome = ", ".join(f"{float(b) * 100:g}% {'certified' if r.get('certified') else 'not certified'}"
+                            for b, r in sorted(a["decided"].items(), key=lambda kv: float(kv[0]))) or "never decided"
+        return (f"attempt {a['attempt']} (study {a.get('study')}, {a.get('when')}, pair spelled {a.get('pair')!r}, "
+                f"{a.get('dtype')}, budgets {', '.join(f'{float(b) * 100:g}%' for b in a.get('budgets', []))}, "
+                f"{len(a['used'])} items: {outcome})")
+
+    # -- choosing items --------------------------------------------------------------------------
+
+    def choose(self, plan: Plan, pool: Sequence[str], fresh: bool) -> tuple[list[str], dict[str, Any] | None,
+                                                                               list[dict[str, Any]]]:
+        """(the attempt's items, the attempt it resumes or None, the earlier attempts). ``pool``: the
+        confirmation pool in its fixed order. A new attempt takes the pool's first ``plan.n`` items (``fresh``:
+        the first ``plan.n`` no attempt has used); LedgerRefusal when those overlap an earlier attempt's."""
+        resumed = self.find(plan)
+        attempts = self.attempts()
+        earlier = [a for aid, a in attempts.items() if resumed is None or aid != resumed["attempt"]]
+        if resumed is not None:
+            return list(resumed["items"]), resumed, earlier
+        used = self.used()
+        if fresh:
+            items = [i for i in pool if i not in used][: plan.n]
+        else:
+            items = list(pool[: plan.n])
+            clash: dict[str, int] = {}
+            for item in items:
+                if item in used:
+                    clash[used[item]] = clash.get(used[item], 0) + 1
+            if clash:
+                named = "; ".join(f"{n} by {self.describe(attempts[aid])}" for aid, n in clash.items())
+                raise LedgerRefusal(
+                    f"{sum(clash.values())} of these {len(items)} confirmation items were already used: {named}. "
+                    "A second test on items whose result was seen inflates the error (two looks at alpha 0.05 err "
+                    "~9.7% of the time), whatever the budget, alpha, dtype, seed, runs root or spelling of the pair, "
+                    "so this attempt is refused. Rerun with --new-items to confirm on items no attempt has used "
+                    "(the certificate will list the earlier attempts)")
+        if len(items) < plan.n:
+            raise LedgerRefusal(f"the pool has {len(items)} items no attempt has used, fewer than the {plan.n} "
+                                "planned: lower --confirm-items")
+        return items, None, earlier
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as fh:  # one line per attempt: an append is all or (torn, ignored) nothing
+        with (self.path.parent / ".lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _append(self, row: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:  # one line per row: an append is all or (torn, ignored) nothing
             fh.write(json.dumps(row) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
 
+    def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str
+             ) -> tuple[str, list[str], list[dict[str, Any]]]:
+        """Choose the attempt's items (:meth:`choose`) and, for a new attempt, write its ``opened`` row
+        before anything is evaluated. Returns (attempt id, items, earlier attempts)."""
+        with self._locked():
+            items, resumed, earlier = self.choose(plan, pool, fresh)
+            if resumed is not None:
+                return resumed["attempt"], items, earlier
+            aid = hashlib.sha256(f"{plan.study}/{plan.digest}/{time.time_ns()}".encode()).hexdigest()[:12]
+            self._append({"event": "opened", "attempt": aid, "benchmark": self.benchmark, "pair_id": self.pair_id,
+                          "pair": pair, "dtype": dtype, "study": plan.study, "plan": plan.digest,
+                          "budgets": list(plan.budgets), "alphas": list(plan.alphas),
+                          "candidates": [list(c) for c in plan.candidates], "looks": plan.looks, "new_items": fresh,
+                          "earlier": [a["attempt"] for a in earlier], "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                          "items": list(items)})
+            return aid, items, earlier
 
-def attempt_of(study: str, budget: float, alpha: float, candidate_keys: Sequence[str], items: Sequence[str]) -> Attempt:
-    return Attempt(study, float(budget), float(alpha), tuple(candidate_keys), tuple(items))
+    def decide(self, attempt: str, budget: float, certified: bool, reason: str, items_used: int) -> None:
+        """Record a budget's decision (once: a resumed attempt that decides again adds nothing)."""
+        with self._locked():
+            mine = self.attempts().get(attempt)
+            if mine is None:
+                raise ValueError(f"attempt {attempt} was never opened in {self.path}")
+            if str(float(budget)) in mine["decided"]:
+                return
+            self._append({"event": "decided", "attempt": attempt, "benchmark": self.benchmark,
+                          "pair_id": self.pair_id, "budget": float(budget), "certified": bool(certified),
+                          "reason": reason, "items_used": int(items_used),
+                          "when": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jobs.attempts import AttemptLedger, attempt_of
+from jobs.attempts import AttemptLedger, LedgerRefusal, Plan
 from jobs.evidence import (
     bound_between,
     confirmation_rows,
@@ -225,10 +225,12 @@ class Confirmation:
 
 def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
                        counts: dict[str, dict[str, int]] | None = None, plan: LookPlan | None = None,
-                       stopped: dict[str, int] | None = None) -> dict[str, Any]:
+                       stopped: dict[str, int] | None = None, sources: dict[str, int] | None = None
+                       ) -> dict[str, Any]:
     """What ``chosen/budget-<b>.json`` and the MLflow tags say about a budget's certificate; ``counts``
     (``Confirmation.counts``): each tested candidate's failed and missing items, by arm; ``plan`` and
-    ``stopped``: the group-sequential design and where each candidate stopped on success."""
+    ``stopped``: the group-sequential design and where each candidate stopped on success; ``sources``: the
+    confirmation items by source (the pool's composition as used, never a split's name alone)."""
     bound, counts = cert.bound, counts or {}
     shown = cert.chosen.key if cert.chosen else (cert.steps[0][0] if cert.steps else None)
     design = None if plan is None else {**plan.to_dict(), "look": None if bound is None else bound.look,
@@ -240,11 +242,18 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
         "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
         "p_value": None if bound is None or math.isnan(bound.p_value) else bound.p_value,
         "evidence": None if shown is None else f"evidence/{shown}.csv",
-        "confirm_split": split.get("confirm"), "confirm_items": n_items, "pool": split.get("pool"),
+        "confirm_split": composition(sources or {}, n_items), "confirm_sources": sources,
+        "confirm_items": n_items, "pool": split.get("pool"),
         "pool_sources": split.get("pool_sources"),
         "steps": [{"candidate": key, "passed": passed, **b.to_dict(), **counts.get(key, {})}
                   for key, b, passed in cert.steps],
     }
+
+
+def composition(sources: dict[str, int], n_items: int) -> str:
+    """How a certificate names its items: '120 held-apart items: gsm8k/test 18 + gsm8k/train 102'."""
+    parts = " + ".join(f"{k} {v:,}" for k, v in sources.items())
+    return f"{n_items:,} held-apart items" + (f": {parts}" if parts else "")
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -321,6 +330,44 @@ def pool_outlook(candidates: list[Candidate], budgets: Sequence[float], limit: i
     return rows
 
 
+def open_attempt(sweep: Any, candidates: list[Candidate], alpha_each: float
+                 ) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+    """Before any confirmation item is evaluated: the attempt's plan (every budget's candidates in test order),
+    opened in the ledger of this benchmark and model pair, which gives the attempt its items (``sweep.confirm_items``
+    is set to them). Returns (attempt id or None when no budget has a candidate, the refusal or None, the earlier
+    attempts)."""
+    from workers.models.identity import pair_fingerprint
+
+    args, budgets = sweep.args, sweep.s["budgets"]
+    keys = tuple(tuple(sweep.spec_of(c.payload).key() for c in order_candidates(candidates, b, limit=args.confirm_candidates))
+                 for b in budgets)
+    sweep.ledger = AttemptLedger(sweep.bench.key, pair_fingerprint(args.pair))
+    if not any(keys):
+        return None, None, []
+    plan = Plan(sweep.name, tuple(float(b) for b in budgets), tuple(alpha_each for _ in budgets), keys, args.looks,
+                sweep.n_confirm)
+    try:
+        attempt, ids, earlier = sweep.ledger.open(plan, [it.id for it in sweep.pool], bool(args.new_items),
+                                                  pair=args.pair, dtype=args.dtype)
+    except LedgerRefusal as err:
+        print(f"[sweep] confirmation REFUSED by the ledger ({sweep.ledger.path}): {err}", flush=True)
+        return None, str(err), []
+    by_id = {it.id: it for it in sweep.pool}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise ValueError(f"attempt {attempt} resumes on {len(missing)} item(s) no longer in the pool "
+                         f"(e.g. {missing[0]}): the benchmark's data changed since it opened")
+    sweep.confirm_items = [by_id[i] for i in ids]
+    where = {it.id: k for k, it in enumerate(sweep.pool)}
+    chosen, last = set(ids), max(where[i] for i in ids) if ids else -1
+    # the pool items before the last chosen one that earlier attempts had used: what recomputing the front needs
+    sweep.skipped = [it.id for it in sweep.pool[: last + 1] if it.id not in chosen]
+    print(f"[sweep] confirmation attempt {attempt}: {len(ids):,} items from the pool's fixed order"
+          + (" (the first no earlier attempt used)" if args.new_items else "")
+          + (f"; {len(earlier)} earlier attempt(s) on this pair and benchmark" if earlier else ""), flush=True)
+    return attempt, None, earlier
+
+
 def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], str]:
     """Confirm every budget of ``sweep`` (a ``jobs.sweep.Sweep``) and write what was decided:
     ``<out>/chosen-budget-<b>.json`` and ``certification.json``. Returns the chosen policies by
@@ -330,6 +377,10 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
     from workers.evaluation import TARGET_ONLY, DecodeSpec
 
     args, decode = sweep.args, sweep.s["decode"]
+    candidates = candidates_from(frame)
+    # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
+    alpha_each = args.alpha / len(sweep.s["budgets"]) if args.joint else args.alpha
+    attempt, refusal, earlier = open_attempt(sweep, candidates, alpha_each)
     key = "confirm:" + TARGET_ONLY
     ref_spec = DecodeSpec.make(TARGET_ONLY, **decode)
 
@@ -348,9 +399,6 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
 
     confirmation = Confirmation(evaluate, reference_upto, args.alpha, args.confirm_candidates,
                                 [it.id for it in sweep.confirm_items], looks=args.looks)
-    candidates = candidates_from(frame)
-    # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
-    alpha_each = args.alpha / len(sweep.s["budgets"]) if args.joint else args.alpha
     confirmation.plan_futility(candidates, sweep.s["budgets"], alpha_each)
     if args.looks > 1:
         for budget in sweep.s["budgets"]:
@@ -385,23 +433,26 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                                          {"confirmed": "true"})
         return figures.get(key, {})
 
-    ledger = AttemptLedger(sweep.root, sweep.bench.key, args.pair, args.dtype)
+    ledger_fields = {"attempt": attempt, "new_items": bool(args.new_items),
+                     "earlier_attempts": [AttemptLedger.describe(a) for a in earlier],
+                     "pool_order": "sha256('confirm/' + item id), then the first items no earlier attempt used"
+                     if args.new_items else "sha256('confirm/' + item id)"}
+    from workers.benchmarks.base import pool_sources
+
+    sources = pool_sources(it.id for it in sweep.confirm_items)
     for budget in sweep.s["budgets"]:
-        ordered = order_candidates(candidates, budget, limit=args.confirm_candidates)
-        attempt = attempt_of(sweep.name, budget, alpha_each, [sweep.spec_of(c.payload).key() for c in ordered],
-                             [it.id for it in sweep.confirm_items])
-        recorded, refusal = ledger.check(attempt)
         if refusal is not None:
             cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal}")
         else:
             cert = confirmation.certify(candidates, budget, alpha_each)
-            if ordered and not recorded:
-                ledger.record(attempt, cert.certified, cert.reason)
+            if attempt is not None:  # the items this budget's candidates (and its noise floor) used
+                used = max((confirmation.stopped.get(k, len(sweep.confirm_items)) for k, _, _ in cert.steps), default=0)
+                sweep.ledger.decide(attempt, budget, cert.certified, cert.reason, used)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
         choice = {**sweep.base_choice(budget), "certified": bool(cert.certified),
                   "certification": {**certificate_fields(cert, sweep.split, len(sweep.confirm_items),
                                                          confirmation.counts, confirmation.plan(alpha_each, budget),
-                                                         confirmation.stopped),
+                                                         confirmation.stopped, sources), **ledger_fields,
                                     "statement": (f"joint: every certified budget at once, family alpha {args.alpha:g} "
                                                   f"(Bonferroni, {alpha_each:g} each)") if alpha_each != args.alpha
                                     else f"per budget, alpha {args.alpha:g} each"}}
@@ -450,8 +501,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
         run_id = next((c.payload.get("mlflow_run_id") for c in candidates if c.key == key_), None)
         if run_id:  # on the candidate's trial run, with the target-only records it was paired with
             sweep.tracker.log_files(run_id, {path: "confirm", sweep.reference_path(ref_spec): "confirm/reference"})
-    write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values()),
-                                            "pool": {k: sweep.split.get(k) for k in ("pool", "pool_sources",
-                                                                                      "confirm_used", "search_sample")},
+    pool = {**{k: sweep.split.get(k) for k in ("pool", "pool_sources", "search_sample")},
+            "confirm_used": len(sweep.confirm_items), "confirm_sources": sources,
+            "order": "sha256('confirm/' + item id), fixed; no seed", "skipped": getattr(sweep, "skipped", [])}
+    write_json(out / "certification.json", {"budgets": chosen, "noise_floor": list(floors.values()), "pool": pool,
                                             "outlook": outlook})
     return chosen, certification_table(list(chosen.values()), [f for f in floors.values() if not f.get("skipped")])

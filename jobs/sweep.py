@@ -70,9 +70,11 @@ class Sweep:
         self.items = self.bench.items(limit=args.items or None, seed=args.subset_seed, split="search")
         # the confirmation pool: every item held apart from the search sample (the confirm split and the
         # search-split rows the sample did not use), in seeded order; --confirm-items takes its first N
-        pool, sources = self.bench.confirmation_pool(self.items, args.subset_seed)
+        pool, sources = self.bench.confirmation_pool(self.items)
         n_confirm = args.items if args.confirm_items is None else args.confirm_items
-        self.confirm_items = pool[:n_confirm] if n_confirm else pool
+        self.pool, self.n_confirm = pool, min(n_confirm, len(pool)) if n_confirm else len(pool)
+        # provisional: the ledger gives the attempt its items when confirmation starts (jobs.confirm)
+        self.confirm_items = pool[: self.n_confirm]
         self.split = {**self.bench.split_info(), "pool": len(pool), "pool_sources": sources,
                       "confirm_used": len(self.confirm_items), "search_sample": len(self.items)}
         log(f"search sample: {len(self.items)} items; confirmation pool: {len(pool)} held-apart items "

@@ -166,6 +166,10 @@ def build_parser() -> SweepParser:
     ap.add_argument("--skip-noise-floor", type=bool, nargs="?", const=True, default=False,
                     help="do not run lossless on the confirmation items (the noise-floor row: an arm as long as the "
                          "candidate's; certificates do not depend on it)")
+    ap.add_argument("--new-items", type=bool, nargs="?", const=True, default=False,
+                    help="confirm on the first items of the pool's fixed order that no earlier attempt on this pair and "
+                         "benchmark used (the ledger refuses a new attempt on used items otherwise); the certificate "
+                         "lists the earlier attempts")
     ap.add_argument("--confirm-candidates", type=int, default=3,
                     help="candidates per budget confirmed at most (fixed sequence, safest first)")
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
@@ -303,7 +307,8 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in given.items() if v is not None}
 
 
-POOL = "held-apart: confirm split + unused search rows"  # how the confirmation pool is made (see jobs.sweep)
+# how the confirmation pool is made (see jobs.sweep): its order is fixed by a salted hash, never by a seed
+POOL = "held-apart: confirm split + unused search rows, in sha256('confirm/' + id) order; items per the ledger"
 
 
 def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:

@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = [item for item in items if item.get_closest_marker("real") is None]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_ledger(tmp_path_factory, monkeypatch):
+    """Every test gets its own certificate ledger (jobs.attempts): tests that confirm on the same tiny-pair
+    items must not refuse each other, and none may write into the user's ledger in the asset cache."""
+    monkeypatch.setenv("SPECTUNE_LEDGER", str(tmp_path_factory.mktemp("ledger")))

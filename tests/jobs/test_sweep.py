@@ -48,7 +48,8 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     for budget in ("0.05", "0.2"):
         c = json.loads((report / f"chosen-budget-{budget}.json").read_text())
         cert = c["certification"]
-        assert isinstance(c["certified"], bool) and cert["alpha"] == 0.05 and "gsm8k test" in cert["confirm_split"]
+        assert isinstance(c["certified"], bool) and cert["alpha"] == 0.05 and "held-apart items: gsm8k/" in cert["confirm_split"]
+        assert sum(cert["confirm_sources"].values()) == 6 and cert["attempt"]
         if cert["steps"]:
             first = cert["steps"][0]
             assert first["passed"] == (first["p_value"] <= 0.05), "certified means the exact test rejects"
@@ -124,9 +125,13 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     for budget in ("0.05", "0.2"):
         c = json.loads((report / f"chosen-budget-{budget}.json").read_text())
         reason = c["certification"]["reason"]
-        assert reason.startswith("refused: budget") or c["certification"]["steps"] == first_steps[budget], reason
-    ledger = list((tmp_path / "attempts").glob("*.jsonl"))
-    assert len(ledger) == 1 and all('"items"' in line for line in ledger[0].read_text().splitlines())
+        assert reason.startswith("refused: ") or c["certification"]["steps"] == first_steps[budget], reason
+    import os
+
+    ledger = list(Path(os.environ["SPECTUNE_LEDGER"]).glob("*.jsonl"))  # with the asset cache, not the runs root
+    assert len(ledger) == 1 and not list(tmp_path.rglob("attempts"))
+    rows = [json.loads(line) for line in ledger[0].read_text().splitlines()]
+    assert rows[0]["event"] == "opened" and len(rows[0]["items"]) == 6
 
 
 def test_interrupted_trial_is_redone_with_its_params(tmp_path):

@@ -125,6 +125,24 @@ def seeded_key(seed: int, item_id: str) -> str:
     return hashlib.sha256(f"{seed}/{item_id}".encode()).hexdigest()
 
 
+POOL_SALT = "confirm/"  # the confirmation pool's order: sha256("confirm/" + id), chosen by nobody
+
+
+def pool_key(item_id: str) -> str:
+    """Where ``item_id`` stands in every confirmation pool: independent of any seed or sample size (a seeded
+    order hashes ``f"{seed}/{id}"``, which never starts with the salt's ``confirm/``)."""
+    return hashlib.sha256(f"{POOL_SALT}{item_id}".encode()).hexdigest()
+
+
+def pool_sources(ids: Any) -> dict[str, int]:
+    """Count of item ids by source (the id up to its last '/'), sorted: a pool's composition."""
+    by_source: dict[str, int] = {}
+    for item in ids:
+        source = item.rsplit("/", 1)[0]
+        by_source[source] = by_source.get(source, 0) + 1
+    return dict(sorted(by_source.items()))
+
+
 def select(items: Sequence[Item], limit: int | None, shard: tuple[int, int] | None, seed: int | None) -> list[Item]:
     """Order (file order, or by seeded hash), renumber ``index``, cut to ``limit``, then take shard i of n."""
     if limit is not None and limit < 0:
@@ -189,20 +207,19 @@ class BenchmarkBase:
         keep = set(search)
         return [it for it in items if (it.id in keep) == (split == "search")]
 
-    def confirmation_pool(self, search: Sequence[Item], seed: int | None = None,
-                          cache_dir: str | os.PathLike[str] | None = None) -> tuple[list[Item], dict[str, int]]:
+    def confirmation_pool(self, search: Sequence[Item], cache_dir: str | os.PathLike[str] | None = None
+                          ) -> tuple[list[Item], dict[str, int]]:
         """Every item held apart from a search sample: the confirm split and the search-split items the
-        sample did not use (its choice depended on the seed, never on outcomes), in seeded order;
-        few-shot exemplars are in neither split. Returns (items, count by source: the id up to its last
-        '/', e.g. {"gsm8k/test": 1319, "gsm8k/train": 7425})."""
+        sample did not use (its choice depended on the seed, never on outcomes), in the pool's fixed order
+        (:func:`pool_key`: a hash salted apart from every seeded order, so no ``--subset-seed`` of a search
+        sample or of ``jobs.evaluate`` can line up with the pool's front); few-shot exemplars are in neither
+        split. Returns (items, count by source: the id up to its last '/', e.g. {"gsm8k/test": 1319,
+        "gsm8k/train": 7465 - the sample})."""
         used = {it.id for it in search}
-        pool = [it for s in ("confirm", "search") for it in self._split(s, cache_dir) if it.id not in used]
-        items = select(pool, None, None, seed)
-        by_source: dict[str, int] = {}
-        for it in items:
-            source = it.id.rsplit("/", 1)[0]
-            by_source[source] = by_source.get(source, 0) + 1
-        return items, dict(sorted(by_source.items()))
+        pool = sorted((it for s in ("confirm", "search") for it in self._split(s, cache_dir) if it.id not in used),
+                      key=lambda it: pool_key(it.id))
+        items = [Item(it.id, k, it.turns, it.reference, it.meta) for k, it in enumerate(pool)]
+        return items, pool_sources(it.id for it in items)
 
     def split_info(self) -> dict[str, Any]:
         """How the search and confirmation splits are made (part of a sweep's identity)."""

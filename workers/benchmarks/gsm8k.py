@@ -108,7 +108,8 @@ class GSM8K(BenchmarkBase):
 
     def split_info(self) -> dict[str, Any]:
         return {"search": f"gsm8k train rows {NUM_SHOTS}.. (after the {NUM_SHOTS} few-shot exemplars)",
-                "confirm": "gsm8k test (1,319 rows)", "method": "file splits"}
+                "confirm": "gsm8k test (1,319 rows); the pool adds the train rows the search sample did not use",
+                "method": "file splits"}
 
     def exemplars(self, shots: int, cache_dir: str | os.PathLike[str] | None = None) -> list[tuple[str, str]]:
         rows = read_jsonl(self.path("train.jsonl", cache_dir))[:shots]
