@@ -148,8 +148,10 @@ def render(out: dict[str, Any]) -> str:
         seq = row.get("sequential")
         if seq:
             lines.append(f"  {row['budget']:g} with {len(seq['looks'])} looks (at {', '.join(f'{n:,}' for n in seq['looks'])} "
-                         f"items): {seq['power']:.0%} power, {seq['expected_items']:,.0f} items expected; a fixed-n "
-                         f"design with that power needs {seq['fixed_items_same_power']:,}")
+                         f"items): {seq['power']:.0%} power, {seq['expected_items']:,.1f} items expected; a fixed-n "
+                         f"design with that power needs {seq['fixed_items_same_power']:,}: "
+                         + ("the looks save items on average" if seq["expected_items"] < seq["fixed_items_same_power"]
+                            else "the looks save nothing here"))
     drop = out["drop"]
     how = rows[0]["plan"] if rows else "exact power"
     lines.append(f"Paired items for a certificate at alpha {out['alpha']:g} with {out['power']:.0%} power at true drop "
