@@ -9,7 +9,11 @@ outcomes the decision was made on), ``search_items.txt`` (the ids the search use
 confirmation items were never among them), ``sweep.json`` (the command's settings) and ``table.md`` (per
 budget: certified, rule, p-value, bound, n, lost/won, discordance, modelled and measured speed). ``check``
 recomputes each budget's decision from the evidence CSV alone (the exact test, through the recorded
-group-sequential design) and fails, naming the budget, where it does not match the certificate.
+group-sequential design), recomputes that design from its N, looks, alpha and budget (never trusting the
+recorded thresholds), checks that the evidence's items are the confirmation pool's first items in its fixed
+order (less the items earlier attempts used, listed in ``certification.json``) and that none was a search item,
+and fails, naming the budget and the check, where any does not hold. A folder holding ``SUPERSEDED.md`` is
+reported as superseded and fails the check whatever its evidence says.
 """
 
 from __future__ import annotations
@@ -25,44 +29,80 @@ from typing import Any
 from workers.cli import one_line_errors
 
 
-def evidence_scores(path: Path) -> tuple[list[float], list[float]]:
+def evidence_rows(path: Path) -> tuple[list[str], list[float], list[float]]:
+    """(item ids, reference scores, candidate scores) of an evidence CSV, in its order."""
     with path.open() as f:
         rows = list(csv.DictReader(f))
-    return [float(r["reference_score"]) for r in rows], [float(r["candidate_score"]) for r in rows]
+    return ([r["item_id"] for r in rows], [float(r["reference_score"]) for r in rows],
+            [float(r["candidate_score"]) for r in rows])
 
 
 def recompute(folder: Path) -> list[dict[str, Any]]:
     """Each budget's decision recomputed from its evidence CSV: budget, certified, p-value, n, lost, won, and
-    whether they match the certificate (``matches``)."""
+    whether they match the certificate (``matches``); whether the group-sequential design recomputes
+    (``design_matches``: ``look_plan`` again from N, K, alpha, rho and the budget); whether the evidence's items
+    are the confirmation pool's first items in its fixed order (``pool_front``: the benchmark's pool without
+    the search items and the items earlier attempts used, ``certification.json``'s ``pool.skipped``) and share
+    none with the search (``disjoint``). The last two need ``sweep.json`` and ``search_items.txt`` (None without
+    them). ``ok``: every check that ran passed."""
     from workers.certify.decide import certifies, sequential_bound
     from workers.certify.sequential import LookPlan, look_plan
 
     cert = json.loads((folder / "certification.json").read_text())
+    front = _pool_front(folder, cert)
+    searched = set((folder / "search_items.txt").read_text().split()) if (folder / "search_items.txt").is_file() else None
     out = []
     for key, choice in cert["budgets"].items():
         c = choice["certification"]
         if not c.get("evidence"):
             continue
         budget = float(choice["budget"])
-        ref, cand = evidence_scores(folder / c["evidence"])
+        ids, ref, cand = evidence_rows(folder / c["evidence"])
         design = c.get("sequential")
         if design:
             plan = LookPlan(tuple(design["sizes"]), tuple(design["alphas"]), design["alpha"], design["rho"],
                             tuple(design["spent"]), design["budget"],
                             None if design.get("thresholds") is None else
                             tuple(-math.inf if z is None else z for z in design["thresholds"]))
+            again = look_plan(plan.n, len(plan.sizes), plan.alpha, plan.rho, plan.budget)
+            design_ok = again.sizes == plan.sizes and _same(again.thresholds, plan.thresholds) and all(
+                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(again.spent, plan.spent, strict=True))
         else:
-            plan = look_plan(len(ref), 1, c["alpha"])
+            plan, design_ok = look_plan(len(ref), 1, c["alpha"]), True
         got = sequential_bound(ref, cand, plan, budget)
         shown = c["steps"][0] if c["steps"] else {}
         row = {"budget": budget, "certified": certifies(got), "p_value": got.p_value, "n": got.n,
-               "lost": got.losses, "won": got.wins}
+               "lost": got.losses, "won": got.wins, "design_matches": design_ok,
+               "pool_front": None if front is None else ids == front[: len(ids)],
+               "disjoint": None if searched is None else not set(ids) & searched}
         row["matches"] = (row["certified"] == c["certified"] and got.n == c["n"] and got.losses == shown.get("losses")
                           and got.wins == shown.get("wins")
                           and (c["p_value"] is None or math.isclose(got.p_value, c["p_value"], rel_tol=1e-9, abs_tol=1e-12)))
+        row["ok"] = row["matches"] and design_ok and row["pool_front"] is not False and row["disjoint"] is not False
         row["key"] = key
         out.append(row)
     return out
+
+
+def _same(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return len(a) == len(b) and all(x == y or math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))
+
+
+def _pool_front(folder: Path, cert: dict[str, Any]) -> list[str] | None:
+    """The confirmation pool's item ids in its fixed order, without the search items and the ones earlier attempts
+    used (None when the folder lacks sweep.json or search_items.txt)."""
+    meta, listed = folder / "sweep.json", folder / "search_items.txt"
+    if not meta.is_file() or not listed.is_file():
+        return None
+    from workers.benchmarks import get_benchmark
+
+    bench = get_benchmark(json.loads(meta.read_text())["args"]["benchmark"])
+    searched = set(listed.read_text().split())
+    search = [it for it in bench.items(split="search") if it.id in searched]
+    skipped = set((cert.get("pool") or {}).get("skipped") or ())
+    return [it.id for it in bench.confirmation_pool(search)[0] if it.id not in skipped]
 
 
 def _x(value: float | None) -> str:
@@ -136,11 +176,22 @@ def main(argv: list[str] | None = None) -> int:
         rows = recompute(out)
     else:
         rows = recompute(Path(args.folder))
+    folder = out if args.cmd == "export" else Path(args.folder)
+    note = folder / "SUPERSEDED.md"
+    if note.is_file():
+        print(f"SUPERSEDED: {note.read_text().strip().splitlines()[0].lstrip('# ')} (see {note})")
+
+    def said(value: bool | None, yes: str, no: str) -> str:
+        return "not checked (no sweep.json / search_items.txt)" if value is None else yes if value else no
+
     for r in rows:
         print(f"budget {r['budget'] * 100:g}%: recomputed from the evidence: certified {r['certified']}, "
               f"p = {r['p_value']:.4g}, n = {r['n']}, lost {r['lost']} / won {r['won']}: "
-              f"{'matches' if r['matches'] else 'DOES NOT MATCH'} the certificate")
-    return 0 if all(r["matches"] for r in rows) else 1
+              f"{'matches' if r['matches'] else 'DOES NOT MATCH'} the certificate; design "
+              f"{'recomputes' if r['design_matches'] else 'DOES NOT RECOMPUTE'}; items "
+              f"{said(r['pool_front'], 'are the pool front in its fixed order', 'are NOT the pool front in its fixed order')}, "
+              f"{said(r['disjoint'], 'disjoint from the search', 'SHARED WITH THE SEARCH')}")
+    return 0 if rows and all(r["ok"] for r in rows) and not note.is_file() else 1
 
 
 if __name__ == "__main__":

@@ -42,10 +42,55 @@ def test_a_folder_recomputes_and_an_edited_one_is_caught(tmp_path, capsys):
     assert main(["check", str(folder)]) == 1 and "DOES NOT MATCH" in capsys.readouterr().out
 
 
+def _gsm8k_folder(tmp_path: Path, ids: list[str], search: list[str]) -> Path:
+    folder = _folder(tmp_path, n=len(ids))
+    csv = folder / "evidence" / "trial-0.csv"
+    lines = csv.read_text().splitlines()
+    csv.write_text("\n".join([lines[0]] + [f"{i}," + line.split(",", 1)[1] for i, line in zip(ids, lines[1:], strict=True)]) + "\n")
+    (folder / "sweep.json").write_text(json.dumps({"study": "s", "args": {"benchmark": "gsm8k"}}))
+    (folder / "search_items.txt").write_text("".join(f"{i}\n" for i in search))
+    return folder
+
+
+def test_check_recomputes_the_design_and_the_pool_front_instead_of_trusting_them(tmp_path, capsys):
+    """The check once trusted the recorded thresholds and never looked at which items were used: it now
+    recomputes the design, and checks the items are the pool's first N in its fixed order, none searched."""
+    from workers.benchmarks import get_benchmark
+
+    bench = get_benchmark("gsm8k")
+    search = bench.items(limit=6, seed=0, split="search")
+    pool = [it.id for it in bench.confirmation_pool(search)[0]]
+    searched = [it.id for it in search]
+    folder = _gsm8k_folder(tmp_path / "ok", pool[:80], searched)
+    assert [(r["matches"], r["design_matches"], r["pool_front"], r["disjoint"]) for r in recompute(folder)] == \
+        [(True, True, True, True)]
+    assert main(["check", str(folder)]) == 0 and "are the pool front in its fixed order" in capsys.readouterr().out
+    # items picked out of order (the pool's 2nd..81st), or with a search item among them: caught
+    shifted = _gsm8k_folder(tmp_path / "shifted", pool[1:81], searched)
+    assert main(["check", str(shifted)]) == 1 and "are NOT the pool front" in capsys.readouterr().out
+    leaked = _gsm8k_folder(tmp_path / "leaked", pool[:79] + searched[:1], searched)
+    assert main(["check", str(leaked)]) == 1 and "SHARED WITH THE SEARCH" in capsys.readouterr().out
+    # items an earlier attempt used are skipped in the front, as certification.json records them
+    skipping = _gsm8k_folder(tmp_path / "skipping", pool[3:83], searched)
+    cert = json.loads((skipping / "certification.json").read_text())
+    (skipping / "certification.json").write_text(json.dumps({**cert, "pool": {"skipped": pool[:3]}}))
+    assert [r["pool_front"] for r in recompute(skipping)] == [True]
+    # an edited threshold no longer recomputes, even where the decision happens not to change
+    cert = json.loads((folder / "certification.json").read_text())
+    design = cert["budgets"]["0.1"]["certification"]["sequential"]
+    design["thresholds"] = [z - 0.5 if z is not None else None for z in design["thresholds"]]
+    (folder / "certification.json").write_text(json.dumps(cert))
+    assert [r["design_matches"] for r in recompute(folder)] == [False]
+
+
 @pytest.mark.parametrize("folder", FOLDERS, ids=[p.name for p in FOLDERS])
 def test_committed_results_recompute_from_their_evidence(folder):
     rows = recompute(folder)
-    assert rows and all(r["matches"] for r in rows), rows
+    assert rows and all(r["matches"] and r["design_matches"] and r["disjoint"] for r in rows), rows
+    if (folder / "SUPERSEDED.md").is_file():  # made under an older pool order: the check says so and fails
+        assert main(["check", str(folder)]) == 1
+    else:
+        assert all(r["ok"] for r in rows), rows
     assert (folder / "search_items.txt").is_file() and (folder / "table.md").is_file()
     searched = set((folder / "search_items.txt").read_text().split())
     for path in (folder / "evidence").glob("*.csv"):
