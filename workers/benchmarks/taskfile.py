@@ -193,11 +193,25 @@ class TaskFile(BenchmarkBase):
             return read_rows(self._fewshot_file)
         return list(rows[: self._reserved])
 
+    def _exemplar_keys(self) -> tuple[set[str], set[str]]:
+        """(prompts, ids) of a few-shot *file*'s rows: data rows that are exemplars (the same prompt, or the same
+        id where both files have the id field) are in neither split, like the first n rows of ``fewshot: n``."""
+        if self._fewshot_file is None:
+            return set(), set()
+        rows = self._exemplar_rows(())
+        prompts = {self.template.format(**r) for r in rows if all(f in r for f in _fields(self.template))}
+        ids = {str(r[self.id_field]) for r in rows if self.id_field and self.id_field in r}
+        return prompts, ids
+
     def _load(self, cache_dir: str | os.PathLike[str] | None) -> list[Item]:
         items, seen = [], set()
+        prompts, ids = self._exemplar_keys()
         for i, row in enumerate(self._rows()):
             if i < self._reserved:
                 continue  # the exemplars are in neither split
+            if (prompts or ids) and (self.template.format(**row) in prompts
+                                      or (self.id_field and str(row[self.id_field]) in ids)):
+                continue  # a row of the few-shot file: an exemplar, evaluated nowhere
             key = str(row[self.id_field]) if self.id_field else f"{i:05d}"
             if key in seen:
                 raise self._bad("id", f"{key!r} names two rows: ids must be unique")

@@ -191,3 +191,16 @@ def test_the_judge_scorer_is_configured_by_the_task_file_and_retries_a_dead_endp
     monkeypatch.setenv("SPECTUNE_JUDGE_URL", f"http://127.0.0.1:{port}/v1")
     task = get_benchmark(_task(tmp_path, ROWS, scorer="judge", judge={"model": "m"}))
     assert task.scorer_name == "judge", "--judge-url (SPECTUNE_JUDGE_URL) stands in for judge.url"
+
+
+def test_rows_of_a_few_shot_file_are_removed_from_the_data(tmp_path):
+    """``fewshot: <file>`` rows that are also in the data (the same prompt, or the same id) were evaluated and
+    confirmed on while the model saw them as exemplars; they are now in neither split, like ``fewshot: n``."""
+    shots = tmp_path / "shots.jsonl"
+    shots.write_text(json.dumps({"q": "3 + 1?", "a": "4"}) + "\n" + json.dumps({"qid": "x7", "q": "other", "a": "8"}) + "\n")
+    task = get_benchmark(_task(tmp_path, ROWS, id="qid", fewshot="shots.jsonl"))
+    ids = [it.id for it in task.items()]
+    assert len(ids) == 8 and "mine/x3" not in ids and "mine/x7" not in ids
+    assert task.max_shots == 2
+    both = {it.id for s in ("search", "confirm") for it in task.items(split=s)}
+    assert both == set(ids)
