@@ -15,7 +15,11 @@ p-value at z_k is reported as the look's nominal level, never used to decide: ti
 admit outcomes the calibration left out). Drops above b make small Z_b rarer still (a coupling; the
 tests check it).
 
-**Union bound** (no budget, or N too large to carry in memory). Look k runs the exact test of
+**Large N.** Above ~554 items the whole (N + 1)^2 state no longer fits in memory for every nuisance point;
+the calibration then carries only the band of states that carry mass (``banded``: mass cut away is booked as
+if certified, so the level still holds), up to N = 4,000.
+
+**Union bound** (no budget, or N above 4,000). Look k runs the exact test of
 ``workers.certify.exact`` at level alpha_k = the alpha spent at look k (spent_k - spent_{k-1}); P(certified
 at some look | drop >= b) <= sum_k alpha_k = alpha. Valid, more conservative.
 
@@ -37,7 +41,8 @@ from typing import Any
 RHO = 2.0  # power-family spending exponent
 _CALIBRATION_GRID = 16  # x 4: the nuisance points calibration starts from (a thinner copy of ``exact``'s grid)
 _CHECK_GRID = 1001  # uniform nuisance points (plus both ends, geometric) every calibration is checked on
-_CALIBRATION_CELLS = 25_000_000  # nuisance points x (N + 1)^2 states at most (memory): larger N, the union bound
+_CALIBRATION_CELLS = 25_000_000  # nuisance points x (N + 1)^2 states at most (memory): larger N, banded.py
+_BANDED_UP_TO = 4000  # the banded calibration's largest N (its bands grow as sqrt(N)): above, the union bound
 _ROUNDS = 4  # calibrate, check on the dense grid, add the points that exceed, again (then the union bound)
 
 
@@ -95,9 +100,11 @@ def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float 
         return LookPlan(sizes, (float(alpha),), float(alpha), float(rho), spent, budget)
     union = (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
     calibrated = None
-    if budget is not None and len(_calibration_grid(float(budget))) * (n + 1) ** 2 <= _CALIBRATION_CELLS:
-        calibrated = calibrate(sizes, spent, float(budget))
-    if calibrated is None:  # too many states to carry here, or no calibration held: the union bound
+    if budget is not None and n <= _BANDED_UP_TO:
+        # the whole (N + 1)^2 state where it fits; above, only the band of states that carry mass (banded.py)
+        banded = len(_calibration_grid(float(budget))) * (n + 1) ** 2 > _CALIBRATION_CELLS
+        calibrated = calibrate(sizes, spent, float(budget), banded)
+    if calibrated is None:  # too large to carry here, or no calibration held: the union bound
         return LookPlan(sizes, union, float(alpha), float(rho), spent, None)
     levels, thresholds = calibrated
     return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
@@ -192,7 +199,7 @@ def _calibrate_on(sizes: tuple[int, ...], spent: tuple[float, ...], budget: floa
 
 
 @functools.lru_cache(maxsize=256)
-def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float
+def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float, banded: bool = False
               ) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
     """(nominal levels, thresholds) of looks at ``sizes``: look k certifies when Tango's Z_b on the first n_k
     items is <= z_k, each z_k the largest attainable value with
@@ -207,13 +214,15 @@ def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float
     each look's region is at least the union bound's."""
     import numpy as np
 
+    from workers.certify import banded as band
     from workers.certify.exact import _sup_tail
 
+    calibrate_on, cross = (band.calibrate_on, band.crossing) if banded else (_calibrate_on, crossing)
     grid, check = _calibration_grid(budget), _check_grid(budget)
     for _ in range(_ROUNDS):
-        thresholds = _calibrate_on(sizes, spent, budget, grid)
+        thresholds = calibrate_on(sizes, spent, budget, grid)
         over = [pw for pw in check
-                if any(c > t + 1e-12 for c, t in zip(crossing(sizes, thresholds, budget, float(pw)), spent, strict=True))]
+                if any(c > t + 1e-12 for c, t in zip(cross(sizes, thresholds, budget, float(pw)), spent, strict=True))]
         if not over:
             levels = tuple(0.0 if math.isinf(z) else min(1.0, _sup_tail(n, budget, z))
                            for n, z in zip(sizes, thresholds, strict=True))

@@ -83,6 +83,28 @@ def test_the_union_bound_plan_is_valid_for_a_budget_it_was_not_calibrated_for():
     assert _worst(look_plan(60, 3, 0.05), 0.1, points=61) <= 0.05
 
 
+@pytest.mark.slow
+def test_large_confirmations_are_calibrated_on_their_bands_and_hold_alpha_closely():
+    """Above N ~ 554 the whole state no longer fits and the plan fell back to the union bound (exact level
+    0.0426 at N 600, K 2, b 5%: alpha wasted, and a power cliff at 554 -> 555). The bands that carry mass are
+    calibrated instead: the level is close to alpha, within it."""
+    plan = look_plan(600, 2, 0.05, budget=0.05)
+    assert plan.budget == 0.05 and plan.thresholds is not None and "exact" in plan.to_dict()["spending"]
+    level = _worst(plan, 0.05, points=81)
+    assert 0.045 < level <= 0.05, level
+    union = look_plan(600, 2, 0.05)
+    assert sequential_power(plan, 0.05, 0.1, 0.0)[0] > sequential_power(union, 0.05, 0.1, 0.0)[0]
+
+
+def test_the_banded_calibration_finds_the_whole_states_thresholds():
+    """No cliff at the switch: where both fit, carrying only the bands gives the same thresholds."""
+    from workers.certify.sequential import _sizes, calibrate
+
+    sizes, spent = _sizes(120, 2, 0.05, 2.0)
+    whole, banded = calibrate(sizes, spent, 0.05, False), calibrate(sizes, spent, 0.05, True)
+    assert whole is not None and banded is not None and whole[1] == banded[1]
+
+
 def test_large_confirmations_fall_back_to_the_union_bound():
     plan = look_plan(5000, 4, 0.05, budget=0.02)
     assert plan.budget is None and sum(plan.alphas) == pytest.approx(0.05)
