@@ -92,6 +92,44 @@ class RowStreams:
         return ((fields.to(torch.float32) + 0.5) * (1.0 / (1 << 16))).view(shape)
 
 
+class PositionStreams:
+    """Random numbers keyed by (seed, absolute position) instead of by row: the numbers a rule draws for the
+    draft slot at sequence position ``positions[b, l]`` depend on the seed and that position alone, never on
+    the block it was drafted in, the draft length or the steps before. What makes a T = 0 decision a
+    function of the position's own inputs, so a replay over a teacher-forced pass (``workers.replay``) draws
+    the masks live decoding drew.
+
+    Draws have the layout :class:`RowStreams` draws have: ``shape[0]`` the rows, and the draft positions next
+    (``heads``: ``[rows, heads, positions, ...]``; else ``[rows, positions, ...]``)."""
+
+    def __init__(self, seed: int, positions: Tensor, start: int = 0) -> None:
+        if positions.dim() != 2:
+            raise ValueError(f"positions must be [B, L], got shape {tuple(positions.shape)}")
+        self.seed, self.positions, self.draws = int(seed), positions.to(torch.int64), int(start)
+
+    def __len__(self) -> int:
+        return int(self.positions.shape[0])
+
+    def rows(self, lo: int, hi: int) -> PositionStreams:
+        return PositionStreams(self.seed, self.positions[lo:hi], self.draws)
+
+    def uniform(self, shape: tuple[int, ...] | torch.Size, bits: int = 24, heads: bool = False) -> Tensor:
+        shape = tuple(int(s) for s in shape)
+        b, n = self.positions.shape
+        axis = 2 if heads else 1
+        if len(shape) <= axis or shape[0] != b or shape[axis] != n:
+            raise ValueError(f"a position-keyed draw needs shape [rows={b}, {'heads, ' if heads else ''}"
+                             f"positions={n}, ...], got {shape}")
+        keys = _mix(self.positions.flatten() + _signed(self.seed * _M1))  # [B * L]
+        streams = RowStreams(keys, self.draws)
+        self.draws += 1
+        rest = shape[axis + 1:]
+        if heads:
+            u = streams.uniform((b * n, shape[1], *rest), bits, heads=True)  # [B*L, K, ...]
+            return u.view(b, n, shape[1], *rest).transpose(1, 2).contiguous()
+        return streams.uniform((b * n, *rest) if rest else (b * n,), bits).view(shape)
+
+
 def sample_rows(probs: Tensor, uniforms: Tensor) -> Tensor:
     """One token per row of ``probs`` ``[..., V]`` (non-negative, any positive total) by inverse CDF at
     ``uniforms`` ``[...]`` in (0, 1): the first id whose cumulative mass exceeds ``u`` x the row's total.

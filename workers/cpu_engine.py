@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from policies import Policy, VerifyBatch, make_policy, verify
+from policies.randomness import PositionStreams
 from workers.models.pair import ModelPair
 from workers.stats import Generation, GenerationStats
 
@@ -196,20 +197,32 @@ class SpecDecoder:
         stop: list[str] | tuple[str, ...] | None = None,
         trace: bool = False,
         on_tokens: OnTokens | None = None,
+        generated_prefix: list[int] | None = None,
     ) -> Generation:
         """Speculative decoding of ``prompt_ids`` with ``policy`` (a Policy or a registered name).
 
         ``on_tokens(new_ids)`` is called with the tokens each round emits (streaming); returning
-        False from it ends generation there with finish reason ``"abort"`` (client gone)."""
+        False from it ends generation there with finish reason ``"abort"`` (client gone).
+        ``generated_prefix``: tokens already generated (a replay resuming at a block start): they follow the
+        prompt, count against ``max_new_tokens`` and stop strings, and lead the returned ``token_ids``; the
+        stats count only the rounds run here.
+
+        At T = 0 every random number a rule draws (DropMatch's dropout masks) is keyed by ``seed`` and the
+        draft slot's absolute position (``policies.randomness.PositionStreams``): a decision depends on its
+        position's inputs alone, whatever the draft length or the rounds before (what replay relies on)."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop)
+        generated: list[int] = list(generated_prefix or [])
+        if len(generated) >= max_new_tokens:
+            raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
+                             f"{max_new_tokens}")
+        prompt = prompt + [int(t) for t in generated]
         stats = GenerationStats(draft_len=draft_len, accepted_per_position=[0] * draft_len)
         t_start = time.perf_counter()
         tokens = self._prefill(prompt, stats, draft=True)
-        generated: list[int] = []
         rounds: list[tuple[int, Tensor]] | None = [] if trace else None
         finish = None
         while finish is None:
@@ -226,6 +239,8 @@ class SpecDecoder:
             if rounds is not None:
                 rounds.append((committed - 1, target_logits[0].float().clone()))
             t0 = time.perf_counter()
+            streams = PositionStreams(seed, torch.arange(committed, committed + n_draft).unsqueeze(0)) \
+                if temperature == 0.0 else None
             result = verify(policy, VerifyBatch(
                 draft_token_ids=torch.tensor([draft_ids]),
                 draft_logits=draft_logits,
@@ -235,6 +250,7 @@ class SpecDecoder:
                 lm_head_bias=self.lm_head_bias,
                 temperature=temperature,
                 generator=gen,
+                streams=streams,
             ))
             n_acc = int(result.num_accepted[0])
             new = draft_ids[:n_acc] + [int(result.output_token_ids[0, n_acc])]

@@ -1,0 +1,109 @@
+"""Replay at T = 0 is exact: for every registered rule, on the tiny pair, the replayed output tokens,
+acceptance counts and modelled cost equal a full speculative decode's, item by item and L by L; T > 0 is
+refused (decoded in full by the callers); a decision depends on its position alone (the masks are keyed by
+the seed and the absolute position)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies import POLICIES, get_spec, make_policy
+from workers.cpu_engine import SpecDecoder
+from workers.models.pair import load_pair
+from workers.replay import NotReplayable, decisions, forced_pass, replay
+
+PROMPTS = ["Hello world, this is a test", "Q: 12 + 30 = ?\nA:", "def add(a, b):\n    return", "The quick brown fox",
+           "x", "Natalia sold clips to 48 of her friends in April, and then half as many in May."]
+LENIENT = {"kl_judge": {"threshold": 3.0, "confidence": 1.0}, "top_k": {"k": 8}, "typical": {"epsilon": 0.05},
+           "target_entropy": {"threshold": 3.0}, "draft_entropy": {"threshold": 3.0},
+           "relaxed_topk": {"n": 4, "delta": 0.5}, "dropmatch": {"k": 4, "p_drop": 0.5, "criterion": "naive"}}
+FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "target_forwards",
+          "draft_forwards", "num_generated")
+
+
+@pytest.fixture(scope="module")
+def engine() -> SpecDecoder:
+    return SpecDecoder(load_pair("tiny-random", dtype=torch.float32))
+
+
+def _cases():
+    for name in sorted(POLICIES):
+        yield name, dict(get_spec(name).example)
+        if name in LENIENT:
+            yield name, LENIENT[name]
+
+
+@pytest.mark.parametrize("name,params", list(_cases()), ids=lambda v: v if isinstance(v, str) else ",".join(
+    f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+def test_replay_equals_full_speculative_decoding_for_every_rule(engine, name, params):
+    policy = make_policy(name, **params)
+    outcomes = []
+    for i, text in enumerate(PROMPTS):
+        ids = engine.pair.tokenizer.encode(text)
+        stop = ["e"] if i == 3 else None  # one prompt ends on a stop string
+        ref = engine.autoregressive(ids, max_new_tokens=40, stop=stop)
+        forced = forced_pass(engine, ids, ref.token_ids, ref.finish_reason)
+        acc = decisions(engine, forced, policy, seed=3)
+        for draft_len in (1, 3, 5):
+            got = replay(engine, ids, ref, policy, draft_len, 40, seed=3, stop=stop, forced=forced, accepted=acc)
+            full = engine.generate(ids, policy, draft_len=draft_len, max_new_tokens=40, seed=3, stop=stop)
+            where = f"{name} {params} prompt {i} L={draft_len} ({got.reason})"
+            assert got.generation.token_ids == full.token_ids, where
+            assert got.generation.finish_reason == full.finish_reason, where
+            for f in FIELDS:
+                assert getattr(got.generation.stats, f) == getattr(full.stats, f), (where, f)
+            assert got.generation.stats.modelled_cost(0.4) == full.stats.modelled_cost(0.4), where
+            outcomes.append(got.reason)
+    assert "near-tie" not in outcomes, "fp32 on the tiny pair: the pass agrees with incremental decoding"
+
+
+def test_lossless_replays_without_decoding_what_never_leaves_the_prefix(engine):
+    reasons = []
+    for text in PROMPTS:
+        ids = engine.pair.tokenizer.encode(text)
+        ref = engine.autoregressive(ids, max_new_tokens=40)
+        for draft_len in (1, 3, 5):
+            reasons.append(replay(engine, ids, ref, "lossless", draft_len, 40).reason)
+    assert "diverged" not in reasons and reasons.count("exact") >= len(reasons) // 2, reasons
+
+
+def test_lenient_rules_diverge_and_are_decoded_from_the_round_that_left_the_prefix(engine):
+    policy = make_policy("kl_judge", threshold=3.0, confidence=1.0)
+    reasons = []
+    for text in PROMPTS:
+        ids = engine.pair.tokenizer.encode(text)
+        ref = engine.autoregressive(ids, max_new_tokens=40)
+        got = replay(engine, ids, ref, policy, 4, 40)
+        reasons.append(got.reason)
+        if got.reason == "diverged":
+            assert got.decoded_from <= got.diverged_at < len(ref.token_ids)
+            assert got.generation.token_ids[: got.diverged_at] == ref.token_ids[: got.diverged_at]
+            assert got.generation.token_ids != ref.token_ids
+    assert "diverged" in reasons, reasons
+
+
+def test_sampling_is_not_replayed(engine):
+    ids = engine.pair.tokenizer.encode(PROMPTS[0])
+    ref = engine.autoregressive(ids, max_new_tokens=8)
+    with pytest.raises(NotReplayable, match="T = 0 only"):
+        replay(engine, ids, ref, "lossless", 3, 8, temperature=0.7)
+
+
+def test_a_decision_depends_on_its_position_not_on_the_block(engine):
+    """DropMatch's masks at T = 0 are keyed by (seed, absolute position): the same draft slot gets the same
+    decision in a one-slot block as in the pass's one block of every position."""
+    from policies import VerifyBatch
+    from policies.randomness import PositionStreams
+
+    policy = make_policy("dropmatch", k=3, p_drop=0.5, criterion="naive")
+    ids = engine.pair.tokenizer.encode(PROMPTS[1])
+    ref = engine.autoregressive(ids, max_new_tokens=12)
+    forced = forced_pass(engine, ids, ref.token_ids, ref.finish_reason)
+    acc, drafts = decisions(engine, forced, policy, seed=5)
+    for t in range(forced.positions):
+        one = VerifyBatch(draft_token_ids=drafts[t: t + 1].view(1, 1), draft_logits=forced.draft_logits[t: t + 1][None],
+                          target_logits=forced.target_logits[[t, t]][None], target_hidden=forced.target_hidden[[t, t]][None],
+                          lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
+                          streams=PositionStreams(5, torch.tensor([[forced.prompt_len + t]])))
+        assert bool(policy.decide(one).accepted[0, 0]) == bool(acc[t]), t

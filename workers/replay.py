@@ -1,0 +1,231 @@
+"""Replay evaluation at T = 0: a rule's speculative run from one teacher-forced pass over the target-only output.
+
+At temperature 0 with greedy drafting, speculative decoding reproduces the target-only output y up to the
+first verify round whose accepted run holds a draft token that differs from y there. Until then every
+draft token is argmax q on the target-only prefix, every decision is a function of that position's target
+and draft distributions (and, for DropMatch, of its hidden state and dropout masks keyed by the seed and
+the absolute position: ``policies.randomness.PositionStreams``, which the CPU engine uses at T = 0 too), and
+block boundaries and bonus tokens follow from L. So one forward of each model over prompt + y gives, for a
+rule and its knobs, the decision at every position at once, and for every L the block-by-block acceptance,
+the modelled cost and the first divergence, or none.
+
+- :func:`forced_pass`: the teacher-forced statistics (target logits and hidden states, draft logits) at the
+  T + 1 positions that predict y_1 .. y_T and the token after.
+- :func:`decisions`: a rule's decision at every position (one ``decide`` over all of them).
+- :func:`simulate`: the rounds a live run at draft length L makes on the target-only prefix, until its first
+  accepted mismatch, or until it needs a position past the pass (the final round of an item that ended on
+  EOS or a stop string may draft beyond the end): there it says where to resume.
+- :func:`replay`: the whole run, exact: the simulated rounds, then live decoding from the start of the round
+  that diverged or left the pass (``SpecDecoder.generate(generated_prefix=...)``), or nothing more.
+
+The contract is exactness: the replayed tokens, acceptance counts and modelled cost equal a full speculative
+decode's (``tests/workers/test_replay.py``, every registered rule). What can break it is numerics: the pass
+computes the same logits in other shapes than incremental decoding does; where the target's argmax of the pass
+disagrees with y (a near-tie), the item is decoded in full and counted (``Replayed.reason``). T > 0 is not
+replayable (a sampled run leaves the target-only output at its first draw): :func:`replay` refuses it, and the
+callers decode in full and say so.
+
+Knows two models' engine (``workers.cpu_engine.SpecDecoder``) and ``policies``; nothing about benchmarks,
+Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from policies import Policy, VerifyBatch, make_policy
+from policies.randomness import PositionStreams
+from workers.stats import Generation, GenerationStats
+
+NEAR_TIE = 1e-4  # a top-2 logit gap below this (relative to the top logit's scale) is a near-tie
+
+
+class NotReplayable(ValueError):
+    """A run replay cannot reproduce exactly (T > 0): decode it in full."""
+
+
+@dataclass
+class Forced:
+    """One item's teacher-forced statistics: row i predicts generated token i (row T: the token after y)."""
+
+    prompt_len: int
+    generated: list[int]  # y, the target-only output (EOS excluded)
+    finish: str  # the target-only run's finish reason
+    target_logits: Tensor  # [T + 1, V] float32
+    target_hidden: Tensor  # [T + 1, d]
+    draft_logits: Tensor  # [T + 1, V] float32
+    agrees: int  # rows 0 .. agrees - 1: the pass's target argmax is y there (near-ties can break it)
+    near_ties: int  # rows whose target or draft top-2 logits lie within NEAR_TIE of each other
+    seconds: float = 0.0
+
+    @property
+    def positions(self) -> int:
+        return int(self.target_logits.shape[0])
+
+
+def _near_ties(logits: Tensor) -> int:
+    top = logits.topk(2, dim=-1).values
+    scale = top[:, 0].abs().clamp_min(1.0)
+    return int(((top[:, 0] - top[:, 1]) < NEAR_TIE * scale).sum())
+
+
+@torch.inference_mode()
+def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str) -> Forced:
+    """One forward of each model over ``prompt + generated`` (the prompt's KV entries reused from the engine's
+    prefix cache), keeping the T + 1 rows that score the generated tokens and the one after."""
+    t0 = time.perf_counter()
+    prompt = [int(t) for t in prompt]
+    seq = prompt + [int(t) for t in generated]
+    rows: dict[str, Tensor] = {}
+    for name, lm in (("target", engine.target), ("draft", engine.draft)):
+        if engine.prefix_cache:
+            lm.reuse(prompt[:-1])
+        else:
+            lm.reset()
+            lm.forward(torch.tensor([prompt[:-1]])) if len(prompt) > 1 else None
+        if lm.length < len(prompt) - 1:  # the cache held less than the prompt: prefill the rest
+            lm.forward(torch.tensor([prompt[lm.length: len(prompt) - 1]]))
+        hidden = lm.forward(torch.tensor([seq[len(prompt) - 1:]]))  # [1, T + 1, d]
+        rows[name] = lm.head(hidden)[0].float()
+        if name == "target":
+            rows["hidden"] = hidden[0]
+    target = rows["target"]
+    y = torch.tensor(generated, dtype=torch.long)
+    argmax = target[: len(generated)].argmax(dim=-1)
+    differ = torch.nonzero(argmax != y)
+    agrees = int(differ[0, 0]) if len(differ) else len(generated)
+    return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], agrees,
+                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> tuple[Tensor, Tensor]:
+    """(accepted [P] bool, draft token [P] long): the rule's decision at every position of the pass for the
+    greedy draft token there, all in one ``decide`` (the positions as one block: a T = 0 decision depends on
+    its own position's inputs and its position-keyed randomness alone)."""
+    draft_tokens = forced.draft_logits.argmax(dim=-1)  # [P]
+    target = torch.cat([forced.target_logits, forced.target_logits[-1:]])  # the bonus slot: never read
+    hidden = torch.cat([forced.target_hidden, forced.target_hidden[-1:]])
+    positions = torch.arange(forced.prompt_len, forced.prompt_len + forced.positions).unsqueeze(0)
+    batch = VerifyBatch(draft_token_ids=draft_tokens.unsqueeze(0), draft_logits=forced.draft_logits.unsqueeze(0),
+                        target_logits=target.unsqueeze(0), target_hidden=hidden.unsqueeze(0),
+                        lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
+                        generator=None, streams=PositionStreams(seed, positions))
+    return policy.decide(batch).accepted[0].bool(), draft_tokens
+
+
+@dataclass
+class Simulated:
+    """The rounds a live run at draft length L makes on the target-only prefix."""
+
+    stats: GenerationStats
+    resume_at: int | None  # None: the run is the target-only output, done; else decode live from here
+    reason: str  # "exact" | "diverged" (an accepted mismatch at ``diverged_at``) | "past the pass"
+    diverged_at: int | None = None  # the generated index of the first accepted mismatch
+
+
+def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: int, max_new_tokens: int) -> Simulated:
+    """Walk the live loop's rounds (``SpecDecoder.generate`` at T = 0) over the pass's decisions.
+
+    Each round drafts n = min(L, budget left) tokens, keeps the leading accepted run and emits the target's
+    argmax after it; on the target-only prefix that is y there (row T: the token after y, EOS when the
+    reference ended on it). The round that emits the last token the reference kept (y's last for a stop
+    string or the budget, the EOS after y) finishes: the stopper cuts the same tokens at the same place.
+    A round is not simulated, and the live run resumes at its start, when its accepted run holds a token that
+    is not the prefix's (divergence), or when it needs a row past the pass (a decision after the EOS, or
+    after the token that ended on a stop string) or at or past a row whose argmax disagrees with y (a
+    numerical near-tie between the pass and the reference)."""
+    acc, drafts = accepted.tolist(), draft_tokens.tolist()
+    y, end = forced.generated, len(forced.generated)
+    nxt = int(forced.target_logits[end].argmax()) if forced.positions > end else None
+    ext = y + ([] if nxt is None else [nxt])  # the prefix every on-prefix round sees, and the token after it
+    finish_at = end if forced.finish == "eos" else end - 1  # the generated index of the round's last token
+    trusted = end + 1 if forced.agrees >= end else forced.agrees  # rows below this are y's own
+    stats = GenerationStats(draft_len=draft_len, accepted_per_position=[0] * draft_len)
+    g = 0
+    while True:
+        n_draft = min(draft_len, max_new_tokens - g)
+        n_acc = 0
+        for j in range(n_draft):
+            t = g + j
+            if t >= min(trusted, len(ext)):
+                return Simulated(stats, g, "past the pass")
+            if not acc[t]:
+                break
+            if drafts[t] != ext[t]:
+                return Simulated(stats, g, "diverged" if t < end or forced.finish == "eos" else "past the pass",
+                                 t)
+            n_acc += 1
+        if g + n_acc >= min(trusted, len(ext)):  # the emitted token's row is past the pass, or a near-tie's
+            return Simulated(stats, g, "past the pass")
+        stats.num_drafts += 1
+        stats.target_forwards += 1
+        stats.draft_forwards += n_draft
+        stats.num_draft_tokens += n_draft
+        stats.num_accepted_tokens += n_acc
+        for i in range(n_acc):
+            stats.accepted_per_position[i] += 1
+        g += n_acc + 1
+        if g - 1 >= finish_at:
+            stats.num_generated = end
+            return Simulated(stats, None, "exact")
+
+
+@dataclass
+class Replayed:
+    generation: Generation
+    reason: str  # "exact" (nothing decoded) | "diverged" | "past the pass" | "near-tie"
+    decoded_from: int | None  # the generated index live decoding resumed at (None: nothing decoded)
+    diverged_at: int | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _merged(before: GenerationStats, after: GenerationStats, total_generated: int) -> GenerationStats:
+    out = GenerationStats(draft_len=before.draft_len,
+                          accepted_per_position=[a + b for a, b in zip(before.accepted_per_position,
+                                                                       after.accepted_per_position, strict=True)])
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "draft_forwards",
+                 "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s"):
+        setattr(out, name, getattr(before, name) + getattr(after, name))
+    out.prompt_tokens, out.cached_prompt_tokens = after.prompt_tokens, after.cached_prompt_tokens
+    out.num_generated = total_generated
+    return out
+
+
+def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy | str, draft_len: int,
+           max_new_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Any = None,
+           forced: Forced | None = None, accepted: tuple[Tensor, Tensor] | None = None) -> Replayed:
+    """``policy`` at ``draft_len`` on ``prompt`` as a live speculative decode would run it, from the
+    target-only ``reference`` (the same prompt, max_new_tokens and stop strings): exact at T = 0
+    (``NotReplayable`` otherwise). ``forced`` / ``accepted``: a pass and decisions already computed (the
+    same item under several L)."""
+    if temperature != 0.0:
+        raise NotReplayable(f"replay is exact at T = 0 only (got T = {temperature}): decode in full")
+    if reference.finish_reason == "abort":
+        raise NotReplayable("the reference run was aborted: decode in full")
+    if isinstance(policy, str):
+        policy = make_policy(policy)
+    t0 = time.perf_counter()
+    forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason)
+    acc, drafts = accepted or decisions(engine, forced, policy, seed)
+    t1 = time.perf_counter()
+    sim = simulate(acc, drafts, forced, draft_len, max_new_tokens)
+    seconds = {"forced_s": forced.seconds, "decide_s": t1 - t0}
+    if sim.resume_at is None:
+        text = reference.text
+        gen = Generation(list(reference.token_ids), text, reference.finish_reason, sim.stats)
+        return Replayed(gen, "exact", None, None, seconds)
+    g = sim.resume_at
+    reason = "near-tie" if sim.reason == "past the pass" and forced.agrees < len(forced.generated) else sim.reason
+    t2 = time.perf_counter()
+    live = engine.generate(prompt, policy, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=0.0,
+                           seed=seed, stop=stop, generated_prefix=forced.generated[:g])
+    seconds["decode_s"] = time.perf_counter() - t2
+    stats = _merged(sim.stats, live.stats, len(live.token_ids))
+    return Replayed(Generation(live.token_ids, live.text, live.finish_reason, stats), reason, g, sim.diverged_at,
+                    seconds)
