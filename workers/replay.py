@@ -59,9 +59,10 @@ class Forced:
     target_logits: Tensor  # [T + 1, V] float32
     target_hidden: Tensor  # [T + 1, d]
     draft_logits: Tensor  # [T + 1, V] float32
-    agrees: int  # rows 0 .. agrees - 1: the pass's target argmax is y there (near-ties can break it)
+    agrees: int  # rows 0 .. agrees - 1: the pass's target argmax is the prefix's token (near-ties can break it)
     near_ties: int  # rows whose target or draft top-2 logits lie within NEAR_TIE of each other
     seconds: float = 0.0
+    after: list[int] = field(default_factory=list)  # the target's greedy tokens past y's end (``extend``)
 
     @property
     def positions(self) -> int:
@@ -75,12 +76,43 @@ def _near_ties(logits: Tensor) -> int:
 
 
 @torch.inference_mode()
-def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str) -> Forced:
+def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str, extend: int = 0) -> Forced:
     """One forward of each model over ``prompt + generated`` (the prompt's KV entries reused from the engine's
-    prefix cache), keeping the T + 1 rows that score the generated tokens and the one after."""
+    prefix cache), keeping the T + 1 rows that score the generated tokens and the one after.
+
+    ``extend``: where the reference ended on EOS or a stop string, continue the prefix past its end with the
+    target's own greedy tokens (EOS first, then whatever the target would say after it; ``extend`` of them, by
+    incremental decoding, the draft's rows in one forward), so a round that accepts the end and drafts on is
+    still on the prefix: lossless then replays without decoding at any L <= ``extend`` (a lossy rule that
+    accepts a mismatch there resumes live, as anywhere)."""
     t0 = time.perf_counter()
     prompt = [int(t) for t in prompt]
     seq = prompt + [int(t) for t in generated]
+    rows = _forced_rows(engine, prompt, seq)
+    after: list[int] = []
+    if extend > 0 and finish != "length":
+        after = [int(rows["target"][-1].argmax())]
+        more: dict[str, list[Tensor]] = {"target": [], "hidden": []}
+        for _ in range(extend - 1):  # rows T + 1 .. T + extend - 1, incremental like live decoding
+            hidden = engine.target.forward(torch.tensor([[after[-1]]]))
+            logits = engine.target.head(hidden)[0].float()
+            more["target"].append(logits)
+            more["hidden"].append(hidden[0])
+            after.append(int(logits[-1].argmax()))
+        if extend > 1:
+            draft = engine.draft.head(engine.draft.forward(torch.tensor([after[:-1]])))[0].float()
+            rows = {"target": torch.cat([rows["target"], *more["target"]]),
+                    "hidden": torch.cat([rows["hidden"], *more["hidden"]]), "draft": torch.cat([rows["draft"], draft])}
+    target = rows["target"]
+    ext = torch.tensor(generated + after, dtype=torch.long)
+    argmax = target[: len(ext)].argmax(dim=-1)
+    differ = torch.nonzero(argmax != ext)
+    agrees = int(differ[0, 0]) if len(differ) else len(ext)
+    return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], agrees,
+                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0, after)
+
+
+def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Tensor]:
     rows: dict[str, Tensor] = {}
     for name, lm in (("target", engine.target), ("draft", engine.draft)):
         if engine.prefix_cache:
@@ -94,13 +126,7 @@ def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: st
         rows[name] = lm.head(hidden)[0].float()
         if name == "target":
             rows["hidden"] = hidden[0]
-    target = rows["target"]
-    y = torch.tensor(generated, dtype=torch.long)
-    argmax = target[: len(generated)].argmax(dim=-1)
-    differ = torch.nonzero(argmax != y)
-    agrees = int(differ[0, 0]) if len(differ) else len(generated)
-    return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], agrees,
-                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0)
+    return rows
 
 
 @torch.inference_mode()
@@ -142,10 +168,10 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
     numerical near-tie between the pass and the reference)."""
     acc, drafts = accepted.tolist(), draft_tokens.tolist()
     y, end = forced.generated, len(forced.generated)
-    nxt = int(forced.target_logits[end].argmax()) if forced.positions > end else None
-    ext = y + ([] if nxt is None else [nxt])  # the prefix every on-prefix round sees, and the token after it
+    nxt = [int(forced.target_logits[end].argmax())] if forced.positions > end and not forced.after else []
+    ext = y + (forced.after or nxt)  # the prefix every on-prefix round sees, and the target's tokens after it
     finish_at = end if forced.finish == "eos" else end - 1  # the generated index of the round's last token
-    trusted = end + 1 if forced.agrees >= end else forced.agrees  # rows below this are y's own
+    trusted = min(forced.agrees, len(ext)) if forced.after else (len(ext) if forced.agrees >= end else forced.agrees)
     stats = GenerationStats(draft_len=draft_len, accepted_per_position=[0] * draft_len)
     g = 0
     while True:
@@ -211,7 +237,7 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
     if isinstance(policy, str):
         policy = make_policy(policy)
     t0 = time.perf_counter()
-    forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason)
+    forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason, extend=draft_len)
     acc, drafts = accepted or decisions(engine, forced, policy, seed)
     t1 = time.perf_counter()
     sim = simulate(acc, drafts, forced, draft_len, max_new_tokens)
