@@ -78,7 +78,9 @@ class PairWorker:
 
         return get_profile(self.engine.pair).to_json()
 
-    def evaluate(self, benchmark: str, spec: DecodeSpec, item: Item, references: dict[str, list[str]]) -> Record:
+    def evaluate(self, benchmark: str, spec: DecodeSpec, item: Item, references: dict[str, Any]) -> Record:
+        """One item; ``references[item.id]``: the target-only outputs, or their record's replay payload
+        (``workers.evaluation.reference_payload``: the rule is then replayed at T = 0)."""
         record = evaluate_item(self.engine, get_benchmark(benchmark), item, spec, references.get(item.id))
         self.items_done += 1
         return record
@@ -101,7 +103,8 @@ class PairWorker:
 
     def evaluate_list(self, benchmark: str, spec: DecodeSpec, items: list[Item], references: dict[str, list[str]]
                       ) -> list[Record]:
-        if self.engine_kind == "vllm":
+        if self.engine_kind == "vllm":  # replay is the CPU engine's: vLLM takes the outputs alone
+            references = {k: v["outputs"] if isinstance(v, dict) else v for k, v in references.items()}
             records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references)
             self.items_done += len(records)
             return records

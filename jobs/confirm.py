@@ -76,7 +76,8 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
     """
     keys = [k for k in reference if k in records]
     out: dict[str, float] = {"speed_items": float(len(keys)),
-                             "speed_failed_items": float(sum(records[k].failed for k in keys))}
+                             "speed_failed_items": float(sum(records[k].failed for k in keys)),
+                             "speed_replayed_items": float(sum(not records[k].timed for k in keys))}
     if not keys:
         return out
 
@@ -87,9 +88,13 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
     def seconds(r: Record) -> float:  # a failed item still took its time: a rule whose slow items fail
         return r.decode_time_s if r.decode_time_s > 0 else max(r.wall_time_s, 0.0)  # must not look faster
 
-    trial, ref = [records[k] for k in keys], [reference[k] for k in keys]
     units: dict[str, Callable[[Record], float]] = {"measured": seconds, "modelled": cost}
     for kind, unit in units.items():
+        # measured: only items both arms decoded (a replayed record's seconds are a pass's, not its rule's)
+        use = keys if kind == "modelled" else [k for k in keys if records[k].timed and reference[k].timed]
+        if not use:
+            continue
+        trial, ref = [records[k] for k in use], [reference[k] for k in use]
         t_unit, r_unit = [unit(r) for r in trial], [unit(r) for r in ref]
         t_tok, r_tok = [r.tokens for r in trial], [r.tokens for r in ref]
 
@@ -102,7 +107,7 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
             return sum(r_unit[i] for i in idx) * sum(t_tok[i] for i in idx) / t if t > 0 else math.nan
 
         for name, stat in (("per_answer", per_answer), ("per_token", per_token)):
-            est, lo, hi = _interval(stat, len(keys))
+            est, lo, hi = _interval(stat, len(use))
             out[f"{kind}_{name}"], out[f"{kind}_{name}_lo"], out[f"{kind}_{name}_hi"] = est, lo, hi
     return out
 

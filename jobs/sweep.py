@@ -26,14 +26,13 @@ if __package__ in (None, ""):  # `python jobs/sweep.py` (as `ray job submit` run
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 from jobs.evidence import ordered_prefix, paired  # noqa: E402
 from jobs.flips import flip_rows, flips_page, write_flips  # noqa: E402
-from jobs.progress import Progress  # noqa: E402
+from jobs.progress import Progress, trial_line, trial_timing  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import decode_params, suggest  # noqa: E402
 from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_params: the sweep's CLI, imported from here too)
@@ -48,7 +47,7 @@ from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_param
     vllm_options,
 )
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
-from workers.metrics import TrialMetrics, aggregate, noise_floor, score_of  # noqa: E402
+from workers.metrics import aggregate, noise_floor, score_of  # noqa: E402
 
 
 class Sweep:
@@ -160,8 +159,8 @@ class Sweep:
             log(f"{label}: retrying {retried} failed item(s)")
         if missing:
             ar = self.refs.get(TARGET_ONLY, {}) if spec.policy != TARGET_ONLY else {}
-            refs = {**{k: r.outputs for k, r in ar.items()},
-                    **{k: r.outputs for k, r in self.refs.get("confirm:" + TARGET_ONLY, {}).items()}}
+            refs = self.payload({**ar, **(self.refs.get("confirm:" + TARGET_ONLY, {}) if spec.policy != TARGET_ONLY
+                                          else {})})
             bar = Progress(label, len(items), len(items) - len(missing))
 
             def on_record(rec: Record) -> bool:
@@ -176,6 +175,22 @@ class Sweep:
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
         store.write_parquet(done.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}
+
+    def payload(self, references: dict[str, Record]) -> dict[str, Any]:
+        """What the actors get of the target-only records: with replay on (the CPU engine at T = 0, unless
+        ``--replay off``), each record's tokens, so the rule is replayed from them; else its outputs."""
+        from workers.evaluation import reference_payload
+
+        on = self.args.replay != "off" and self.args.engine == "cpu" and self.s["decode"]["temperature"] == 0.0
+        return {k: reference_payload(r) if on and not r.failed else r.outputs for k, r in references.items()}
+
+    def best_lossless(self, records: dict[str, Record]) -> dict[str, Any]:
+        """Lossless at its fastest L of the search range, on the trial's items (``jobs.baseline``)."""
+        from jobs.baseline import best_lossless
+
+        lo, hi = self.s["draft_len"][0], self.s["draft_len"][-1]
+        lossless = {n: self.lossless(n) for n in range(lo, hi + 1)}
+        return best_lossless(records, lossless, self.cost_ratio, self.verify_factor)
 
     def shard_size(self, items: list) -> int | None:
         """vLLM batches a shard in one ``generate`` (continuous batching): one shard per actor. The
@@ -247,9 +262,8 @@ class Sweep:
             return prune_test(ref, got, budget, self.args.alpha)
 
         todo = [it for it in self.items if it.id not in records]
-        run = run_trial(self.workers, f"trial-{trial.number}", self.bench.ref, spec, todo,
-                        {k: r.outputs for k, r in ar.items()}, on_record=on_record, timeout_s=self.args.trial_timeout,
-                        shard_size=self.shard_size(todo))
+        run = run_trial(self.workers, f"trial-{trial.number}", self.bench.ref, spec, todo, self.payload(ar),
+                        on_record=on_record, timeout_s=self.args.trial_timeout, shard_size=self.shard_size(todo))
         bar.close()
         store.write_parquet(records.values())
         flips = write_flips(store.dir / "flips.parquet", flip_rows(order, ar, records))
@@ -260,8 +274,16 @@ class Sweep:
         ref, got = ordered_prefix(order, ar, records)
         pruned = run.stopped_early or (len(ref) >= self.args.min_items_to_prune
                                        and prune_test(ref, got, budget, self.args.alpha))
-        speed = m.speedup_vs_ar_modelled if self.args.objective == "vs-ar" else m.speedup_vs_lossless_modelled
+        best = self.best_lossless(records)
+        speed = {"vs-ar": m.speedup_vs_ar_modelled, "vs-lossless": m.speedup_vs_lossless_modelled,
+                 "vs-best-lossless": best["speedup"]}[self.args.objective]
         for k, v in m.flat().items():
+            trial.set_user_attr(k, v)
+        trial.set_user_attr("speedup_vs_best_lossless_modelled", best["speedup"])
+        trial.set_user_attr("best_lossless_draft_len", best["draft_len"])
+        from jobs.baseline import replay_counts
+
+        for k, v in replay_counts(records).items():
             trial.set_user_attr(k, v)
         trial.set_user_attr("accuracy_drop_upper", bound.upper)
         trial.set_user_attr("discordance", bound.discordance)
@@ -292,27 +314,9 @@ class Sweep:
         else:
             self.study.tell(trial, [speed, m.accuracy])
         state = "PRUNED" if pruned else "COMPLETE"
-        self.timing(trial.number, run, [records[it.id] for it in todo if it.id in records], time.perf_counter() - t_trial)
-        self.progress(trial.number, spec, m, state, run.wall_s)
-
-    def timing(self, number: int, run: Any, records: list[Record], total_s: float) -> None:
-        """Where a trial's time went: generation in the engines, dispatch (Ray Data shards, actor
-        calls, waiting on the slowest shard) and bookkeeping outside ``run_trial`` (Optuna ask/tell,
-        aggregation, MLflow logging), tokens/s, and the 1-minute load average when the trial ended.
-        Appended to ``timing.jsonl`` in the run directory."""
-        fresh = [r for r in records if r.wall_time_s > 0]
-        gen = sum(r.wall_time_s for r in fresh)
-        actors = max(1, len(self.workers))
-        row = {"trial": number, "actors": actors, "items": len(fresh), "trial_wall_s": run.wall_s,
-               "generation_s": gen, "dispatch_overhead_s": max(0.0, run.wall_s - gen / actors),
-               "bookkeeping_s": max(0.0, total_s - run.wall_s), "items_per_s": len(fresh) / run.wall_s if run.wall_s else 0.0,
-               "tokens": sum(r.tokens for r in fresh),
-               "tokens_per_s": sum(r.tokens for r in fresh) / run.wall_s if run.wall_s else 0.0,
-               # > 1 on batched engines (vLLM): requests overlap, so generation_s exceeds the wall time
-               "request_concurrency": gen / (run.wall_s * actors) if run.wall_s else 0.0,
-               "load_1m": os.getloadavg()[0], "cpus": os.cpu_count()}  # the driver's node: the machine's load
-        with open(self.dir / "timing.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        trial_timing(self, trial.number, run, [records[it.id] for it in todo if it.id in records],
+                     time.perf_counter() - t_trial)
+        trial_line(self, trial.number, spec, m, state, run.wall_s)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -330,12 +334,14 @@ class Sweep:
                          **{k: float(a.get(k, math.nan)) for k in (
                              "accuracy", "accuracy_drop", "accuracy_drop_ci_lo", "accuracy_drop_ci_hi",
                              "speedup_vs_ar_modelled", "speedup_vs_ar_measured", "speedup_vs_lossless_modelled",
-                             "speedup_vs_lossless_measured", "mean_acceptance_length", "draft_acceptance_rate",
+                             "speedup_vs_lossless_measured", "speedup_vs_best_lossless_modelled",
+                             "best_lossless_draft_len", "mean_acceptance_length", "draft_acceptance_rate",
                              "accuracy_drop_upper", "discordance")},
                          "mlflow_run_id": a.get("mlflow_run_id")})
         frame = pl.DataFrame(rows) if rows else pl.DataFrame()
         if len(frame):  # the objective's speedup, under one name for the confirmation's candidates
-            objective = "speedup_vs_ar_modelled" if self.args.objective == "vs-ar" else "speedup_vs_lossless_modelled"
+            objective = {"vs-ar": "speedup_vs_ar_modelled", "vs-lossless": "speedup_vs_lossless_modelled",
+                         "vs-best-lossless": "speedup_vs_best_lossless_modelled"}[self.args.objective]
             frame = frame.with_columns(pl.col(objective).alias("speedup"))
         return frame
 
@@ -409,17 +415,6 @@ class Sweep:
             ok = frame.filter((frame["state"] == "COMPLETE") & (frame["accuracy_drop"] <= b)) if len(frame) else frame
             best.append(f"≤{b * 100:g}%: {ok['speedup_vs_ar_modelled'].max():.2f}x" if len(ok) else f"≤{b * 100:g}%: -")
         return "search best " + ", ".join(best)
-
-    def progress(self, number: int, spec: DecodeSpec, m: TrialMetrics, state: str, wall: float) -> None:
-        done, total = self.finished(), self.args.trials
-        self.elapsed.append(wall)
-        eta = sum(self.elapsed) / len(self.elapsed) * max(0, total - done)
-        in_situ = (f", modelled with the c seen in this trial {m.cost_ratio_in_situ:.2f}: "
-                   f"{m.speedup_vs_ar_modelled_in_situ:.2f}x" if m.cost_ratio_in_situ > 0 else "")  # vLLM: not timed
-        log(f"trial {number} [{done}/{total}] {state} {spec.label()}: acc {m.accuracy:.3f} drop {m.accuracy_drop:+.3f} "
-            f"speedup {m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x{in_situ}) MAL "
-            f"{m.mean_acceptance_length:.2f} | {m.items / wall if wall else 0:.2f} items/s | {self.best_text()} | "
-            f"ETA {eta / 60:.1f} min + confirmation")
 
     def run(self) -> dict[str, Any]:
         self.elapsed: list[float] = []

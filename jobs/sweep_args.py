@@ -180,7 +180,13 @@ def build_parser() -> SweepParser:
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
     ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")
     ap.add_argument("--shots", type=int, default=0)
-    ap.add_argument("--objective", type=str, choices=("vs-ar", "vs-lossless"), default="vs-ar", help="which modelled speedup to maximize")
+    ap.add_argument("--objective", type=str, choices=("vs-best-lossless", "vs-ar", "vs-lossless"), default="vs-best-lossless",
+                    help="which modelled speedup to maximize: over lossless at its fastest L in --draft-len's range on the "
+                         "same items (default), over target-only, or over lossless at the trial's own L; all three are "
+                         "reported")
+    ap.add_argument("--replay", type=str, choices=("auto", "off"), default="auto",
+                    help="auto: at T = 0 on the CPU engine, replay each rule from the target-only output (exact; decodes "
+                         "only from the round that leaves it); off: decode every item in full")
     ap.add_argument("--cost-ratio", type=float | None, default=None, help="deployment c for modelled speedup (default: measured)")
     ap.add_argument("--actors", type=int | None, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
     ap.add_argument("--cpus-per-actor", type=float, default=1)

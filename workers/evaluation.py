@@ -100,6 +100,14 @@ class Record:
     output_token_ids: list[list[int]] = field(default_factory=list)
     error: str | None = None
     lossless_fallback_steps: int = 0  # verify rounds decided by the lossless rule instead (vLLM engine)
+    # "" when decoded in full; else how replay (workers.replay) made it, per turn: "exact" (the target-only
+    # output, nothing decoded), "diverged@t" / "resumed@g" / "near-tie@g" (decoded live from generated index g)
+    replay: str = ""
+
+    @property
+    def timed(self) -> bool:
+        """Whether the times are the rule's own decode (not a replay's pass and partial decode)."""
+        return not self.replay
 
     @property
     def decode_time_s(self) -> float:
@@ -107,7 +115,8 @@ class Record:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.decode_time_s if self.decode_time_s > 0 else 0.0
+        """Decode throughput; 0 for a replayed record (its seconds are not the rule's decode)."""
+        return self.tokens / self.decode_time_s if self.decode_time_s > 0 and self.timed else 0.0
 
     @property
     def failed(self) -> bool:
@@ -133,14 +142,34 @@ def _sum_stats(total: GenerationStats, part: GenerationStats) -> None:
                                                              strict=True)]
 
 
+def _replayable(engine: Any, spec: DecodeSpec, reference: dict[str, Any] | None) -> bool:
+    return (reference is not None and spec.policy != TARGET_ONLY and spec.temperature == 0.0
+            and hasattr(engine, "target") and hasattr(engine, "draft") and bool(reference.get("tokens")))
+
+
+def reference_payload(record: Record) -> dict[str, Any]:
+    """What an engine needs of a target-only record to replay a rule from it (and to score against it)."""
+    return {"outputs": list(record.outputs), "tokens": [list(t) for t in record.output_token_ids],
+            "finish": list(record.finish_reasons)}
+
+
 def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: DecodeSpec,
-                  reference_outputs: list[str] | None = None) -> Record:
+                  reference_outputs: list[str] | dict[str, Any] | None = None) -> Record:
     """Generate every turn of ``item`` under ``spec`` and score it. Never raises for a failing
-    item: the error is recorded (score NaN) so a sweep loses one item, not a trial."""
+    item: the error is recorded (score NaN) so a sweep loses one item, not a trial.
+
+    ``reference_outputs``: the target-only outputs of the item (MT-bench scores against them), or
+    :func:`reference_payload` of its target-only record: then, at T = 0 on the CPU engine, each turn is
+    *replayed* from it (``workers.replay``: exact; decoded live only from the round that leaves the
+    target-only output), while the turns before it kept the reference's output; ``Record.replay`` says how."""
+    reference = reference_outputs if isinstance(reference_outputs, dict) else None
+    if reference is not None:
+        reference_outputs = reference.get("outputs")
     total = GenerationStats(draft_len=spec.draft_len)
     outputs: list[str] = []
     finishes: list[str] = []
     token_ids: list[list[int]] = []
+    how: list[str] = []
     policy = None if spec.policy == TARGET_ONLY else make_policy(spec.policy, **spec.params_dict)
     try:
         previous: list[tuple[str, str]] = []
@@ -149,10 +178,24 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                               getattr(bench, "chat", None))
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           seed=spec.seed + turn, stop=list(bench.stop) or None)
+            on_prefix = all(h == "exact" for h in how)  # every turn before kept the reference's output
             if policy is None:
                 gen = engine.autoregressive(ids, **common)
+            elif _replayable(engine, spec, reference) and on_prefix and turn < len(reference["tokens"]):
+                from workers.replay import replay
+                from workers.stats import Generation
+
+                ref = Generation(reference["tokens"][turn], reference["outputs"][turn], reference["finish"][turn],
+                                 GenerationStats())
+                done = replay(engine, ids, ref, policy, spec.draft_len, **common)
+                gen = done.generation
+                how.append("exact" if done.decoded_from is None else
+                           f"{'diverged' if done.reason == 'diverged' else done.reason.replace(' ', '-')}@"
+                           f"{done.diverged_at if done.diverged_at is not None else done.decoded_from}")
             else:
                 gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
+                if how:
+                    how.append("full")
             _sum_stats(total, gen.stats)
             outputs.append(gen.text or "")
             finishes.append(gen.finish_reason)
@@ -174,4 +217,5 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         prefill_time_s=total.prefill_time_s, draft_time_s=total.draft_time_s, verify_time_s=total.verify_time_s,
         policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
         output_token_ids=token_ids, error=error, lossless_fallback_steps=total.lossless_fallback_steps,
+        replay=";".join(how),
     )

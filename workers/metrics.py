@@ -99,6 +99,7 @@ def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record])
     items and machine state. The calibrated c (short context, idle machine) can differ a lot
     from this under long few-shot prompts or several actors per node; both are reported so the
     modelled speedup can be checked against the conditions it claims to describe."""
+    records = [r for r in records if r.timed]  # a replayed record's seconds are not its rule's decode
     drafts = sum(r.draft_forwards for r in records)
     steps = sum(r.target_forwards for r in target_only)
     step_s = sum(r.verify_time_s for r in target_only) / steps if steps else 0.0
@@ -134,7 +135,8 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
     drafts = sum(r.num_drafts for r in ok.values())
     draft_tokens = sum(r.num_draft_tokens for r in ok.values())
     tokens = sum(r.tokens for r in ok.values())
-    decode = sum(r.decode_time_s for r in ok.values())
+    timed = [r for r in ok.values() if r.timed]  # replayed records carry no decode time of their own
+    decode = sum(r.decode_time_s for r in timed)
     width = max((len(r.accepted_per_position) for r in ok.values()), default=0)
     per_pos = [sum(r.accepted_per_position[i] for r in ok.values() if i < len(r.accepted_per_position)) / drafts
                if drafts else 0.0 for i in range(width)]
@@ -149,7 +151,8 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
         accuracy_drop=statistics.mean(diffs) if diffs else math.nan, accuracy_drop_ci=bootstrap_ci(diffs),
         mean_acceptance_length=tokens / drafts if drafts else math.nan,
         draft_acceptance_rate=sum(r.num_accepted_tokens for r in ok.values()) / draft_tokens if draft_tokens else math.nan,
-        acceptance_per_position=per_pos, tokens_per_s=tokens / decode if decode > 0 else math.nan,
+        acceptance_per_position=per_pos,
+        tokens_per_s=sum(r.tokens for r in timed) / decode if decode > 0 else math.nan,
         speedup_vs_ar_measured=_paired_speed(ok, ref), speedup_vs_ar_modelled=spd_model,
         output_divergence_vs_ar=(sum(ok[k].output_token_ids != ref[k].output_token_ids for k in paired) / len(paired)
                                  if paired else math.nan),

@@ -1,0 +1,50 @@
+"""The speed that counts: over lossless speculative decoding at *its* fastest draft length.
+
+Users of vLLM already run lossless speculative decoding, so a lossy rule is worth its speed over lossless at
+the L that is fastest for lossless on the same items, not over lossless at the rule's own L (a rule that wins
+only by moving L is no win) and not over target-only decoding (reported second). Lossless records at every L
+come cheap at T = 0: replay (``workers.replay``) makes them from one teacher-forced pass per item, decoding
+nothing. Knows records and the modelled cost; nothing about Optuna, Ray or MLflow.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from workers.evaluation import Record
+from workers.metrics import tokens_per_cost
+
+
+def best_lossless(records: Mapping[str, Record], lossless: Mapping[int, Mapping[str, Record]], cost_ratio: float,
+                  verify_factor: Callable[[int], float]) -> dict[str, Any]:
+    """On the items ``records`` holds (failed ones left out, as in the trial's modelled speed): lossless's tokens
+    per modelled cost at each L of ``lossless`` (L -> its records), the fastest L, and ``records``' modelled
+    speedup over lossless there (``speedup``). NaN where no item is shared."""
+    ok = {k: r for k, r in records.items() if not r.failed}
+    per_l: dict[int, float] = {}
+    for draft_len, base in sorted(lossless.items()):
+        keys = [k for k in ok if k in base and not base[k].failed]
+        if keys and len(keys) == len(ok):
+            per_l[draft_len] = tokens_per_cost([base[k] for k in keys], cost_ratio, verify_factor)
+    if not per_l:
+        return {"draft_len": None, "speedup": math.nan, "per_draft_len": {}}
+    best = max(per_l, key=lambda n: (per_l[n], -n))
+    mine = tokens_per_cost(list(ok.values()), cost_ratio, verify_factor)
+    return {"draft_len": best, "speedup": mine / per_l[best] if per_l[best] > 0 else math.nan,
+            "tokens_per_cost": per_l[best], "per_draft_len": per_l}
+
+
+def replay_counts(records: Mapping[str, Record]) -> dict[str, int]:
+    """How a trial's records were made: replayed with nothing decoded, replayed and decoded from a round on,
+    decoded in full."""
+    out = {"replayed_exact": 0, "replayed_decoded": 0, "decoded_in_full": 0}
+    for r in records.values():
+        if not r.replay:
+            out["decoded_in_full"] += 1
+        elif all(part == "exact" for part in r.replay.split(";")):
+            out["replayed_exact"] += 1
+        else:
+            out["replayed_decoded"] += 1
+    return out

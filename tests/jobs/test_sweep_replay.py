@@ -1,0 +1,58 @@
+"""A sweep replays its T = 0 trials on the CPU engine (workers.replay) and gets exactly the records full
+decoding gets; its objective is the modelled speedup over lossless at lossless's fastest L on the same items,
+with the speedup over target-only reported beside it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FIELDS = ("output_token_ids", "outputs", "score", "tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+          "accepted_per_position", "target_forwards", "draft_forwards", "finish_reasons")
+
+
+def run(root: Path, *extra: str) -> Path:
+    from jobs import sweep as sweep_job
+
+    rc = sweep_job.main(["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "5",
+                         "--max-new-tokens", "24", "--actors", "1", "--budgets", "0.2", "--policies", "kl_judge",
+                         "--draft-len", "2,4", "--cost-ratio", "0.4", "--trials", "1", "--search-only",
+                         "--enqueue", "kl_judge:threshold=2.0,confidence=1.0", "--runs-root", str(root),
+                         "--run-dir", str(root / "sweep"), *extra])
+    assert rc == 0
+    return root
+
+
+def records(directory: Path) -> dict[str, dict]:
+    return {row["item_id"]: row for row in (json.loads(line) for line in (directory / "records.jsonl").read_text().splitlines())}
+
+
+def test_replayed_trials_equal_decoded_ones_and_rank_against_the_best_lossless(tmp_path):
+    import optuna
+
+    replayed, decoded = run(tmp_path / "replay"), run(tmp_path / "full", "--replay", "off")
+    (a,), (b,) = (list((root / "sweep" / "trials").glob("*")) for root in (replayed, decoded))
+    got, want = records(a), records(b)
+    assert got.keys() == want.keys() and len(got) == 5
+    for item in got:
+        for f in FIELDS:
+            assert got[item][f] == want[item][f], (item, f)
+        assert got[item]["replay"] and not want[item]["replay"], "how each record was made is recorded"
+    # lossless references at every L of the range, replayed: nothing decoded, identical to decoding them
+    for n in (2, 3, 4):
+        (x,) = (replayed / "references").rglob(f"lossless-L{n}-*")
+        (y,) = (decoded / "references").rglob(f"lossless-L{n}-*")
+        rx, ry = records(x), records(y)
+        assert all(rx[i][f] == ry[i][f] for i in rx for f in FIELDS) and all(r["replay"] == "exact" for r in rx.values())
+    meta = json.loads((replayed / "sweep" / "sweep.json").read_text())
+    study = optuna.load_study(study_name=meta["study"], storage=f"sqlite:///{replayed / 'sweep' / 'optuna.db'}")
+    (trial,) = [t for t in study.trials if t.state.name in ("COMPLETE", "PRUNED")]
+    attrs = trial.user_attrs
+    assert attrs["best_lossless_draft_len"] in (2, 3, 4) and attrs["speedup_vs_best_lossless_modelled"] > 0
+    assert attrs["replayed_exact"] + attrs["replayed_decoded"] == 5 and attrs["decoded_in_full"] == 0
+    if trial.state.name == "COMPLETE":
+        assert trial.values[0] == pytest.approx(attrs["speedup_vs_best_lossless_modelled"]), "the objective"
