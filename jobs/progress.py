@@ -103,3 +103,21 @@ def trial_line(sweep: Any, number: int, spec: DecodeSpec, m: TrialMetrics, state
         f"{t.get('replayed_decoded', 0)} decoded from a divergence, {t.get('decoded_in_full', 0)} in full | "
         f"{m.items / wall if wall else 0:.2f} items/s | {sweep.best_text()} | "
         f"ETA {eta / 60:.1f} min + confirmation")
+
+
+def search_cost(sweep: Any) -> None:
+    """What the search cost, against what decoding every item of every trial in full would have: items
+    replayed with nothing decoded (one teacher-forced pass each), replayed and decoded from a divergence,
+    and decoded in full."""
+    from jobs.sweep_args import log
+
+    totals = {"replayed_exact": 0, "replayed_decoded": 0, "decoded_in_full": 0}
+    for t in sweep.study.get_trials(deepcopy=False):
+        for k in totals:
+            totals[k] += int(t.user_attrs.get(k, 0))
+    n = sum(totals.values())
+    if n:
+        log(f"search cost: {n:,} item evaluations: {totals['replayed_exact']:,} replayed with nothing decoded "
+            f"(a teacher-forced pass each), {totals['replayed_decoded']:,} decoded from the round that left the "
+            f"target-only output, {totals['decoded_in_full']:,} decoded in full; full decoding would have decoded "
+            f"all {n:,}")

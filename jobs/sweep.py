@@ -32,7 +32,7 @@ from typing import Any  # noqa: E402
 
 from jobs.evidence import ordered_prefix, paired  # noqa: E402
 from jobs.flips import flip_rows, flips_page, write_flips  # noqa: E402
-from jobs.progress import Progress, trial_line, trial_timing  # noqa: E402
+from jobs.progress import Progress, search_cost, trial_line, trial_timing  # noqa: E402
 from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import decode_params, suggest  # noqa: E402
 from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_params: the sweep's CLI, imported from here too)
@@ -431,6 +431,7 @@ class Sweep:
                 self.run_one()
                 if self.finished() % 4 == 0:
                     self.report()
+            search_cost(self)
             chosen = self.report(final=not self.args.search_only)
             if self.args.search_only:
                 log("--search-only: the search is done; the same command without it confirms")
