@@ -85,6 +85,19 @@ class PairWorker:
         self.items_done += 1
         return record
 
+    def time_items(self, benchmark: str, specs: list[DecodeSpec], items: list[Item]) -> list[list[Record]]:
+        """Like-for-like timing: each item under every spec in turn, decoded in full (no replay), one request at a
+        time (batch 1 on either engine), before the next item; the records per spec, in item order."""
+        bench = get_benchmark(benchmark)
+        out: list[list[Record]] = [[] for _ in specs]
+        for item in items:
+            for arm, spec in zip(out, specs, strict=True):
+                if self.engine_kind == "vllm":
+                    arm.append(self.engine.evaluate_items(bench, [item], spec, {})[0])
+                else:
+                    arm.append(evaluate_item(self.engine, bench, item, spec))
+        return out
+
     def consume(self, tag: str, benchmark: str, spec: DecodeSpec, shard: Any, references: dict[str, list[str]]
                 ) -> list[Record]:
         """Evaluate one shard (a small Ray Data dataset of items); stop early if asked. On the vLLM

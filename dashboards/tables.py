@@ -187,13 +187,28 @@ def _speed(confirm: dict[str, Any], name: str) -> str:
     return f"{est:.2f}x"
 
 
+def _over_lossless(choice: dict[str, Any]) -> str:
+    """'L 4: 1.08x / 1.02x (timed 8)': over lossless at its best L, modelled on the certificate's items and
+    measured like for like on the timed ones."""
+    vl = choice.get("vs_lossless")
+    if not vl:
+        return "—"
+
+    def x(v: Any) -> str:
+        return f"{v:.2f}x" if isinstance(v, float) and math.isfinite(v) else "—"
+
+    timed = (vl.get("timed") or {}).get("items")
+    return f"L {vl['draft_len']}: {x(vl.get('modelled'))} / {x(vl.get('measured'))}" + (f" (timed {timed})" if timed else "")
+
+
 def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[str, Any]] | None = None) -> str:
     """The certified-budget table (markdown): per budget, certified or not, the rule, the exact test's
     p-value, the one-sided upper bound of the drop on the confirmation split, the observed drop, n, discordance, the items a
     certificate would need, and speed on the confirmation items (ratios of sums, with intervals);
     then the noise floor (lossless vs target-only) as rows of its own."""
     header = ["budget", "certified", "rule", "p-value", "drop bound (1-α)", "drop", "n", "discordance", "items needed",
-              "modelled speedup / token", "measured speedup / token", "modelled / answer", "measured / answer"]
+              "over the best lossless: modelled / measured", "modelled speedup / token", "measured speedup / token",
+              "modelled / answer", "measured / answer"]
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     for c in choices:
         cert = c.get("certification") or {}
@@ -206,7 +221,7 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
                  f"{p_value:.3g}" if isinstance(p_value, float) else "—", _pct_or_dash(cert.get("bound")), _pct_or_dash(cert.get("drop"), True), str(cert.get("n") or "—"),
                  f"{cert['discordance']:.3f}" if isinstance(cert.get("discordance"), float)
                  and math.isfinite(cert["discordance"]) else "—",
-                 "—" if c.get("certified") or needed is None else f"{needed:,}",
+                 "—" if c.get("certified") or needed is None else f"{needed:,}", _over_lossless(c),
                  _speed(confirm, "modelled_per_token"), _speed(confirm, "measured_per_token"),
                  _speed(confirm, "modelled_per_answer"), _speed(confirm, "measured_per_answer")]
         lines.append("| " + " | ".join(_markdown_cell(x) for x in cells) + " |")
@@ -220,7 +235,7 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
                  str(nf.get("items", "—")),
                  f"{nf['bound.discordance']:.3f}" if isinstance(nf.get("bound.discordance"), float)
                  and math.isfinite(nf["bound.discordance"]) else "—",
-                 "—", "—", "—", "—", "—"]
+                 "—", "—", "—", "—", "—", "—"]
         lines.append("| " + " | ".join(_markdown_cell(x) for x in cells) + " |")
     alpha = next((c["certification"]["alpha"] for c in choices if c.get("certification")), 0.05)
     lines.append("")

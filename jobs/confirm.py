@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from jobs.evidence import (
     write_evidence,
 )
 from jobs.flips import flip_rows, write_flips
+from jobs.speed import over_lossless, speed_figures
 from workers.certify.decide import (
     Candidate,
     Certificate,
@@ -47,69 +47,6 @@ from workers.certify.exact import exact_bound
 from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.evaluation import Record
 from workers.metrics import score_of
-
-
-def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
-              ) -> tuple[float, float, float]:
-    """``stat`` over all n items and a paired (item-resampling) 95% bootstrap interval. A description
-    of speed, not a certificate: nothing a quality budget relies on is decided by it."""
-    est = stat(list(range(n)))
-    rng = random.Random(seed)
-    values = sorted(v for v in (stat([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-                    if math.isfinite(v))
-    if not values:
-        return (est, math.nan, math.nan)
-    return (est, values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))])
-
-
-def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost_ratio: float,
-                  verify_factor: Callable[[int], float]) -> dict[str, float]:
-    """Speed vs the reference on every item both arms attempted, a failed item with the time it took
-    (its tokens count as produced, its time as spent), as ratios of sums, never means of per-item
-    ratios (one short item would swing those):
-
-    - ``measured_per_token``: (Σ tokens / Σ decode s) of the trial over the reference's;
-    - ``measured_per_answer``: Σ reference decode s / Σ trial decode s (time to produce the answers);
-    - ``modelled_per_token`` / ``modelled_per_answer``: the same with the modelled cost (target-step
-      units, c = ``cost_ratio`` per draft forward) in place of seconds.
-    Each with ``_lo``/``_hi``: a paired bootstrap interval over items (descriptive).
-    """
-    keys = [k for k in reference if k in records]
-    out: dict[str, float] = {"speed_items": float(len(keys)),
-                             "speed_failed_items": float(sum(records[k].failed for k in keys)),
-                             "speed_replayed_items": float(sum(not records[k].timed for k in keys))}
-    if not keys:
-        return out
-
-    def cost(r: Record) -> float:
-        factor = verify_factor(r.draft_len) if r.draft_len else 1.0
-        return factor * r.target_forwards + cost_ratio * r.draft_forwards
-
-    def seconds(r: Record) -> float:  # a failed item still took its time: a rule whose slow items fail
-        return r.decode_time_s if r.decode_time_s > 0 else max(r.wall_time_s, 0.0)  # must not look faster
-
-    units: dict[str, Callable[[Record], float]] = {"measured": seconds, "modelled": cost}
-    for kind, unit in units.items():
-        # measured: only items both arms decoded (a replayed record's seconds are a pass's, not its rule's)
-        use = keys if kind == "modelled" else [k for k in keys if records[k].timed and reference[k].timed]
-        if not use:
-            continue
-        trial, ref = [records[k] for k in use], [reference[k] for k in use]
-        t_unit, r_unit = [unit(r) for r in trial], [unit(r) for r in ref]
-        t_tok, r_tok = [r.tokens for r in trial], [r.tokens for r in ref]
-
-        def per_answer(idx: list[int], t_unit=t_unit, r_unit=r_unit) -> float:
-            den = sum(t_unit[i] for i in idx)
-            return sum(r_unit[i] for i in idx) / den if den > 0 else math.nan
-
-        def per_token(idx: list[int], t_unit=t_unit, r_unit=r_unit, t_tok=t_tok, r_tok=r_tok) -> float:
-            t = sum(t_unit[i] for i in idx) * sum(r_tok[i] for i in idx)
-            return sum(r_unit[i] for i in idx) * sum(t_tok[i] for i in idx) / t if t > 0 else math.nan
-
-        for name, stat in (("per_answer", per_answer), ("per_token", per_token)):
-            est, lo, hi = _interval(stat, len(use))
-            out[f"{kind}_{name}"], out[f"{kind}_{name}_lo"], out[f"{kind}_{name}_hi"] = est, lo, hi
-    return out
 
 
 def candidates_from(frame: Any) -> list[Candidate]:
@@ -425,6 +362,7 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
     chosen: dict[str, Any] = {}
     figures: dict[str, dict[str, float]] = {}  # candidate key -> its confirmation figures (bootstrap once)
     floors: dict[int, dict[str, Any]] = {}
+    speeds: dict[str, dict[str, Any]] = {}  # candidate key -> its vs_lossless / vs_target_only figures
 
     def figures_of(key: str) -> dict[str, float]:
         bound = confirmation.bounds.get(key)
@@ -474,9 +412,13 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                 reference = confirmation.reference_upto(used)
                 floors[spec.draft_len] = noise_floor_row(reference, sweep.lossless(spec.draft_len, "confirm", used),
                                                          args.alpha, spec.draft_len, sweep.s["budgets"])
+            used = confirmation.stopped.get(pick.key, len(sweep.confirm_items))
+            if pick.key not in speeds:  # over the best lossless and over target-only, modelled and measured
+                speeds[pick.key] = over_lossless(sweep, row, confirmation.records.get(pick.key, {}),
+                                                 confirmation.reference_upto(used), used)
             choice.update(policy=row["family"], params=json.loads(row["params"]), draft_len=row["draft_len"],
                           trial=row["trial"], search={k: v for k, v in row.items() if isinstance(v, float)},
-                          confirm=confirm, noise_floor=floors[spec.draft_len])
+                          confirm=confirm, noise_floor=floors[spec.draft_len], **speeds[pick.key])
             if not cert.certified:
                 choice["note"] = ("NOT certified: this is the safest search candidate, served only with "
                                   "--allow-uncertified")
@@ -495,6 +437,14 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                  if bound is not None else cert.reason)
               + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"),
               flush=True)
+        if choice.get("vs_lossless"):
+            vl, va = choice["vs_lossless"], choice["vs_target_only"]
+            timed = vl.get("timed") or {}
+            print(f"[sweep] budget {budget * 100:g}%: speed over the best lossless (L {vl['draft_len']}): modelled "
+                  f"{vl['modelled']:.3f}x on {vl['items']} items, measured {vl['measured']:.3f}x"
+                  + (f" on {timed['items']} items at batch {timed['concurrency']}, interleaved" if timed else
+                     " (not timed: --speed-items 0)")
+                  + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x", flush=True)
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/
         write_evidence(out / "evidence" / f"{key_}.csv", rows)
     for key_, recs in confirmation.records.items():  # what each confirmed candidate flipped, and why

@@ -109,11 +109,23 @@ def _x(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}x"
 
 
+def _speed(choice: dict[str, Any], conf: dict[str, Any]) -> str:
+    """The two speed cells: over the best lossless first (its L, modelled / measured like for like, with the
+    timed n), then over target-only; a certificate made before those fields has target-only figures only."""
+    vl, va = choice.get("vs_lossless"), choice.get("vs_target_only")
+    if not vl:
+        return f"— | {_x(conf.get('speed.modelled_per_token'))} / {_x(conf.get('speed.measured_per_token'))}"
+    timed = (vl.get("timed") or {}).get("items")
+    n = f" (timed n = {timed})" if timed else ""
+    return (f"L {vl['draft_len']}: {_x(vl.get('modelled'))} / {_x(vl.get('measured'))}{n} | "
+            f"{_x(va.get('modelled'))} / {_x(va.get('measured'))}")
+
+
 def table(folder: Path) -> str:
     """The README's table of a results folder."""
     cert = json.loads((folder / "certification.json").read_text())
     lines = ["| budget | certified | rule | p-value | bound (1-α) | n | lost / won | discordance | look | "
-             "modelled speedup / token | measured speedup / token |",
+             "over the best lossless (L): modelled / measured | over target-only: modelled / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for choice in cert["budgets"].values():
         c, conf = choice["certification"], choice.get("confirm") or {}
@@ -130,7 +142,7 @@ def table(folder: Path) -> str:
         look = f"{step.get('look', 1)} of {len(seq.get('sizes', [1]))}" if step else "—"
         lines.append(f"| {choice['budget'] * 100:g}% | {'**yes**' if choice['certified'] else 'no'} | {rule} | {p} | "
                      f"{bound} | {c.get('n', '—')} | {step.get('losses', '—')} / {step.get('wins', '—')} | {disc} | "
-                     f"{look} | {_x(conf.get('speed.modelled_per_token'))} | {_x(conf.get('speed.measured_per_token'))} |")
+                     f"{look} | {_speed(choice, conf)} |")
     return "\n".join(lines) + "\n"
 
 

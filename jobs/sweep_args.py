@@ -184,6 +184,10 @@ def build_parser() -> SweepParser:
                     help="which modelled speedup to maximize: over lossless at its fastest L in --draft-len's range on the "
                          "same items (default), over target-only, or over lossless at the trial's own L; all three are "
                          "reported")
+    ap.add_argument("--speed-items", type=int, default=8,
+                    help="per chosen candidate, time this many of its confirmation items like for like: target-only, "
+                         "lossless at the best L and the candidate, each decoded in full, one after another per item "
+                         "on one actor (0: modelled speed only)")
     ap.add_argument("--replay", type=str, choices=("auto", "off"), default="auto",
                     help="auto: at T = 0 on the CPU engine, replay each rule from the target-only output (exact; decodes "
                          "only from the round that leaves it); off: decode every item in full")
@@ -269,6 +273,8 @@ def parse_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--items must be >= 0 (0 = all)")
     if args.confirm_items is not None and args.confirm_items < 0:
         raise ValueError("--confirm-items must be >= 0 (0 = all)")
+    if args.speed_items < 0:
+        raise ValueError("--speed-items must be >= 0 (0: no timed run)")
     if not 0 < args.alpha < 0.5:
         raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
     return {"bench": bench, "budgets": budgets, "families": families, "draft_len": (lo, hi), "enqueue": enqueued,

@@ -64,7 +64,7 @@ def test_certified_table_comes_first_and_is_written_beside(tmp_path):
              "bound.discordance": 0.03}
     table = certification_table([choice, {**choice, "budget": 0.01, "certified": False,
                                           "certification": {**choice["certification"], "items_needed": 5000}}], [floor])
-    assert "| 5% | **yes** | top_k (k=8, L=6) | 0.0123 | 3.10% | +0.40% | 500 | 0.120 | — | 1.80x [1.70, 1.90] |" in table
+    assert "| 5% | **yes** | top_k (k=8, L=6) | 0.0123 | 3.10% | +0.40% | 500 | 0.120 | — | — | 1.80x [1.70, 1.90] |" in table
     assert "| 1% | no |" in table and "5,000" in table, "an uncertified budget says the items a certificate needs"
     assert "noise floor (lossless L=6)" in table and "outputs differ on 8.00%" in table
     paths = write_report(frame(trial(0, "top_k", 2.0, 0.6)), tmp_path, reference_accuracy=0.6, budgets=[0.05],

@@ -56,3 +56,21 @@ def test_replayed_trials_equal_decoded_ones_and_rank_against_the_best_lossless(t
     assert attrs["replayed_exact"] + attrs["replayed_decoded"] == 5 and attrs["decoded_in_full"] == 0
     if trial.state.name == "COMPLETE":
         assert trial.values[0] == pytest.approx(attrs["speedup_vs_best_lossless_modelled"]), "the objective"
+
+
+def test_each_chosen_rule_states_its_speed_over_the_best_lossless_modelled_and_measured_like_for_like(tmp_path):
+    root = tmp_path / "s"
+    from jobs import sweep as sweep_job
+
+    rc = sweep_job.main(["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "4",
+                         "--max-new-tokens", "16", "--actors", "1", "--budgets", "0.5", "--policies", "kl_judge",
+                         "--draft-len", "2,3", "--cost-ratio", "0.4", "--trials", "1", "--confirm-items", "3",
+                         "--speed-items", "2", "--skip-noise-floor", "--runs-root", str(root),
+                         "--run-dir", str(root / "sweep")])
+    assert rc == 0
+    cert = json.loads((root / "sweep" / "report" / "certification.json").read_text())
+    (choice,) = cert["budgets"].values()
+    vl, va = choice["vs_lossless"], choice["vs_target_only"]
+    assert vl["draft_len"] in (2, 3) and vl["items"] == 3 and vl["modelled"] > 0 and va["modelled"] > 0
+    assert vl["measured"] > 0 and va["measured"] > 0, "timed like for like on 2 items"
+    assert vl["timed"]["items"] == 2 and vl["timed"]["concurrency"] == 1 and len(vl["timed"]["load_1m"]) == 2
