@@ -34,8 +34,26 @@ def pytest_collection_modifyitems(config, items):
 import pytest  # noqa: E402
 
 
+def _ledger(tmp_path_factory, name: str):
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECTUNE_LEDGER", str(tmp_path_factory.mktemp(name)))
+    yield
+    patch.undo()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_ledger(tmp_path_factory):
+    """No test may write into the user's certificate ledger (jobs.attempts) in the asset cache."""
+    yield from _ledger(tmp_path_factory, "ledger-session")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_ledger(tmp_path_factory):
+    """A module's shared sweeps (module-scoped fixtures run before any test's own ledger) get the module's."""
+    yield from _ledger(tmp_path_factory, "ledger-module")
+
+
 @pytest.fixture(autouse=True)
 def _own_ledger(tmp_path_factory, monkeypatch):
-    """Every test gets its own certificate ledger (jobs.attempts): tests that confirm on the same tiny-pair
-    items must not refuse each other, and none may write into the user's ledger in the asset cache."""
+    """Every test gets its own ledger: tests that confirm on the same tiny-pair items must not refuse each other."""
     monkeypatch.setenv("SPECTUNE_LEDGER", str(tmp_path_factory.mktemp("ledger")))

@@ -70,7 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     max_new = args.max_new_tokens or (48 if args.pair == "tiny-random" else bench.default_max_new_tokens)
     items = bench.items(limit=args.items)
     stop = list(bench.stop) or None
+    from workers.models.calibrate import get_profile
+
+    profile = get_profile(pair)
     load_before = os.getloadavg()[0]
+    speed = {"ref_tok": 0, "ref_s": 0.0, "ref_cost": 0.0, "tok": 0, "s": 0.0, "cost": 0.0}
     t = {"reference": 0.0, "forced": 0.0, "decide": 0.0, "decode": 0.0, "simulate": 0.0, "full": 0.0}
     agree = cases = near = 0
     diverged: dict[str, int] = {}
@@ -95,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                 full = engine.generate(ids, policy, draft_len=draft_len, max_new_tokens=max_new, seed=args.seed,
                                        stop=stop)
                 t6 = time.perf_counter()
+                if draft_len == lengths[0]:  # the speed model against the measurement, same items, batch 1
+                    st, rs = full.stats, ref.stats
+                    speed["tok"] += st.num_generated
+                    speed["s"] += st.decode_time_s
+                    speed["cost"] += st.modelled_cost(profile.cost_ratio, profile.verify_factor(draft_len))
+                    speed["ref_tok"] += rs.num_generated
+                    speed["ref_s"] += rs.decode_time_s
+                    speed["ref_cost"] += rs.modelled_cost(profile.cost_ratio)
                 decoded = got.seconds.get("decode_s", 0.0)
                 t["decode"] += decoded
                 t["simulate"] += (t5 - t4) - decoded
@@ -121,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay {replay_s:.1f} s (forced passes {t['forced']:.1f}, decisions {t['decide']:.1f}, simulation "
           f"{t['simulate']:.2f}, decoding {t['decode']:.1f}); full decoding {t['full']:.1f} s; target-only reference "
           f"{t['reference']:.1f} s (in neither)")
+    if speed["s"] > 0 and speed["ref_s"] > 0 and speed["cost"] > 0:
+        measured = (speed["tok"] / speed["s"]) / (speed["ref_tok"] / speed["ref_s"])
+        modelled = (speed["tok"] / speed["cost"]) / (speed["ref_tok"] / speed["ref_cost"])
+        print(f"speed over target-only at L={lengths[0]}: modelled {modelled:.3f}x (c = {profile.cost_ratio:.3f}, verify "
+              f"factor {profile.verify_factor(lengths[0]):.2f}, calibrated at load {profile.load_1m:.2f}), measured "
+              f"{measured:.3f}x (ratio of sums, batch 1, same items): the model is off by "
+              f"{100 * (modelled / measured - 1):+.1f}%")
     print(f"machine: {platform.node()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
           f"load(1m) {load_before:.2f} -> {os.getloadavg()[0]:.2f}; {args.pair} {args.dtype}, {args.benchmark}, "
           f"{args.policy} {parse_params(args.param)}, max_new_tokens {max_new}, shots {args.shots}")

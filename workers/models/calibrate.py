@@ -183,11 +183,34 @@ def read_cost_ratio(path: str | os.PathLike[str]) -> float:
     return float(c)
 
 
+LOADED = 0.75  # a 1-minute load above this share of the CPUs, before measuring: the machine is busy
+
+
+def under_load(load_1m: float, cpus: int | None = None) -> bool:
+    """Whether a calibration at this load would time contention, not the models."""
+    return load_1m > LOADED * (cpus or os.cpu_count() or 1)
+
+
 def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
-    """The stored profile for this pair, dtype and machine; measured (and stored) if absent."""
+    """The stored profile for this pair, dtype and machine; measured (and stored) if absent.
+
+    Calibration under load is detected and never stored: a stored profile measured at a load above
+    ``LOADED`` x CPUs is measured again; a measurement that starts at such a load is used for this run only
+    (said on stderr) and measured again next time (a c timed under contention made the modelled speed
+    disagree with the measured one by 2-4x)."""
     profile = None if remeasure else load_profile(pair)
+    if profile is not None and under_load(profile.load_1m):
+        print(f"calibrate: the stored profile was measured at load {profile.load_1m:.2f}: measuring again",
+              file=sys.stderr)
+        profile = None
     if profile is None:
+        load = os.getloadavg()[0]
         profile = measure(pair)
+        profile = CostProfile(**{**asdict(profile), "load_1m": load})  # the load it was started at
+        if under_load(load):
+            print(f"calibrate: measured c = {profile.cost_ratio:.3f} at load {load:.2f} on {os.cpu_count()} CPUs: "
+                  "used for this run, not stored (busy machine); measured again next time", file=sys.stderr)
+            return profile
         try:
             save_profile(pair, profile)
         except OSError as err:  # a read-only asset volume (KubeRay pods mount it so): use it unstored
