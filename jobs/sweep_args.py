@@ -148,8 +148,10 @@ def build_parser() -> SweepParser:
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--budgets", type=comma_list, default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
     ap.add_argument("--policies", type=comma_list, default=",".join(DEFAULT_FAMILIES), help="rule families to search")
-    ap.add_argument("--trials", type=int, default=16, help="total trials (finished + pruned) the study should reach")
-    ap.add_argument("--items", type=int, default=40, help="search-split items per trial (0 = all)")
+    ap.add_argument("--trials", type=int, default=32, help="total trials (finished + pruned) the study should reach "
+                    "(default 32: enough to rank the families against each other)")
+    ap.add_argument("--items", type=int, default=200, help="search-split items per trial (0 = all; default 200: a few "
+                    "discordant items in tens cannot rank rules; replay makes hundreds affordable at T = 0)")
     ap.add_argument("--confirm-items", type=int | None, default=None,
                     help="items that certify a budget, the first N of the held-apart pool (the confirmation split "
                          "plus the search-split items the search did not use; default: --items; 0 = the whole pool)")
@@ -175,7 +177,8 @@ def build_parser() -> SweepParser:
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
     ap.add_argument("--subset-seed", type=subset_seed, default=0,
                     help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
-    ap.add_argument("--draft-len", type=comma_list, default="3,8", help="draft length search range LO,HI (or one value)")
+    ap.add_argument("--draft-len", type=comma_list, default="1,12",
+                    help="draft length search range LO,HI (or one value); the best lossless is sought over it too")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
     ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")

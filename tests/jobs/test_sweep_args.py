@@ -24,7 +24,7 @@ def test_config_keys_override_the_defaults(tmp_path):
     cfg = config(tmp_path, "trials: 7\nconfirm-items: 30\nmax_new_tokens: 64\nbudgets: [0.02, 0.1]\ndraft-len: 4\n"
                            "joint: true\nsubset-seed: file\nenqueue: kl_judge:threshold=0.5\n")
     args = parse_args(["--config", cfg])
-    assert isinstance(args, argparse.Namespace) and args.items == 40, "untouched flags keep their defaults"
+    assert isinstance(args, argparse.Namespace) and args.items == 200, "untouched flags keep their defaults"
     assert (args.trials, args.confirm_items, args.max_new_tokens) == (7, 30, 64), "dashes or underscores"
     assert (args.budgets, args.draft_len) == ("0.02,0.1", "4"), "a YAML list or a number: the flag's text"
     assert args.joint is True and args.subset_seed is None
