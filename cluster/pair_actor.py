@@ -25,7 +25,7 @@ from typing import Any
 import ray
 
 from workers.benchmarks import Item, get_benchmark
-from workers.evaluation import DecodeSpec, Record, evaluate_item
+from workers.evaluation import DecodeSpec, Record, evaluate_bundle, evaluate_item
 
 # max_concurrency=2: a trial's stop() must run while consume() is busy in the other thread.
 RESTART_WAIT_S = 900.0  # how long an actor Ray is restarting may take to come back (a vLLM engine start is minutes)
@@ -84,6 +84,15 @@ class PairWorker:
         record = evaluate_item(self.engine, get_benchmark(benchmark), item, spec, references.get(item.id))
         self.items_done += 1
         return record
+
+    def evaluate_bundle(self, benchmark: str, specs: list[DecodeSpec], items: list[Item], references: dict[str, Any]
+                        ) -> list[list[Record]]:
+        """Each item under every spec, one teacher-forced pass per item where they replay (CPU engine;
+        ``workers.evaluation.evaluate_bundle``): per item, the records in ``specs``' order."""
+        bench = get_benchmark(benchmark)
+        out = [evaluate_bundle(self.engine, bench, item, specs, references.get(item.id)) for item in items]
+        self.items_done += len(items) * len(specs)
+        return out
 
     def time_items(self, benchmark: str, specs: list[DecodeSpec], items: list[Item]) -> list[list[Record]]:
         """Like-for-like timing: each item under every spec in turn, decoded in full (no replay), one request at a

@@ -186,9 +186,11 @@ class Sweep:
 
     def best_lossless(self, records: dict[str, Record]) -> dict[str, Any]:
         """Lossless at its fastest L of the search range, on the trial's items (``jobs.baseline``)."""
-        from jobs.baseline import best_lossless
+        from jobs.baseline import best_lossless, lossless_all
 
         lo, hi = self.s["draft_len"][0], self.s["draft_len"][-1]
+        if any(f"lossless-{n}" not in self.refs for n in range(lo, hi + 1)):
+            lossless_all(self, list(range(lo, hi + 1)))
         lossless = {n: self.lossless(n) for n in range(lo, hi + 1)}
         return best_lossless(records, lossless, self.cost_ratio, self.verify_factor)
 

@@ -153,8 +153,19 @@ def reference_payload(record: Record) -> dict[str, Any]:
             "finish": list(record.finish_reasons)}
 
 
+def evaluate_bundle(engine: SpecDecoder, bench: Benchmark, item: Item, specs: list[DecodeSpec],
+                    reference_outputs: list[str] | dict[str, Any] | None = None) -> list[Record]:
+    """``item`` under each of ``specs`` (one record each, as :func:`evaluate_item` makes it), sharing one
+    teacher-forced pass where they replay (continued past the end for the largest L) and one rule decision per
+    distinct rule: lossless at every L of a range costs one pass per item, not one per L."""
+    passes: dict[Any, Any] = {}
+    extend = max(s.draft_len for s in specs)
+    return [evaluate_item(engine, bench, item, s, reference_outputs, passes=passes, extend=extend) for s in specs]
+
+
 def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: DecodeSpec,
-                  reference_outputs: list[str] | dict[str, Any] | None = None) -> Record:
+                  reference_outputs: list[str] | dict[str, Any] | None = None, *,
+                  passes: dict[Any, Any] | None = None, extend: int | None = None) -> Record:
     """Generate every turn of ``item`` under ``spec`` and score it. Never raises for a failing
     item: the error is recorded (score NaN) so a sweep loses one item, not a trial.
 
@@ -187,7 +198,20 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
 
                 ref = Generation(reference["tokens"][turn], reference["outputs"][turn], reference["finish"][turn],
                                  GenerationStats())
-                done = replay(engine, ids, ref, policy, spec.draft_len, **common)
+                from workers.replay import decisions, forced_pass
+
+                forced = acc = None
+                if passes is not None:  # shared with the bundle's other specs (evaluate_bundle)
+                    key = (tuple(ids), tuple(ref.token_ids), ref.finish_reason)
+                    if key not in passes:
+                        passes[key] = forced_pass(engine, ids, ref.token_ids, ref.finish_reason,
+                                                  extend=max(extend or 0, spec.draft_len))
+                    forced = passes[key]
+                    rule = (key, spec.policy, json.dumps(spec.params_dict, sort_keys=True), common["seed"])
+                    if rule not in passes:
+                        passes[rule] = decisions(engine, forced, policy, common["seed"])
+                    acc = passes[rule]
+                done = replay(engine, ids, ref, policy, spec.draft_len, **common, forced=forced, accepted=acc)
                 gen = done.generation
                 how.append("exact" if done.decoded_from is None else
                            f"{'diverged' if done.reason == 'diverged' else done.reason.replace(' ', '-')}@"
