@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import random
 import subprocess
 import sys
@@ -200,8 +201,11 @@ def determinism_hashes(device: torch.device, small: bool) -> dict[str, Any]:
 def check_determinism(run: Run) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "jobs.gpu_check", "--determinism-child", "--device", str(run.device)]
     cmd += ["--small"] if run.small else []
-    root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the repository root (jobs/gpu/correctness.py -> ..): `-m jobs.gpu_check` must import from a bare
+    # checkout with no install of the project and PYTHONPATH unset, as on a fresh GPU box
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    procs = [subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     children = []
     for proc in procs:

@@ -4,6 +4,7 @@ the correctness checks pass, and they can fail (a lossless rule that accepts eve
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -85,3 +86,28 @@ def test_a_spent_budget_skips_measurements_and_records_why(tmp_path, capsys):
     assert cases and all(c["skipped"] and "budget" in c["reason"] for c in cases)
     assert len(results["skipped"]) == len(cases)
     assert "skipping its remaining cases" in capsys.readouterr().out
+
+
+def test_the_determinism_child_runs_from_the_repository_root_with_the_checkout_on_its_path(monkeypatch):
+    """It ran from jobs/ and only imported `jobs` because .venv has an editable install: on a bare GPU box
+    ("No module named jobs") the check failed. The child now starts at the repository root with it on PYTHONPATH."""
+    import subprocess
+
+    from jobs.gpu import correctness
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, cwd=None, env=None, **_):
+        seen.update(cwd=Path(cwd), path=(env or {}).get("PYTHONPATH", ""))
+        raise Stop
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    run = type("R", (), {"device": "cpu", "small": True})()
+    with pytest.raises(Stop):
+        correctness.check_determinism(run)
+    assert (seen["cwd"] / "jobs" / "gpu_check.py").is_file() and (seen["cwd"] / "policies").is_dir()
+    assert str(seen["cwd"]) in seen["path"].split(os.pathsep)
