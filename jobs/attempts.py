@@ -16,6 +16,11 @@ never by names, dtype or where runs are written:
   candidates, looks, items planned) is allowed: it gets the items recorded when it opened.
 - ``--new-items`` (``fresh=True``): the attempt takes the first items of the pool's fixed order that no
   attempt has used, and its certificate lists the earlier attempts.
+- items an earlier attempt's study *searched* on (its candidates were chosen on their outcomes) are never
+  confirmation items: the pool's front skips them (the certificate records what it skipped);
+- a resume is the same study, plan *and* run directory (where its records are cached): elsewhere the items
+  would be evaluated afresh, a second look; and a budget a resumed attempt had decided keeps that decision
+  as its ceiling (``decided``: a recorded "not certified" never turns into "certified").
 
 The ledger lives with the asset cache (``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger``), shared by every
 runs root on the machine (a cluster: point both at the shared volume). Attempts made before it existed are
@@ -63,6 +68,7 @@ class Plan:
     candidates: tuple[tuple[str, ...], ...]  # per budget: decoding-spec keys in test order
     looks: int
     n: int  # confirmation items planned
+    run_dir: str = ""  # where its records are cached: a resume elsewhere would evaluate the items afresh
 
     @property
     def digest(self) -> str:
@@ -122,6 +128,10 @@ class AttemptLedger:
         return next((a for a in self.attempts().values()
                      if a.get("study") == plan.study and a.get("plan") == plan.digest), None)
 
+    def searched(self) -> set[str]:
+        """Every item an attempt's study searched on (its candidates were chosen on them)."""
+        return {item for a in self.attempts().values() for item in a.get("search_items", ())}
+
     def used(self, exclude: str | None = None) -> dict[str, str]:
         """item id -> the attempt that used it (every attempt but ``exclude``)."""
         out: dict[str, str] = {}
@@ -152,6 +162,8 @@ class AttemptLedger:
         if resumed is not None:
             return list(resumed["items"]), resumed, earlier
         used = self.used()
+        searched = self.searched()  # never confirm on items an earlier study chose its candidates on
+        pool = [i for i in pool if i not in searched]
         if fresh:
             items = [i for i in pool if i not in used][: plan.n]
         else:
@@ -186,13 +198,20 @@ class AttemptLedger:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _append(self, row: dict[str, Any]) -> None:
+        torn = False
+        if self.path.is_file() and self.path.stat().st_size:
+            with self.path.open("rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                torn = fh.read(1) != b"\n"
         with self.path.open("a") as fh:  # one line per row: an append is all or (torn, ignored) nothing
+            if torn:  # a line a crash left unfinished: end it, or this row would be glued to it and lost
+                fh.write("\n")
             fh.write(json.dumps(row) + "\n")
             fh.flush()
             os.fsync(fh.fileno())
 
-    def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str
-             ) -> tuple[str, list[str], list[dict[str, Any]]]:
+    def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str,
+             search_items: Sequence[str] = ()) -> tuple[str, list[str], list[dict[str, Any]]]:
         """Choose the attempt's items (:meth:`choose`) and, for a new attempt, write its ``opened`` row
         before anything is evaluated. Returns (attempt id, items, earlier attempts)."""
         with self._locked():
@@ -205,7 +224,7 @@ class AttemptLedger:
                           "budgets": list(plan.budgets), "alphas": list(plan.alphas),
                           "candidates": [list(c) for c in plan.candidates], "looks": plan.looks, "new_items": fresh,
                           "earlier": [a["attempt"] for a in earlier], "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                          "items": list(items)})
+                          "run_dir": plan.run_dir, "items": list(items), "search_items": list(search_items)})
             return aid, items, earlier
 
     def decide(self, attempt: str, budget: float, certified: bool, reason: str, items_used: int) -> None:

@@ -283,14 +283,15 @@ def open_attempt(sweep: Any, candidates: list[Candidate], alpha_each: float
     args, budgets = sweep.args, sweep.s["budgets"]
     keys = tuple(tuple(sweep.spec_of(c.payload).key() for c in order_candidates(candidates, b, limit=args.confirm_candidates))
                  for b in budgets)
-    sweep.ledger = AttemptLedger(sweep.bench.key, pair_fingerprint(args.pair))
+    sweep.ledger = AttemptLedger(getattr(sweep.bench, "ledger_key", sweep.bench.key), pair_fingerprint(args.pair))
     if not any(keys):
         return None, None, []
     plan = Plan(sweep.name, tuple(float(b) for b in budgets), tuple(alpha_each for _ in budgets), keys, args.looks,
-                sweep.n_confirm)
+                sweep.n_confirm, str(Path(sweep.dir).resolve()))
     try:
         attempt, ids, earlier = sweep.ledger.open(plan, [it.id for it in sweep.pool], bool(args.new_items),
-                                                  pair=args.pair, dtype=args.dtype)
+                                                  pair=args.pair, dtype=args.dtype,
+                                                  search_items=[it.id for it in sweep.items])
     except LedgerRefusal as err:
         print(f"[sweep] confirmation REFUSED by the ledger ({sweep.ledger.path}): {err}", flush=True)
         return None, str(err), []
@@ -388,6 +389,13 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
             cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal}")
         else:
             cert = confirmation.certify(candidates, budget, alpha_each)
+            before = sweep.ledger.attempts().get(attempt, {}).get("decided", {}).get(str(float(budget))) \
+                if attempt is not None else None
+            if before is not None and cert.certified and not before.get("certified"):
+                # a resumed attempt decided this budget before: that decision is its ceiling
+                cert.certified = False
+                cert.reason = (f"not certified: attempt {attempt} decided this budget before ({before['when']}: "
+                               f"{before['reason']}); a re-decision cannot overturn it")
             if attempt is not None:  # the items this budget's candidates (and its noise floor) used
                 used = max((confirmation.stopped.get(k, len(sweep.confirm_items)) for k, _, _ in cert.steps), default=0)
                 sweep.ledger.decide(attempt, budget, cert.certified, cert.reason, used)

@@ -92,3 +92,24 @@ def test_the_attempts_made_before_the_ledger_are_shipped_in_it():
     assert len(set(first["used"]) & set(second["used"])) == 19
     assert len(set(first["search_items"]) & set(second["used"])) == 8
     assert all(json.loads(line)["pair_id"] == ledger.pair_id for line in KNOWN.read_text().splitlines())
+
+
+def test_a_torn_last_line_does_not_swallow_the_next_attempt(tmp_path):
+    ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
+    ledger.open(plan(n=10), POOL, False, pair="p", dtype="fp32")
+    with ledger.path.open("a") as fh:
+        fh.write('{"event": "opened", "torn')  # a crash mid-write
+    second, items, _ = ledger.open(plan(study="s2", n=10), POOL, True, pair="p", dtype="fp32")
+    assert second in ledger.attempts() and set(items) <= set(ledger.used())
+
+
+def test_a_resume_is_the_same_run_directory_and_earlier_search_items_are_never_confirmed_on(tmp_path):
+    ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
+    here = Plan("s1", (0.05,), (0.05,), (("k1",),), 1, 20, "/runs/a")
+    aid, items, _ = ledger.open(here, POOL, False, pair="p", dtype="fp32", search_items=POOL[30:40])
+    assert ledger.open(here, POOL, False, pair="p", dtype="fp32")[0] == aid
+    with pytest.raises(LedgerRefusal, match="already used"):  # the same study and plan in another run directory
+        ledger.open(Plan("s1", (0.05,), (0.05,), (("k1",),), 1, 20, "/runs/b"), POOL, False, pair="p", dtype="fp32")
+    # a later study's pool front skips the first study's search items as well as its confirmation items
+    _, later, _ = ledger.open(plan(study="s2", n=30), POOL, True, pair="p", dtype="fp32")
+    assert later == POOL[20:30] + POOL[40:60]

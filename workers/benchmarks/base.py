@@ -178,8 +178,14 @@ class BenchmarkBase:
 
     @property
     def key(self) -> str:
-        """What reference caches and attempt ledgers are keyed by."""
+        """What reference caches are keyed by."""
         return self.name
+
+    @property
+    def ledger_key(self) -> str:
+        """What the certificate ledger is keyed by: the items' identity (a task file: its name and data, not
+        its prompt or scorer settings, so an edit to those is not a fresh ledger)."""
+        return self.key
 
     def path(self, dest: str, cache_dir: str | os.PathLike[str] | None = None) -> Path:
         """The verified cached file ``dest`` (fetched if missing; AssetError if corrupt)."""

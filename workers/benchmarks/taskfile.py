@@ -152,7 +152,9 @@ class TaskFile(BenchmarkBase):
             raise bad("fewshot", f"must be a number of rows >= 0 or a file, got {fewshot!r}")
         self._bad = bad
         digest = hashlib.sha256(raw)
-        digest.update(self.data_path.read_bytes())
+        data = self.data_path.read_bytes()
+        self.data_digest = hashlib.sha256(data).hexdigest()[:12]
+        digest.update(data)
         if self._fewshot_file is not None:
             digest.update(self._fewshot_file.read_bytes())
         self.digest = digest.hexdigest()[:12]
@@ -166,8 +168,14 @@ class TaskFile(BenchmarkBase):
 
     @property
     def key(self) -> str:
-        """What caches and ledgers are keyed by: the name and the content hash."""
+        """What caches are keyed by: the name and the content hash."""
         return f"{self.name}-{self.digest}"
+
+    @property
+    def ledger_key(self) -> str:
+        """The certificate ledger's key: the name and the data file's hash (an edited prompt, scorer or
+        comment leaves the items, and so their attempts, as they were)."""
+        return f"{self.name}-{self.data_digest}"
 
     @functools.cache  # noqa: B019 - one instance per task file and content (load_task caches them)
     def _rows(self) -> tuple[dict[str, Any], ...]:

@@ -225,6 +225,9 @@ def certify_paired(lost: int, won: int, n: int, budget: float, alpha: float) -> 
     return PairedTest(p <= alpha, p, float(budget), float(alpha), int(lost), int(won), int(n))
 
 
+_LAST_CRITICAL: dict[tuple[float, float], float] = {}  # (budget, alpha) -> the last critical value found
+
+
 @functools.lru_cache(maxsize=1024)
 def critical_z(n: int, budget: float, alpha: float) -> float:
     """A z with p-value <= alpha at every attainable Z_b up to it and above alpha at the next: ``certify_paired``
@@ -236,12 +239,28 @@ def critical_z(n: int, budget: float, alpha: float) -> float:
     _check(0, 0, n, budget, alpha)
     values = np.unique(score_z(*_outcomes(n), n, budget))
     lo, hi = -1, len(values)  # values[lo] certifies (lo = -1: none), values[hi] does not (hi = len: none fails)
+    hint = _LAST_CRITICAL.get((budget, alpha))
+    if hint is not None:  # the critical value at a nearby n (a planner's scan): gallop out from it
+        i = int(np.clip(np.searchsorted(values, hint), 0, len(values) - 1))
+        step = 1
+        if _sup_tail(n, budget, float(values[i])) <= alpha:
+            lo = i
+            while lo + step < len(values) and _sup_tail(n, budget, float(values[lo + step])) <= alpha:
+                lo, step = lo + step, step * 2
+            hi = min(len(values), lo + step)
+        else:
+            hi = i
+            while hi - step >= 0 and _sup_tail(n, budget, float(values[hi - step])) > alpha:
+                hi, step = hi - step, step * 2
+            lo = max(-1, hi - step)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if _sup_tail(n, budget, float(values[mid])) <= alpha:
             lo = mid
         else:
             hi = mid
+    if 0 <= lo:
+        _LAST_CRITICAL[(budget, alpha)] = float(values[lo])
     if lo < 0:
         return float(values[0]) - 1.0
     if hi >= len(values):
@@ -290,8 +309,8 @@ def exact_plan(discordance: float, budget: float, drop: float = 0.0, alpha: floa
     """The smallest n whose :func:`exact_power` reaches ``power``. Exact power is not monotone in n for a
     discrete test (a bisection between a failing and a passing n can land past an n that already passes: it
     said 271 at discordance 0.1 and 5% where 265 passed), so this finds a passing n from the normal-approximation
-    plan upwards, lowers a floor until its power is clearly short (``power - 0.02``, at most 4 times by 0.8x),
-    and scans every n up from that floor: the first that passes. None when the drop is at or above the budget,
+    plan upwards, finds a floor below it whose power is clearly short (``power - 0.02``; galloping down 1, 2, 4,
+    ... items; at least 20% down below n = 200), and scans every n up from that floor: the first that passes. None when the drop is at or above the budget,
     or no n up to ``most`` reaches it."""
     from workers.certify.bounds import normal_plan
 
@@ -309,11 +328,14 @@ def exact_plan(discordance: float, budget: float, drop: float = 0.0, alpha: floa
         if hi >= most:
             return None
         hi = min(most, int(hi * 1.25) + 1)
-    floor = hi
-    for _ in range(4):
-        floor = max(1, int(floor * 0.8))
-        if floor == 1 or power_at(floor) < power - 0.02:
+    # a floor clearly short of the power: galloping down from hi (1, 2, 4, ... below it), and at least 20%
+    # below it where n is small (the sawtooth of a discrete test is widest there)
+    floor, step = hi, 1
+    while floor > 1:
+        floor = max(1, hi - step)
+        if power_at(floor) < power - 0.02 and (hi >= 200 or floor <= 0.8 * hi):
             break
+        step *= 2
     for n in range(floor, hi):
         if power_at(n) >= power:
             return n

@@ -204,3 +204,18 @@ def test_rows_of_a_few_shot_file_are_removed_from_the_data(tmp_path):
     assert task.max_shots == 2
     both = {it.id for s in ("search", "confirm") for it in task.items(split=s)}
     assert both == set(ids)
+
+
+def test_the_ledger_key_is_the_data_not_the_task_files_wording(tmp_path):
+    """Editing a task file's prompt, scorer or a comment changes its cache key but not its ledger's: the items,
+    and the confirmation attempts made on them, are the same."""
+    first = get_benchmark(_task(tmp_path, ROWS, id="qid"))
+    key = first.ledger_key
+    path = tmp_path / "t.yaml"
+    path.write_text(path.read_text().replace("Q: {q}", "Question: {q}") + "# edited\n")
+    second = get_benchmark(str(path))
+    assert first.key != second.key and key == second.ledger_key
+    (tmp_path / "items.jsonl").write_text((tmp_path / "items.jsonl").read_text() + json.dumps(
+        {"qid": "x99", "q": "new", "a": "1", "part": "search"}) + "\n")
+    path.write_text(path.read_text() + "# and again\n")  # a new stamp: the task file is read afresh
+    assert get_benchmark(str(path)).ledger_key != key, "other data: another ledger"
