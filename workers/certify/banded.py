@@ -44,21 +44,26 @@ def _window(m: int, p: float) -> tuple[int, int]:
     return max(0, math.floor(m * p - _SD * sd - _PAD)), min(m, math.ceil(m * p + _SD * sd + _PAD))
 
 
-def _kernel(m: int, p_lost: float, p_won: float) -> tuple[Any, int, int]:
-    """The trinomial pmf of (lost, won) over m items on its window: (array, first lost, first won)."""
+def trinomial(m: int, p_lost: float, p_won: float, lost: tuple[int, int], won: tuple[int, int]) -> Any:
+    """The trinomial pmf of (lost, won) over m items on [lost[0], lost[1]] x [won[0], won[1]] (0 where
+    lost + won > m); ``sequential`` takes the whole square, the bands their windows."""
     import numpy as np
     from scipy.special import gammaln, xlogy
 
-    a0, a1 = _window(m, p_lost)
-    c0, c1 = _window(m, p_won)
-    a, c = np.meshgrid(np.arange(a0, a1 + 1), np.arange(c0, c1 + 1), indexing="ij")
+    a, c = np.meshgrid(np.arange(lost[0], lost[1] + 1), np.arange(won[0], won[1] + 1), indexing="ij")
     t = m - a - c
     ok = t >= 0
     t = np.where(ok, t, 0)
     p_tie = max(0.0, 1.0 - p_lost - p_won)
     logp = (gammaln(m + 1.0) - gammaln(a + 1.0) - gammaln(c + 1.0) - gammaln(t + 1.0)
             + xlogy(a, p_lost) + xlogy(c, p_won) + (xlogy(t, p_tie) if p_tie > 0 else np.where(t > 0, -np.inf, 0.0)))
-    return np.where(ok, np.exp(logp), 0.0), a0, c0
+    return np.where(ok, np.exp(logp), 0.0)
+
+
+def _kernel(m: int, p_lost: float, p_won: float) -> tuple[Any, int, int]:
+    """The trinomial pmf of (lost, won) over m items on its window: (array, first lost, first won)."""
+    lost, won = _window(m, p_lost), _window(m, p_won)
+    return trinomial(m, p_lost, p_won, lost, won), lost[0], won[0]
 
 
 def carry(band: Band, m: int, p_lost: float, p_won: float, n: int) -> Band:

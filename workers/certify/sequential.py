@@ -233,17 +233,9 @@ def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float, b
 
 def _kernel(m: int, p_lost: float, p_won: float) -> Any:
     """Trinomial pmf of (lost, won) over m items, as an (m + 1) x (m + 1) array (0 where lost + won > m)."""
-    import numpy as np
-    from scipy.special import gammaln, xlogy
+    from workers.certify.banded import trinomial
 
-    a, c = np.meshgrid(np.arange(m + 1), np.arange(m + 1), indexing="ij")
-    t = m - a - c
-    ok = t >= 0
-    t = np.where(ok, t, 0)
-    p_tie = max(0.0, 1.0 - p_lost - p_won)
-    logp = (gammaln(m + 1.0) - gammaln(a + 1.0) - gammaln(c + 1.0) - gammaln(t + 1.0)
-            + xlogy(a, p_lost) + xlogy(c, p_won) + (xlogy(t, p_tie) if p_tie > 0 else np.where(t > 0, -np.inf, 0.0)))
-    return np.where(ok, np.exp(logp), 0.0)
+    return trinomial(m, p_lost, p_won, (0, m), (0, m))
 
 
 def sequential_power(plan: LookPlan, budget: float, discordance: float, drop: float = 0.0) -> tuple[float, float]:
