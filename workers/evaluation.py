@@ -107,7 +107,7 @@ class Record:
     @property
     def timed(self) -> bool:
         """Whether the times are the rule's own decode (not a replay's pass and partial decode)."""
-        return not self.replay
+        return all(part.startswith("full") for part in self.replay.split(";")) if self.replay else True
 
     @property
     def decode_time_s(self) -> float:
@@ -193,29 +193,32 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
             if policy is None:
                 gen = engine.autoregressive(ids, **common)
             elif _replayable(engine, spec, reference) and on_prefix and turn < len(reference["tokens"]):
-                from workers.replay import replay
+                from workers.replay import decisions, forced_pass, replay
                 from workers.stats import Generation
 
-                ref = Generation(reference["tokens"][turn], reference["outputs"][turn], reference["finish"][turn],
-                                 GenerationStats())
-                from workers.replay import decisions, forced_pass
-
-                forced = acc = None
-                if passes is not None:  # shared with the bundle's other specs (evaluate_bundle)
-                    key = (tuple(ids), tuple(ref.token_ids), ref.finish_reason)
-                    if key not in passes:
-                        passes[key] = forced_pass(engine, ids, ref.token_ids, ref.finish_reason,
-                                                  extend=max(extend or 0, spec.draft_len))
-                    forced = passes[key]
-                    rule = (key, spec.policy, json.dumps(spec.params_dict, sort_keys=True), common["seed"])
-                    if rule not in passes:
-                        passes[rule] = decisions(engine, forced, policy, common["seed"])
-                    acc = passes[rule]
-                done = replay(engine, ids, ref, policy, spec.draft_len, **common, forced=forced, accepted=acc)
-                gen = done.generation
-                how.append("exact" if done.decoded_from is None else
-                           f"{'diverged' if done.reason == 'diverged' else done.reason.replace(' ', '-')}@"
-                           f"{done.diverged_at if done.diverged_at is not None else done.decoded_from}")
+                try:
+                    ref = Generation(reference["tokens"][turn], reference["outputs"][turn], reference["finish"][turn],
+                                     GenerationStats())
+                    forced = acc = None
+                    if passes is not None:  # shared with the bundle's other specs (evaluate_bundle)
+                        key = (tuple(ids), tuple(ref.token_ids), ref.finish_reason)
+                        if key not in passes:
+                            passes[key] = forced_pass(engine, ids, ref.token_ids, ref.finish_reason,
+                                                      extend=max(extend or 0, spec.draft_len))
+                        forced = passes[key]
+                        rule = (key, spec.policy, json.dumps(spec.params_dict, sort_keys=True), common["seed"])
+                        if rule not in passes:
+                            passes[rule] = decisions(engine, forced, policy, common["seed"])
+                        acc = passes[rule]
+                    done = replay(engine, ids, ref, policy, spec.draft_len, **common, forced=forced, accepted=acc)
+                except Exception as err:  # noqa: BLE001 - a replay that cannot run decodes in full, said so
+                    gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
+                    how.append(f"full (replay failed: {type(err).__name__})")
+                else:
+                    gen = done.generation
+                    how.append("exact" if done.decoded_from is None else
+                               f"{'diverged' if done.reason == 'diverged' else done.reason.replace(' ', '-')}@"
+                               f"{done.diverged_at if done.diverged_at is not None else done.decoded_from}")
             else:
                 gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
                 if how:

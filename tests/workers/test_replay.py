@@ -109,3 +109,21 @@ def test_a_decision_depends_on_its_position_not_on_the_block(engine):
                           lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
                           streams=PositionStreams(5, torch.tensor([[forced.prompt_len + t]])))
         assert bool(policy.decide(one).accepted[0, 0]) == bool(acc[t]), t
+
+
+def test_a_reference_replay_cannot_use_is_decoded_in_full_and_said_so(engine):
+    """An engine never fails an item because its reference is unusable for replay: it decodes in full."""
+    from workers.benchmarks import get_benchmark
+    from workers.evaluation import TARGET_ONLY, DecodeSpec, evaluate_item, reference_payload
+
+    bench = get_benchmark("gsm8k")
+    item = bench.items(limit=1)[0]
+    ref = evaluate_item(engine, bench, item, DecodeSpec.make(TARGET_ONLY, max_new_tokens=8))
+    spec = DecodeSpec.make("kl_judge", {"threshold": 0.5}, 3, max_new_tokens=8)
+    broken = {**reference_payload(ref), "finish": []}  # a record written without its finish reasons
+    got = evaluate_item(engine, bench, item, spec, broken)
+    want = evaluate_item(engine, bench, item, spec)
+    assert not got.failed and got.replay == "full (replay failed: IndexError)" and got.timed
+    assert got.output_token_ids == want.output_token_ids
+    ok = evaluate_item(engine, bench, item, spec, reference_payload(ref))
+    assert ok.replay and not ok.timed and ok.output_token_ids == want.output_token_ids
