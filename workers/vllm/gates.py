@@ -173,3 +173,24 @@ def refuse_unsupported() -> bool:
 
     rs.rejection_sample = rejection_sample
     return True
+
+
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+
+def require_v1_runner(environ: Any = None) -> bool:
+    """Where a spectune rule is configured (a rule file in the environment), pin vLLM to its V1 model runner,
+    the one the patches sit on: vLLM 0.33 runs draft_model speculation on the V2 runner by default, where none
+    of them applies and a stock ``vllm serve`` would silently decide with vLLM's own rule (or crash on a padded
+    draft). Called by ``register()`` (plugins load in ``EngineArgs.__post_init__``, before the runner is
+    chosen). Returns whether it pinned; raises ``PatchGateError`` when the runner is forced to V2."""
+    from workers.vllm.rules import RULE_FILE_ENV
+
+    env = os.environ if environ is None else environ
+    if not env.get(RULE_FILE_ENV):
+        return False
+    env.setdefault(V2_RUNNER_ENV, "0")
+    if str(env[V2_RUNNER_ENV]).strip() != "0":
+        raise PatchGateError(f"{V2_RUNNER_ENV}={env[V2_RUNNER_ENV]} with a spectune rule file ({RULE_FILE_ENV}): "
+                             "spectune's rules run on vLLM's V1 model runner only; unset it or set it to 0")
+    return True

@@ -306,14 +306,14 @@ class WorkerExtension:
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: patch vLLM once per process; in a process vLLM started
-    for a spectune engine, also leave when its parent is gone (:mod:`workers.vllm.orphans`)."""
+    """``vllm.general_plugins`` entry point: patch vLLM once per process; a rule pins the V1 runner (gates)."""
     global _patched
     from workers.host_memory import keep_freed_memory
     from workers.vllm import gates
     from workers.vllm.orphans import watch_parent
 
     watch_parent()
+    gates.require_v1_runner()  # 0.33's V2 default runner bypasses every patch
     keep_freed_memory()  # every vLLM process: the rules' full-vocabulary temporaries reuse the heap
     with _lock:
         if _patched:

@@ -162,3 +162,17 @@ def _shard_model() -> torch.nn.Module:
     model = torch.nn.Module()
     model.lm_head = torch.nn.Linear(4, 8, bias=False)
     return model
+
+
+def test_a_configured_rule_pins_vllms_v1_runner_and_a_forced_v2_is_refused():
+    """vLLM 0.33 runs draft_model speculation on its V2 runner by default, where none of the plugin's patches
+    sits: a stock `vllm serve` with a rule file would silently decide with vLLM's own rule. register() pins V1."""
+    from workers.vllm.gates import PatchGateError, require_v1_runner
+    from workers.vllm.rules import RULE_FILE_ENV
+
+    env: dict[str, str] = {}
+    assert require_v1_runner(env) is False and "VLLM_USE_V2_MODEL_RUNNER" not in env, "no rule: vLLM's choice"
+    env = {RULE_FILE_ENV: "/tmp/rule.json"}
+    assert require_v1_runner(env) is True and env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    with pytest.raises(PatchGateError, match="VLLM_USE_V2_MODEL_RUNNER=1 with a spectune rule file"):
+        require_v1_runner({RULE_FILE_ENV: "/tmp/rule.json", "VLLM_USE_V2_MODEL_RUNNER": "1"})
