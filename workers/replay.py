@@ -63,6 +63,7 @@ class Forced:
     near_ties: int  # rows whose target or draft top-2 logits lie within NEAR_TIE of each other
     seconds: float = 0.0
     after: list[int] = field(default_factory=list)  # the target's greedy tokens past y's end (``extend``)
+    tail_ok: bool = True  # False: the reference ended on EOS but the pass's argmax there is no EOS (a near-tie)
 
     @property
     def positions(self) -> int:
@@ -108,8 +109,9 @@ def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: st
     argmax = target[: len(ext)].argmax(dim=-1)
     differ = torch.nonzero(argmax != ext)
     agrees = int(differ[0, 0]) if len(differ) else len(ext)
+    tail_ok = finish != "eos" or int(target[len(generated)].argmax()) in set(engine.pair.eos_token_ids)
     return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], agrees,
-                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0, after)
+                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0, after, tail_ok)
 
 
 def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Tensor]:
@@ -172,6 +174,8 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
     ext = y + (forced.after or nxt)  # the prefix every on-prefix round sees, and the target's tokens after it
     finish_at = end if forced.finish == "eos" else end - 1  # the generated index of the round's last token
     trusted = min(forced.agrees, len(ext)) if forced.after else (len(ext) if forced.agrees >= end else forced.agrees)
+    if not forced.tail_ok:  # the EOS the reference stopped on is not the pass's argmax: decode any round reaching it
+        trusted = min(trusted, end)
     stats = GenerationStats(draft_len=draft_len, accepted_per_position=[0] * draft_len)
     g = 0
     while True:
@@ -247,7 +251,8 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
         gen = Generation(list(reference.token_ids), text, reference.finish_reason, sim.stats)
         return Replayed(gen, "exact", None, None, seconds)
     g = sim.resume_at
-    reason = "near-tie" if sim.reason == "past the pass" and forced.agrees < len(forced.generated) else sim.reason
+    reason = "near-tie" if sim.reason == "past the pass" and (forced.agrees < len(forced.generated)
+                                                                or not forced.tail_ok) else sim.reason
     t2 = time.perf_counter()
     live = engine.generate(prompt, policy, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=0.0,
                            seed=seed, stop=stop, generated_prefix=forced.generated[:g])

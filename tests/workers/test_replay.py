@@ -127,3 +127,23 @@ def test_a_reference_replay_cannot_use_is_decoded_in_full_and_said_so(engine):
     assert got.output_token_ids == want.output_token_ids
     ok = evaluate_item(engine, bench, item, spec, reference_payload(ref))
     assert ok.replay and not ok.timed and ok.output_token_ids == want.output_token_ids
+
+
+def test_a_reference_that_ended_on_an_eos_the_pass_does_not_pick_is_decoded_from_the_round_that_reaches_it():
+    """A near-tie at the very end: the reference stopped on EOS, the pass's argmax there is another token.
+    Any round that reaches that row is decoded live (never simulated on the pass's guess)."""
+    from workers.replay import Forced, simulate
+
+    logits = torch.full((3, 10), -5.0)
+    for row, tok in enumerate((5, 6, 7)):  # rows 0, 1 give y = [5, 6]; row 2: the pass says 7, not EOS (9)
+        logits[row, tok] = 5.0
+    forced = Forced(4, [5, 6], "eos", logits, torch.zeros(3, 4), logits.clone(), agrees=2, near_ties=0,
+                    tail_ok=False)
+    sim = simulate(torch.tensor([True, True, True]), torch.tensor([5, 6, 9]), forced, 3, 16)
+    assert (sim.resume_at, sim.reason) == (0, "past the pass")
+    eos = logits.clone()
+    eos[2] = -5.0
+    eos[2, 9] = 5.0  # consistent: the pass picks the EOS the reference stopped on
+    ok = Forced(4, [5, 6], "eos", eos, torch.zeros(3, 4), eos.clone(), agrees=2, near_ties=0)
+    done = simulate(torch.tensor([True, True, False]), torch.tensor([5, 6, 9]), ok, 1, 16)
+    assert done.resume_at is None and done.stats.num_drafts == 2 and done.stats.num_generated == 2
