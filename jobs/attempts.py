@@ -108,10 +108,11 @@ class AttemptLedger:
     def attempts(self) -> dict[str, dict[str, Any]]:
         """attempt id -> its opened row with ``decided`` (budget -> decided row) and ``used`` (item ids)."""
         out: dict[str, dict[str, Any]] = {}
-        for row in self.rows():
+        rows = self.rows()  # both files read once
+        for row in rows:
             if row.get("event") == "opened":
                 out.setdefault(row["attempt"], {**row, "decided": {}})
-        for row in self.rows():
+        for row in rows:
             if row.get("event") == "decided" and row.get("attempt") in out:
                 out[row["attempt"]]["decided"].setdefault(str(float(row["budget"])), row)
         for a in out.values():

@@ -123,7 +123,8 @@ def over_lossless(sweep: Any, row: dict[str, Any], records: dict[str, Record], r
     if n > 0:
         import ray
 
-        order = [it for it in sweep.confirm_items if it.id in set(keys)][:n]
+        shared = set(keys)
+        order = [it for it in sweep.confirm_items if it.id in shared][:n]
         specs = [DecodeSpec.make(TARGET_ONLY, **sweep.s["decode"]),
                  DecodeSpec.make("lossless", {}, draft_len, **sweep.s["decode"]), spec]
         load_before = os.getloadavg()[0]
