@@ -452,7 +452,9 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
                   f"{vl['modelled']:.3f}x on {vl['items']} items, measured {vl['measured']:.3f}x"
                   + (f" on {timed['items']} items at batch {timed['concurrency']}, interleaved" if timed else
                      " (not timed: --speed-items 0)")
-                  + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x", flush=True)
+                  + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x"
+                  + f"; stated: {vl.get('stated', math.nan):.3f}x, {vl.get('stated_from', 'modelled')}", flush=True)
+    sweep.confirmed = {f"{k} {specs[k].label()}": recs for k, recs in confirmation.records.items()}  # the frontier
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/
         write_evidence(out / "evidence" / f"{key_}.csv", rows)
     for key_, recs in confirmation.records.items():  # what each confirmed candidate flipped, and why

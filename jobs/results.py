@@ -154,6 +154,9 @@ def export(run_dir: Path, out: Path) -> Path:
         raise ValueError(f"{run_dir} has no report/certification.json: the sweep has not confirmed yet")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(report / "certification.json", out / "certification.json")
+    for name in ("frontier.json", "frontier.md"):  # what limits the speed (jobs.frontier), where the sweep wrote it
+        if (report / name).is_file():
+            shutil.copy2(report / name, out / name)
     for path in sorted(report.glob("chosen-budget-*.json")):
         shutil.copy2(path, out / path.name)
     (out / "evidence").mkdir(exist_ok=True)

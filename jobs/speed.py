@@ -22,6 +22,8 @@ from typing import Any
 
 from workers.evaluation import Record
 
+MODEL_TOLERANCE = 0.15  # the modelled speed must agree with the measured one within this, or the measured is stated
+
 
 def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
               ) -> tuple[float, float, float]:
@@ -147,4 +149,19 @@ def over_lossless(sweep: Any, row: dict[str, Any], records: dict[str, Record], r
                                   timed=like)
         out["vs_target_only"].update(measured=_ratio(mine_t, ar_t, seconds), modelled_timed=_ratio(mine_t, ar_t, cost),
                                      timed=like)
+    for side in ("vs_lossless", "vs_target_only"):
+        out[side].update(stated_figure(out[side]))
     return out
+
+
+def stated_figure(figures: dict[str, Any]) -> dict[str, Any]:
+    """Which figure a certificate states: the modelled one (all its items) where the model, on the timed items,
+    agrees with the measurement within ``MODEL_TOLERANCE``; else the measured one, and the model's error said.
+    Untimed (``--speed-items 0``): the modelled figure, its agreement unknown."""
+    modelled, timed, measured = (figures.get(k, math.nan) for k in ("modelled", "modelled_timed", "measured"))
+    if not (math.isfinite(timed) and math.isfinite(measured) and measured > 0):
+        return {"model_error": math.nan, "model_agrees": None, "stated": modelled, "stated_from": "modelled (not timed)"}
+    error = timed / measured - 1.0
+    agrees = abs(error) <= MODEL_TOLERANCE
+    return {"model_error": error, "model_agrees": agrees, "stated": modelled if agrees else measured,
+            "stated_from": "modelled" if agrees else f"measured (the model is off by {error * 100:+.0f}%)"}

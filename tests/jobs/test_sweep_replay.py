@@ -74,3 +74,13 @@ def test_each_chosen_rule_states_its_speed_over_the_best_lossless_modelled_and_m
     assert vl["draft_len"] in (2, 3) and vl["items"] == 3 and vl["modelled"] > 0 and va["modelled"] > 0
     assert vl["measured"] > 0 and va["measured"] > 0, "timed like for like on 2 items"
     assert vl["timed"]["items"] == 2 and vl["timed"]["concurrency"] == 1 and len(vl["timed"]["load_1m"]) == 2
+    # the stated figure: modelled where the model agreed with the measurement within 15%, else measured
+    assert vl["model_agrees"] == (abs(vl["modelled_timed"] / vl["measured"] - 1) <= 0.15)
+    assert vl["stated"] == (vl["modelled"] if vl["model_agrees"] else vl["measured"])
+    # the frontier beside the certificates: lossless and the accept-everything ceiling at every L of the range
+    frontier = json.loads((root / "sweep" / "report" / "frontier.json").read_text())
+    assert [r["draft_len"] for r in frontier["lossless"]] == [2, 3] == [r["draft_len"] for r in frontier["ceiling"]]
+    assert frontier["best_lossless"]["draft_len"] == vl["draft_len"], "the same best lossless as the certificate's"
+    assert all(c["vs_best_lossless"] >= 1.0 for c in frontier["ceiling"] if c["draft_len"] == vl["draft_len"])
+    assert len(frontier["trials"]) == 1 and len(frontier["budgets"]) == 1
+    assert "## The budgets" in (root / "sweep" / "report" / "frontier.md").read_text()
