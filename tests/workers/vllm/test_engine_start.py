@@ -47,8 +47,19 @@ def test_a_changed_patched_signature_fails_the_engine_start_before_vllm(tiny_dir
         VLLMDecoder(tiny_dirs, VLLMSettings(**SETTINGS))
 
 
+def test_the_attributes_the_plugin_reads_are_on_this_vllm_and_a_renamed_one_is_named(monkeypatch):
+    """Fields and attributes the plugin reads (never called, so no signature guards them): present on the installed
+    vLLM, and one a release renamed is a gate failure naming the class and the attribute."""
+    from workers.vllm import gates
+
+    assert all(gates.check_attributes(n, gates.resolve(n), a) is None for n, a in gates.ATTRIBUTES.items())
+    monkeypatch.setitem(gates.ATTRIBUTES, "vllm.v1.worker.gpu_input_batch.InputBatch", ("req_ids", "temperature_host"))
+    assert gates.check() == ["vllm.v1.worker.gpu_input_batch.InputBatch: has no temperature_host (the plugin reads them)"]
+
+
 def test_register_on_a_mismatch_makes_vllms_rule_raise_on_first_use(monkeypatch):
-    """vLLM's plugin loader only logs a plugin that raises: on a mismatch register() patches nothing and
+    """vLLM's plugin loader only logs a plugin that fails to import, and register() must not raise (that stops
+    the engine with a traceback): on a mismatch register() patches nothing and
     vLLM's rejection_sample raises the gate's message instead (stock `vllm serve` fails loudly)."""
     import vllm.v1.sample.rejection_sampler as rs
 

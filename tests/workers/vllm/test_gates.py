@@ -3,6 +3,9 @@ memory decision of the engines (main environment: no vLLM needed)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import NamedTuple
+
 import pytest
 import torch
 
@@ -54,6 +57,38 @@ def test_a_missing_symbol_and_a_reordered_prefix_fail():
                                                       "m.rejection_sample": reordered, "m.optional": None},
                            signatures=SIGS)
     assert len(problems) == 2 and "missing" in problems[0] and "rejection_sample: expected" in problems[1]
+
+
+class State(NamedTuple):
+    logits: object
+    spec_decode_metadata: object
+
+
+@dataclasses.dataclass
+class Cached:
+    num_computed_tokens: int
+    sampling_params: object
+
+
+class Batch:
+    def __init__(self):
+        self.temperature_cpu = None
+        self._req_ids: list[str] = []
+
+    @property
+    def req_ids(self):
+        return self._req_ids
+
+
+def test_attributes_are_read_from_fields_properties_and_assignments_and_a_missing_one_is_named():
+    attrs = {"m.State": ("logits", "spec_decode_metadata"), "m.Cached": ("num_computed_tokens", "sampling_params"),
+             "m.Batch": ("req_ids", "temperature_cpu")}
+    symbols = {"m.State": State, "m.Cached": Cached, "m.Batch": Batch}
+    assert gates.check(version="0.32.0", symbols=symbols, signatures={}, attributes=attrs) == []
+    renamed = {**attrs, "m.State": ("logits", "sample_hidden_states"), "m.Gone": ("x",)}
+    assert gates.check(version="0.32.0", symbols={**symbols, "m.Gone": None}, signatures={}, attributes=renamed) == [
+        "m.State: has no sample_hidden_states (the plugin reads them)", "m.Gone: missing (the plugin reads its x)"]
+    assert "temperature_cpu" in gates.attribute_names(Batch) and "temperature" not in gates.attribute_names(Batch)
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
