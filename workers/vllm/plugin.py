@@ -1,11 +1,10 @@
 """spectune's acceptance rules inside vLLM's verification: the ``vllm.general_plugins`` entry point.
 
-``pyproject.toml`` declares ``spectune_rules = "workers.vllm.plugin:register"``; vLLM calls
-:func:`register` in every process it starts (front end, engine core, each TP worker), possibly more
-than once, so it patches idempotently. Installing spectune changes nothing by itself: a rule runs
-only in processes whose environment names a rule file (``SPECTUNE_VLLM_RULE_FILE``, written by
-:class:`workers.vllm.engine.VLLMDecoder`), and the file is re-read when it changes, so one vLLM
-engine serves trial after trial with different rules.
+``pyproject.toml`` declares ``spectune_rules = "workers.vllm.plugin:register"``; vLLM calls :func:`register` in
+every process it starts (front end, engine core, each TP worker), possibly more than once: it patches idempotently.
+A rule runs where the environment names a rule file (``SPECTUNE_VLLM_RULE_FILE``, written by
+:class:`workers.vllm.engine.VLLMDecoder`; re-read when it changes, so one engine serves trial after trial), or
+where a request carries its own rule (then, with no file or a ``vllm-native`` one, the others run lossless).
 
 What is patched (vLLM V1 model runner, which also runs ``draft_model`` speculation on 0.32/0.33 and
 is the runner vLLM-CPU subclasses):
@@ -22,9 +21,8 @@ is the runner vLLM-CPU subclasses):
   (:func:`workers.vllm.drafts.scaled_as_vllm`; T = 1 for greedy drafting, for which vLLM returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
   steps whose rules never read it (lossless, top-k, typical, DropMatch naive: ``_step_needs_q``) draft
   the way vLLM does, without the full-vocabulary log-softmax and cached distribution per draft token.
-- ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs,
-  rows aligned with the logits) and the target model for DropMatch's dropout heads: no second
-  forward.
+- ``GPUModelRunner.sample_tokens`` keeps the step's ``sample_hidden_states`` (final-norm outputs, rows aligned with
+  the logits) and the target model for DropMatch's dropout heads: no second forward.
 
 - A draft narrower than the target (Qwen2.5-0.5B's 151,936 logits under Qwen2.5-7B's 152,064; the engine
   names its width in the target's config, :data:`~workers.vllm.settings.PAD_ATTR`, and only then):
@@ -38,16 +36,14 @@ is the runner vLLM-CPU subclasses):
   ``max_model_len`` vLLM skips the drafter for the whole batch and fills the next step's drafts with
   token id 0 and no distribution (:func:`workers.vllm.drafts.note_drafter`). The rules never judge those: they become -1
   (rejected by every rule, the target's token emitted), counted as a fallback.
-- Greedy drafting (``draft_sample_method="greedy"``) while a request samples (T > 0): the argmax drafts
-  were not drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q
-  one-hot at the draft: lossless stays lossless) and rules that read q fall back to lossless, counted.
-  spectune's engines always draft probabilistically.
+- Greedy drafting (``draft_sample_method="greedy"``) while a request samples (T > 0): the argmax drafts were not
+  drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q one-hot at the draft:
+  lossless stays lossless) and rules that read q fall back to lossless, counted (spectune's engines never do).
 - Under tensor parallelism ``rejection_sample`` broadcasts rank 0's output tokens to every rank each
   verify step (:func:`agree_across_ranks`) and the LM head is gathered at the first step by every rank
   (:func:`gather_head_under_tp`): no rank can emit other tokens or join a collective alone.
-- Version and signature gates (:mod:`workers.vllm.gates`): on an unsupported vLLM or a patched symbol
-  whose parameters changed, nothing is patched and ``rejection_sample`` raises on first use
-  (:func:`workers.vllm.gates.refuse_unsupported`); spectune's engines raise before vLLM starts.
+- Gates (:mod:`workers.vllm.gates`): on an unsupported vLLM, a changed signature or a missing attribute nothing is
+  patched and ``rejection_sample`` raises on first use; spectune's engines raise before vLLM starts.
 
 A request carries its own rule in ``SamplingParams.extra_args[RULE_ARG]`` (spectune's engines always
 send it; requests are grouped by rule; random draws keyed by rule seed, request seed and position);
@@ -99,6 +95,8 @@ from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: pub
     RULE_FILE_ENV,
     TRACE_DIR_ENV,
     _Active,
+    carries_rules,
+    implicit_rule,
     rule_digest,
     seen_rules,
     write_rule,
@@ -447,6 +445,8 @@ def register() -> None:
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
             active = RULE.shared(_tp_group())  # read once per step, by rank 0 alone under TP, and shared
+            if (active is None or active.policy is None) and carries_rules(self, self.input_batch.req_ids):
+                active = implicit_rule()  # no rule file or vLLM's own: a request's own rule still decides it
             STEP.active, STEP.snapshot = active, True
             mask = getattr(self, "_spectune_mask_from", None)
             if mask is None:

@@ -135,7 +135,7 @@ class _RuleState:
 
     def report(self, active: _Active) -> None:
         active.calls += 1
-        if active.calls in (1, 10, 100) or active.calls % 1000 == 0:
+        if (active.calls in (1, 10, 100) or active.calls % 1000 == 0) and os.environ.get(RULE_FILE_ENV):
             path = Path(os.environ[RULE_FILE_ENV])
             seen = path.parent / f"{path.name}.seen.{os.getpid()}.json"
             tmp = seen.with_suffix(".tmp")
@@ -145,6 +145,27 @@ class _RuleState:
 
 
 RULE = _RuleState()
+
+_IMPLICIT: list[_Active] = []
+
+
+def implicit_rule() -> _Active:
+    """The rule of a step in which a request carries its own rule but the rule file names none (no file, or
+    ``vllm-native``): lossless for the requests without one (the same distribution as vLLM's own rule), so each
+    request's own rule decides it rather than being ignored."""
+    if not _IMPLICIT:
+        _IMPLICIT.append(_activate({"policy": "lossless", "params": {}, "seed": 0,
+                                    "why": "a request carries its own rule; the rule file names none"}, (0, 0)))
+    return _IMPLICIT[0]
+
+
+def carries_rules(runner: Any, req_ids: list[str]) -> bool:
+    """Whether any request of the step carries its own rule (one dict lookup per request)."""
+    for rid in req_ids:
+        args = getattr(getattr(runner.requests.get(rid), "sampling_params", None), "extra_args", None)
+        if isinstance(args, dict) and RULE_ARG in args:
+            return True
+    return False
 
 
 def parse_rule_arg(spec: Any) -> dict[str, Any]:

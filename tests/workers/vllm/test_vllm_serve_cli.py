@@ -118,7 +118,7 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
     from workers.models.pair import save_tiny_pair
     from workers.vllm.faults import FAULTS_ENV
     from workers.vllm.orphans import OWNER_ENV
-    from workers.vllm.rules import RULE_FILE_ENV, TRACE_DIR_ENV, seen_rules
+    from workers.vllm.rules import NATIVE, RULE_FILE_ENV, TRACE_DIR_ENV, seen_rules
 
     draft, target = save_tiny_pair(tmp_path / "pair", head_dim=64, draft_vocab=288)  # a narrower draft: padded
     chosen = tmp_path / "chosen-budget-0.05.json"
@@ -203,6 +203,18 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
         (entry,) = ledger["requests"].values()
         assert entry["steps"] > 0 and entry["lossless_fallback_steps"] == entry["steps"]
         assert any("invalid" in reason or "no_such_rule" in reason for reason in entry["reasons"]), entry
+
+        # (d) the rule file hands verification back to vLLM: a request's own rule still decides that request
+        # (it was ignored before), and a request without one runs vLLM's own rule (no call reaches the plugin)
+        Path(export["rule_file"]).write_text(json.dumps({"policy": NATIVE, "params": {}, "seed": 0}))
+        choice, calls, ledger = complete(None)
+        assert choice["token_ids"] == want and not calls, "vLLM's own rule: greedy lossless, no spectune call"
+        lenient = {"policy": "kl_judge", "params": {"threshold": 0.3}, "seed": 2}
+        choice, calls, ledger = complete(json.dumps(lenient))
+        assert calls and all(c["spec"] == lenient and c["decided_by"] == "kl_judge" and c["fallback"] is None
+                             for c in calls), [(c["spec"], c["decided_by"], c["fallback"]) for c in calls]
+        (entry,) = ledger["requests"].values()
+        assert entry["steps"] > 0 and entry["lossless_fallback_steps"] == 0
     finally:
         sid = server.pid
         try:
