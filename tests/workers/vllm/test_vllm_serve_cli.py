@@ -163,11 +163,12 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
             assert time.monotonic() < deadline, f"vllm serve not healthy after 240 s:\n{log_tail()}"
             time.sleep(2)
 
-        def complete(rule: str | None) -> tuple[dict, list[dict], dict]:
+        def complete(rule: str | None, **extra: object) -> tuple[dict, list[dict], dict]:
             for f in trace_dir.glob("*.pt"):
                 f.unlink()
             body = {"model": "spectune", "prompt": PROMPT, "max_tokens": N, "temperature": 0, "ignore_eos": True,
                     "return_token_ids": True}
+            body.update(extra)
             if rule is not None:
                 body["vllm_xargs"] = {export["rule_arg"]: rule}
             status, out = http(f"{base}/v1/completions", body)
@@ -184,7 +185,13 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
                              for c in calls)
         (entry,) = ledger["requests"].values()
         assert entry["lossless_fallback_steps"] == 0 and set(entry["rules"]) == {export["digest"]}
+        assert "top_p_top_k_steps" not in entry
         assert any(s["digest"] == export["digest"] for s in seen_rules(export["rule_file"])), "the plugin ran it"
+        # a sampled request with top-p (vLLM drops it at T = 0): the rule reads the full distribution, so every
+        # step of it is counted (and warned)
+        choice, calls, ledger = complete(None, temperature=0.7, top_p=0.8, seed=1)
+        (entry,) = ledger["requests"].values()
+        assert entry["steps"] > 0 and entry["top_p_top_k_steps"] == entry["steps"], entry
 
         # (b) a per-request rule as a JSON string in vllm_xargs: lossless at T = 0 is the target's greedy
         own = {"policy": "lossless", "params": {}, "seed": 1}
