@@ -179,6 +179,15 @@ def check(version: str | None = None, symbols: dict[str, Any] | None = None,
     return problems
 
 
+def _installed_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:  # noqa: BLE001 - a log line only
+        return "?"
+
+
 def message(problems: list[str]) -> str:
     return ("spectune's vLLM plugin cannot patch this vLLM safely (it would run vLLM's own acceptance rule "
             "instead of spectune's):\n  " + "\n  ".join(problems)
@@ -198,7 +207,7 @@ ALLOW_UNPATCHED_ENV = "SPECTUNE_VLLM_ALLOW_UNPATCHED"
 def refuse_unsupported() -> bool:
     """The version and signature gates, applied by the plugin before it patches anything. On a mismatch nothing is patched, the
     problems go to :data:`~workers.vllm.FAILURES` (spectune's engines raise them before vLLM starts)
-    and are logged, and — since vLLM's plugin loader only logs a plugin that raises — vLLM's
+    and are logged, and — since ``register()`` must not raise (that stops vLLM's start with a traceback) — vLLM's
     ``rejection_sample`` raises them on first use: every speculative step of this process fails loudly
     (a request asking for a spectune rule cannot be told apart once the patch is off, so none runs
     silently under vLLM's own rule). A vLLM environment with spectune installed but meant for vLLM's
@@ -209,7 +218,10 @@ def refuse_unsupported() -> bool:
         problems = check()
     except Exception as err:  # noqa: BLE001 - the check itself failed: as loud as a mismatch
         problems = [f"the version/signature check failed ({type(err).__name__}: {err})"]
-    if not problems:
+    if not problems:  # the line a user looks for in vLLM's log to see that the plugin is active in this process
+        logging.getLogger("vllm.spectune").info(
+            "spectune rules plugin active in process %d: vLLM %s passes the gates; rule file %s", os.getpid(),
+            _installed_version(), os.environ.get("SPECTUNE_VLLM_RULE_FILE") or "none (requests' own rules only)")
         return False
     FAILURES[:] = problems
     logging.getLogger(__name__).error(message(problems))

@@ -163,6 +163,9 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
             assert time.monotonic() < deadline, f"vllm serve not healthy after 240 s:\n{log_tail()}"
             time.sleep(2)
 
+        assert "spectune rules plugin active" in log_tail() or "spectune rules plugin active" in \
+            (tmp_path / "serve.log").read_text(), "the startup line a user checks for"
+
         def complete(rule: str | None, **extra: object) -> tuple[dict, list[dict], dict]:
             for f in trace_dir.glob("*.pt"):
                 f.unlink()
