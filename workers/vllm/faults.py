@@ -23,7 +23,8 @@ class _Faults:
     probabilities on every n-th step with drafts (vLLM then logs "Missing cached draft probabilities
     ... falling back to legacy speculative rejection behavior" and passes ``draft_probs=None``, as it
     does in batched runs); ``drop_hidden_every`` withholds DropMatch's hidden states;
-    ``raise_every`` makes the rule raise; ``{"stall_s": s, "stall_times": k}`` makes the worker sleep s
+    ``raise_every`` makes the rule raise; ``fail_draft_call`` makes drafting for the rules raise in that call
+    (0-based) of every propose; ``{"stall_s": s, "stall_times": k}`` makes the worker sleep s
     seconds in a speculative step, k times in all across the engine's processes and their
     replacements (each stall appends ``pid ppid`` to ``<file>.stalled`` first, so a test knows when
     and whom to kill; delete that file with the spec). Unset (always, outside tests): no cost beyond
@@ -100,8 +101,18 @@ def install(plugin: Any) -> bool:
 
     if getattr(GPUModelRunner, "_spectune_faults", False):
         return True
+    from workers.vllm import drafts
+
     apply_rule = plugin.apply_rule
+    rules_drafts = drafts.drafts_for_rules
     draft_probs = GPUModelRunner._get_spec_decode_draft_probs
+
+    def faulty_drafts_for_rules(proposer: Any, *args: Any, **kwargs: Any) -> Any:
+        call = FAULTS.current().get("fail_draft_call")  # the call of each propose (0-based) that fails
+        if call is not None and int(getattr(proposer, "_spectune_call", 0)) == call + 1:
+            raise RuntimeError(f"injected drafting failure in call {call} of a propose")
+        return rules_drafts(proposer, *args, **kwargs)
+
     sample_tokens = GPUModelRunner.sample_tokens
 
     def faulty_apply_rule(active: Any, *args: Any, policy: Any = None, **kwargs: Any) -> Any:
@@ -141,6 +152,7 @@ def install(plugin: Any) -> bool:
                 FAULTS.steps += 1
 
     plugin.apply_rule = faulty_apply_rule
+    drafts.drafts_for_rules = faulty_drafts_for_rules
     GPUModelRunner._get_spec_decode_draft_probs = _get_spec_decode_draft_probs
     GPUModelRunner.sample_tokens = faulty_sample_tokens
     GPUModelRunner._spectune_faults = True

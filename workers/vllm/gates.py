@@ -62,11 +62,12 @@ SIGNATURES: dict[str, tuple[tuple[str, ...], str]] = {
 # NamedTuple / dataclass fields, class attributes and properties, or ``self.<name> =`` in the class's source
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "vllm.v1.worker.gpu_model_runner.ExecuteModelState": ("logits", "spec_decode_metadata", "sample_hidden_states"),
-    "vllm.v1.worker.gpu_model_runner.GPUModelRunner": ("execute_model_state", "input_batch", "requests"),
+    "vllm.v1.worker.gpu_model_runner.GPUModelRunner": ("execute_model_state", "input_batch", "requests", "drafter"),
     "vllm.v1.worker.gpu_input_batch.InputBatch": ("req_ids", "temperature_cpu"),
     "vllm.v1.worker.gpu_input_batch.CachedRequestState": ("num_computed_tokens", "sampling_params"),
     "vllm.v1.spec_decode.metadata.SpecDecodeMetadata": ("target_logits_indices",),
-    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer": ("_last_draft_probs", "take_last_draft_probs"),
+    "vllm.v1.spec_decode.llm_base_proposer.SpecDecodeBaseProposer": ("_last_draft_probs", "take_last_draft_probs",
+                                                                     "num_speculative_tokens", "parallel_drafting"),
 }
 
 FAILURES: list[str] = []  # what register() found in this process (empty: the patches are applied)

@@ -73,7 +73,8 @@ from typing import Any
 import torch
 
 from policies import fused
-from workers.vllm.drafts import note_drafter, scaled_as_vllm
+from workers.vllm import drafts as _drafts
+from workers.vllm.drafts import note_drafter, scaled_as_vllm  # noqa: F401 - public here too
 from workers.vllm.heads import (  # noqa: F401 - public here too
     TP_AGREEMENT,
     _lm_head,
@@ -383,56 +384,36 @@ def register() -> None:
             return orig_constraints(logits, *args, **kwargs)
 
         def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-            active = _rule_now()
-            if active is None or active.policy is None or (sampling_metadata.all_greedy and not _step_needs_q(active)):
+            # decided once per propose (K calls; vLLM stacks what they return): every call of it returns the
+            # same kind, vLLM's own (tokens, its probs or None) or the rules' (tokens, scaled logits)
+            if _drafts.first_call_of_propose(self):
+                active = _rule_now()
+                own = active is None or active.policy is None or (sampling_metadata.all_greedy
+                                                                  and not _step_needs_q(active))
+                if not own and getattr(self, "use_heterogeneous_vocab", False):
+                    # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
+                    # draft distribution, so rules that need one fall back to lossless (counted per step)
+                    _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
+                               "use_heterogeneous_vocab", fallback=False)
+                    own = True
+                self._spectune_mode = "vllm" if own else "rules"
+            if self._spectune_mode == "failed":  # an earlier call of this propose failed before any distribution
+                return _drafts.failed_draft(self, hidden_states, None, STEP)
+            if self._spectune_mode == "vllm":
                 # vLLM's own drafting: its rule, or greedy steps whose rules never read q (lossless, top-k):
                 # no full-vocabulary log-softmax and cached distribution per draft token
                 STEP.draft_scaled = STEP.greedy_drafts = False  # whatever reaches the sampler is vLLM's own q
                 return orig_draft(self, hidden_states, sampling_metadata)
-            if getattr(self, "use_heterogeneous_vocab", False):
-                # never raise inside the worker: vLLM drafts as usual and spectune's rules see no
-                # draft distribution, so rules that need one fall back to lossless (counted per step)
-                _warn_once("draft and target vocabularies differ: no draft distribution for spectune's rules",
-                           "use_heterogeneous_vocab", fallback=False)
-                STEP.draft_scaled = STEP.greedy_drafts = False
-                return orig_draft(self, hidden_states, sampling_metadata)
             logits = None
             try:
                 logits = self.model.compute_logits(hidden_states)
-                return _drafts_for_rules(self, logits, sampling_metadata)
+                return _drafts.drafts_for_rules(self, logits, sampling_metadata, STEP)
             except Exception as err:  # noqa: BLE001 - never a dead engine
-                # q cannot be handed over this step: the rules that read it fall back (counted); drafts are the
-                # argmax (lossless with q one-hot). No second compute_logits where the first ran: under TP it is
-                # a collective that the other ranks would not join.
+                # this propose's drafts cannot be judged: the next verify step treats them as placeholders (every
+                # rule rejects them, the target's token is emitted, counted per request); the return keeps the
+                # propose's kind. No second compute_logits where the first ran: under TP it is a collective.
                 _warn_once(f"drafting for spectune's rules failed ({type(err).__name__})", str(err))
-                STEP.draft_scaled = STEP.greedy_drafts = False
-                if logits is None:
-                    return orig_draft(self, hidden_states, sampling_metadata)
-                return logits.argmax(dim=-1), None
-
-        def _drafts_for_rules(self, logits, sampling_metadata):
-            probs = None
-            if not (sampling_metadata.all_greedy or not getattr(self, "_enable_probabilistic_draft_probs", False)):
-                # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs), in
-                # place: the rules get the same division, made on a copy first; vLLM's float32 probs go
-                scaled = scaled_as_vllm(logits, sampling_metadata.temperature)
-                tokens, probs = self._sample_from_logits(logits, sampling_metadata)
-            if probs is None:
-                tokens = logits.argmax(dim=-1)
-                scaled = logits  # greedy drafts: the T = 1 logits, as they are
-                # greedy drafting (draft_sample_method "greedy") while some request samples: these argmax
-                # drafts were not drawn from q, so the T > 0 requests must not be judged with it (decide_step)
-                STEP.greedy_drafts = not sampling_metadata.all_greedy
-                if STEP.greedy_drafts:
-                    _warn_once("greedy drafting with T > 0 requests", "speculative_config draft_sample_method is not "
-                               "'probabilistic': T > 0 requests get no draft distribution (q one-hot at the argmax "
-                               "draft); rules that read q fall back to the lossless rule", fallback=False)
-            else:
-                STEP.greedy_drafts = False
-                del probs
-            # a padded draft's missing ids are -inf already (_PaddedLogits), so q = 0 there exactly
-            STEP.draft_scaled = True
-            return tokens, scaled
+                return _drafts.failed_draft(self, hidden_states, logits, STEP)
 
         def _input_fits_in_drafter(self, *args, **kwargs):
             fits = orig_fits(self, *args, **kwargs)
@@ -452,6 +433,9 @@ def register() -> None:
             if mask is None:
                 mask = self._spectune_mask_from = mask_from(self.model_config)
             STEP.mask_from = mask
+            if getattr(getattr(self, "drafter", None), "_spectune_failed", False):  # the last propose failed: its
+                self.drafter._spectune_failed = False  # drafts are judged by no rule, as placeholders are
+                note_drafter(self, False)
             if not getattr(self, "_spectune_head_ready", False) and self.speculative_config is not None:
                 # under TP the LM head is gathered here, once, by every rank (whatever its rule file said),
                 # never lazily inside a rule where one rank could fail or skip the collective alone

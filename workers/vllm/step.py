@@ -164,7 +164,7 @@ def _greedy_rows(draft_ids: torch.Tensor, num: torch.Tensor, target_logits: torc
     return out
 
 
-SKIPPED = "drafter skipped (placeholder drafts)"
+SKIPPED = "drafter skipped or failed (placeholder drafts)"
 GREEDY_AT_T = "greedy drafting at T > 0 (no draft distribution)"
 
 
@@ -319,8 +319,8 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         else:  # deterministic given its inputs: one vectorised call
             decide(pol, members, t, keyed[0] or 0)
     if any(skip):
-        _warn_once(SKIPPED, "vLLM skipped the drafter near max_model_len: those drafts are rejected, the "
-                            "target's token is emitted")
+        _warn_once(SKIPPED, "vLLM skipped the drafter near max_model_len, or drafting for the rules failed: those "
+                            "drafts are rejected, the target's token is emitted")
         for i in range(b):
             if skip[i] and fallback[i] is None:
                 fallback[i] = SKIPPED

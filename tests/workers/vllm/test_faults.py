@@ -127,6 +127,30 @@ def test_missing_hidden_states_and_a_failing_rule_fall_back(engine, cpu_engine, 
     assert "rule error (RuntimeError)" in engine.fallback_totals["reasons"]
 
 
+@pytest.mark.parametrize("call", [0, 1, L - 1])
+def test_a_drafting_failure_in_any_call_of_a_propose_never_kills_the_engine(engine, cpu_engine, faults, call):
+    """vLLM's proposer calls the drafting patch L times per propose and stacks what they return: a failure in one
+    of them (the first: no distribution yet; a later one: the others returned the rules' scaled logits) keeps
+    the propose's kind, so nothing mixed or None reaches vLLM's stack (before: an engine death, or bf16 logits
+    stacked with float32 probabilities); the next verify step judges those drafts by no rule, counted."""
+    want = cpu_engine.autoregressive(PROMPTS[2], max_new_tokens=24).token_ids
+    faults(fail_draft_call=call)
+    policy = make_policy("kl_judge", threshold=0.0)  # reads q at T = 0: drafting runs in the rules' mode
+    gen = engine.generate(PROMPTS[2], policy, draft_len=L, max_new_tokens=24)
+    assert gen.token_ids == want
+    assert gen.stats.lossless_fallback_steps > 0
+    reasons = engine.fallback_totals["reasons"]  # the first call failed: no distribution reaches the verify at all
+    assert reasons.get("drafter skipped or failed (placeholder drafts)", 0) > 0 or (
+        call == 0 and reasons.get("missing draft distribution", 0) > 0), reasons
+    sampled = engine.generate(PROMPTS[2], make_policy("kl_judge", threshold=0.3), draft_len=L, max_new_tokens=16,
+                              temperature=0.8, seed=3)
+    assert sampled.finish_reason in ("eos", "length") and sampled.token_ids, "T > 0: probabilistic drafts"
+    assert sampled.stats.lossless_fallback_steps > 0
+    faults()
+    again = engine.generate(PROMPTS[2], policy, draft_len=L, max_new_tokens=16)
+    assert again.stats.lossless_fallback_steps == 0 and again.stats.num_drafts > 0
+
+
 # -- an engine that dies under a batch --------------------------------------------------------------------
 
 def _greedy(cpu_engine, n):
