@@ -186,20 +186,19 @@ class Sweep:
 
     def best_lossless(self, records: dict[str, Record]) -> dict[str, Any]:
         """Lossless at its fastest L of the search range, on the trial's items (``jobs.baseline``)."""
-        from jobs.baseline import best_lossless, lossless_all
+        from jobs.baseline import best_lossless
+        return best_lossless(records, self.lossless_range(), self.cost_ratio, self.verify_factor)
 
+    def lossless_range(self) -> dict[int, dict[str, Record]]:
+        from jobs.baseline import lossless_all
         lo, hi = self.s["draft_len"][0], self.s["draft_len"][-1]
         if any(f"lossless-{n}" not in self.refs for n in range(lo, hi + 1)):
             lossless_all(self, list(range(lo, hi + 1)))
-        lossless = {n: self.lossless(n) for n in range(lo, hi + 1)}
-        return best_lossless(records, lossless, self.cost_ratio, self.verify_factor)
+        return {n: self.lossless(n) for n in range(lo, hi + 1)}
 
     def shard_size(self, items: list) -> int | None:
-        """vLLM batches a shard in one ``generate`` (continuous batching): one shard per actor. The
-        CPU engine decodes one item at a time, so small shards (the default) balance the actors."""
-        if self.args.engine != "vllm" or not items:
-            return None
-        return math.ceil(len(items) / max(1, len(self.workers)))
+        """vLLM batches a shard in one ``generate``: one shard per actor; the CPU engine small ones (the default)."""
+        return math.ceil(len(items) / max(1, len(self.workers))) if self.args.engine == "vllm" and items else None
 
     def lossless(self, draft_len: int, split: str = "search", n: int | None = None) -> dict[str, Record]:
         """Lossless at ``draft_len`` on the search items, or on the first ``n`` (default all) confirmation items."""
@@ -246,6 +245,7 @@ class Sweep:
         trial = self.study.ask()
         family, params, draft_len = suggest(trial, self.s["families"], self.s["draft_len"], self.s.get("ranges"))
         spec = DecodeSpec.make(family, params, draft_len, **self.s["decode"])
+        self.lossless_range()  # every L's lossless first, one pass per item (not the trial's L alone, then the rest)
         ar, ll = self.refs[TARGET_ONLY], self.lossless(draft_len)
         store = RecordStore(self.dir / "trials" / f"{slug(spec.label())}-{spec.key()}")
         records = {k: v for k, v in store.load().items() if k in ar}
