@@ -112,13 +112,14 @@ def memory_decision(s: VLLMSettings, draft_dir: Path, target_dir: Path, total_by
     plan = plan_memory(int(total_bytes), ModelShape.from_dir(target_dir), ModelShape.from_dir(draft_dir),
                        dtype=s.dtype if s.dtype in DTYPE_BYTES else "bfloat16", tp=s.tensor_parallel_size,
                        max_num_seqs=s.max_num_seqs or 256, draft_len=s.draft_len, max_model_len=s.max_model_len)
+    seqs = s.max_num_seqs or 256  # the plan's batch, passed on (vLLM's own default on a large card is 1024)
     if plan.mode == "both":
         budget = round(plan.speculative_utilization + plan.reference_utilization, 3)
-        return dataclasses.replace(s, gpu_memory_utilization=budget,
+        return dataclasses.replace(s, gpu_memory_utilization=budget, max_num_seqs=seqs,
                                    target_only_memory_utilization=plan.reference_utilization,
                                    one_engine_at_a_time=False), plan
     if plan.mode == "one at a time":
-        return dataclasses.replace(s, gpu_memory_utilization=plan.speculative_utilization,
+        return dataclasses.replace(s, gpu_memory_utilization=plan.speculative_utilization, max_num_seqs=seqs,
                                    target_only_memory_utilization=plan.reference_utilization,
                                    one_engine_at_a_time=True), plan
     raise ValueError(f"the pair does not fit a {total_bytes / GIB:.1f} GiB device at tensor_parallel_size "
@@ -127,16 +128,30 @@ def memory_decision(s: VLLMSettings, draft_dir: Path, target_dir: Path, total_by
                      "Set gpu_memory_utilization / one_engine_at_a_time to override the plan.")
 
 
+def device_total_bytes() -> int:
+    """The first visible GPU's total memory, read through NVML (vLLM's platform layer maps the visible index),
+    which creates no CUDA context here; ``torch.cuda.mem_get_info`` would create one, held by this process for
+    its lifetime beside the engines' (~0.5 GiB the plan does not give it)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return int(current_platform.get_device_total_memory(0))
+    except Exception:  # noqa: BLE001 - no vLLM here, or no NVML: the CUDA runtime's device properties
+        import torch
+
+        return int(torch.cuda.get_device_properties(0).total_memory)
+
+
 def plan_memory_on_gpu(s: VLLMSettings, draft_dir: Path, target_dir: Path) -> VLLMSettings:
-    """:func:`memory_decision` with this process's GPU (``torch.cuda.mem_get_info``'s total), logged; on
-    CPU builds (no CUDA) the settings unchanged."""
+    """:func:`memory_decision` with this process's GPU (:func:`device_total_bytes`), logged; on CPU builds (no
+    CUDA) the settings unchanged."""
     import logging
 
     import torch
 
     if not torch.cuda.is_available():
         return s
-    total = torch.cuda.mem_get_info()[1]
+    total = device_total_bytes()
     planned, plan = memory_decision(s, draft_dir, target_dir, total)
     if plan is not None:
         logging.getLogger(__name__).warning(

@@ -7,7 +7,9 @@ draft's too in the speculative engine; what spectune adds outside vLLM's profili
 distribution q and its concatenated copy, ``[max_num_seqs x L, V]`` each, in the draft's dtype (the drafter's
 logits divided by T, :func:`workers.vllm.drafts.scaled_as_vllm`); DropMatch's dropout
 logits, one chunk of ``K x 2^26 / K`` float32 at most; the LM head gathered whole on every rank under TP);
-and a fixed headroom for the CUDA context, NCCL and allocator slack. From those:
+a CUDA context per process on the device; and a fixed headroom for NCCL and allocator slack. vLLM hands an
+engine's whole ``gpu_memory_utilization`` share, less the peak it profiled, to the KV cache, so the extras
+(allocated by the rules after profiling) and the contexts are kept outside both engines' shares. From those:
 
 - ``both``: both engines resident on one device (no restart between a reference and a candidate), each
   given a ``gpu_memory_utilization`` that covers its own need plus a share of what is left;
@@ -32,7 +34,8 @@ from typing import Any
 from policies.ragged import CHUNK_ELEMENTS  # the padded float32 block a rule call works on at once (GPU)
 
 GIB = 1 << 30
-HEADROOM_BYTES = int(1.5 * GIB)  # CUDA context, NCCL buffers, allocator fragmentation: outside any engine
+HEADROOM_BYTES = int(1.5 * GIB)  # NCCL buffers, allocator fragmentation: outside any engine
+CONTEXT_BYTES = int(0.5 * GIB)  # one CUDA context per process on the device (each engine's worker, the caller's)
 TP_SIZES = (1, 2, 4, 7, 8, 14, 16)  # tried for the smallest TP that fits (the heads must divide, both models)
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "float": 4}
 
@@ -104,8 +107,9 @@ class MemoryPlan:
     mode: str  # "both", "one at a time", "does not fit"
     speculative_gib: float  # the speculative engine's need per rank: weights, KV, spectune's extras
     reference_gib: float  # the target-only engine's need per rank
-    extras_gib: float  # of speculative_gib: q cache, DropMatch logits, the gathered LM head
+    extras_gib: float  # of speculative_gib: q cache, DropMatch logits, the gathered LM head (outside every share)
     headroom_gib: float
+    reserved_gib: float  # outside both engines' shares: headroom, the CUDA contexts and spectune's extras
     speculative_utilization: float | None  # gpu_memory_utilization to give each engine (None: does not fit)
     reference_utilization: float | None
     kv_tokens: int  # KV-cache tokens each engine is sized for
@@ -143,18 +147,28 @@ def plan_memory(card_bytes: int, target: ModelShape, draft: ModelShape, *, dtype
     nbytes = DTYPE_BYTES[dtype]
     kv_tokens = max(max_model_len, max_num_seqs * context)
     spec, ref, extras = _needs(target, draft, nbytes, tp, kv_tokens, max_num_seqs, draft_len, dropmatch_k)
-    usable = card_bytes - HEADROOM_BYTES
-    smallest = next((t for t in TP_SIZES if target.splits_over(t) and draft.splits_over(t)
-                     and max(_needs(target, draft, nbytes, t, kv_tokens, max_num_seqs, draft_len, dropmatch_k)[:2])
-                     <= usable), None)
+    # vLLM gives an engine's whole share, less its profiled peak, to the KV cache: spectune's extras (allocated
+    # by the rules at run time, after profiling) and every process's CUDA context must lie outside both shares
+
+    def usable(contexts: int, extra: int = extras) -> int:
+        return card_bytes - HEADROOM_BYTES - contexts * CONTEXT_BYTES - extra
+
+    def fits_alone(t: int) -> bool:
+        s_, r_, x_ = _needs(target, draft, nbytes, t, kv_tokens, max_num_seqs, draft_len, dropmatch_k)
+        return max(s_ - x_, r_) <= usable(2, x_)
+
+    smallest = next((t for t in TP_SIZES if target.splits_over(t) and draft.splits_over(t) and fits_alone(t)), None)
     g = 1 / GIB
-    if spec + ref <= usable:
-        spare = usable - spec - ref  # shared in proportion to need: more KV for both
-        s_share = (spec + spare * spec / (spec + ref)) / card_bytes
-        r_share = (ref + spare * ref / (spec + ref)) / card_bytes
-        mode, note = "both", "both engines resident; vLLM's fractions below leave the headroom free"
-    elif max(spec, ref) <= usable:
-        s_share = r_share = usable / card_bytes
+    engine = spec - extras  # what vLLM's profiling of the speculative engine sees
+    contexts = 3  # both engines' workers and the process that starts them
+    if engine + ref <= usable(3):
+        spare = usable(3) - engine - ref  # shared in proportion to need: more KV for both
+        s_share = (engine + spare * engine / (engine + ref)) / card_bytes
+        r_share = (ref + spare * ref / (engine + ref)) / card_bytes
+        mode, note = "both", "both engines resident; their fractions leave the headroom, contexts and extras free"
+    elif max(engine, ref) <= usable(2):
+        contexts = 2
+        s_share = r_share = usable(2) / card_bytes
         mode, note = "one at a time", "each engine alone fits, not both: they alternate (a restart per switch)"
     else:
         s_share = r_share = None
@@ -165,6 +179,7 @@ def plan_memory(card_bytes: int, target: ModelShape, draft: ModelShape, *, dtype
     return MemoryPlan(card_gib=round(card_bytes * g, 1), tp=tp, mode=mode, speculative_gib=round(spec * g, 2),
                       reference_gib=round(ref * g, 2), extras_gib=round(extras * g, 2),
                       headroom_gib=round(HEADROOM_BYTES * g, 2),
+                      reserved_gib=round((card_bytes - usable(contexts)) * g, 2),
                       speculative_utilization=None if s_share is None else round(math.floor(s_share * 1000) / 1000, 3),
                       reference_utilization=None if r_share is None else round(math.floor(r_share * 1000) / 1000, 3),
                       kv_tokens=kv_tokens, smallest_tp=smallest, note=note)

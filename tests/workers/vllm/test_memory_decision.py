@@ -66,9 +66,30 @@ def test_no_gpu_leaves_the_settings_and_the_cpu_default(pair_7b, monkeypatch):
     assert memory_shares(s, shared=False) == (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_GPU_MEMORY_UTILIZATION)
 
 
-def test_on_a_gpu_the_plan_uses_the_devices_total(pair_7b, monkeypatch):
+def test_on_a_gpu_the_plan_uses_the_devices_total_without_creating_a_context(pair_7b, monkeypatch):
+    from types import SimpleNamespace
+
     import torch
 
+    def no_context():
+        raise AssertionError("mem_get_info creates a CUDA context this process would hold beside the engines")
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (10 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_context)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=80 * GIB))
     assert plan_memory_on_gpu(VLLMSettings(), *pair_7b).one_engine_at_a_time is False
+
+
+def test_the_plan_keeps_spectunes_extras_and_the_contexts_outside_both_shares_and_passes_max_num_seqs(pair_7b):
+    """vLLM gives each engine's whole share, less its profiled peak, to the KV cache: the rules' extras (allocated
+    after profiling) and three CUDA contexts must fit in what the two shares leave; the batch the plan assumed
+    is the one vLLM runs (its own default on a large card is 1024, not 256)."""
+    s, plan = memory_decision(VLLMSettings(), *pair_7b, 141 * GIB)
+    assert plan.mode == "both" and plan.extras_gib > 0.5
+    outside = 141 * (1 - plan.speculative_utilization - plan.reference_utilization)
+    assert outside >= plan.headroom_gib + 3 * 0.5 + plan.extras_gib - 0.01
+    assert plan.reserved_gib == pytest.approx(plan.headroom_gib + 1.5 + plan.extras_gib, abs=0.01)
+    assert s.max_num_seqs == 256
+    assert engine_kwargs(s, pair_7b[1], pair_7b[0], shared=True)["max_num_seqs"] == 256
+    s8, _ = memory_decision(VLLMSettings(max_num_seqs=8), *pair_7b, 141 * GIB)
+    assert s8.max_num_seqs == 8, "the user's batch is kept and planned for"
