@@ -9,6 +9,10 @@ would make on a GPU, without one:
         decide_step(...)
     syncs.total, syncs.by_kind
 
+Host-to-device copies block too: ``torch.tensor(host_list, device=cuda)`` (or ``as_tensor``) waits for the
+copy, so each such call with an explicit device is counted (kind ``h2d``) wherever it runs; a pinned buffer
+copied with ``non_blocking=True`` (:func:`to_device`) is not.
+
 It is a count of call sites reached, not a timing; on CUDA, ``torch.cuda.set_sync_debug_mode`` is the
 direct check.
 """
@@ -40,6 +44,7 @@ class HostSyncs(TorchDispatchMode):
     the Tensor methods for the duration."""
 
     _WRAPPED = ("tolist", "cpu", "numpy")
+    _FACTORIES = ("tensor", "as_tensor")  # host data to an explicit device: a blocking copy on a GPU
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,10 +83,32 @@ class HostSyncs(TorchDispatchMode):
                     self._depth -= 1
 
             setattr(torch.Tensor, method, counted)
+        for name in self._FACTORIES:
+            factory = getattr(torch, name)
+            self._saved["torch." + name] = factory
+
+            def copied(data: Any, *a: Any, _f: Any = factory, **k: Any) -> Any:
+                if self._depth == 0 and k.get("device") is not None and not isinstance(data, torch.Tensor):
+                    self.by_kind["h2d"] += 1
+                return _f(data, *a, **k)
+
+            setattr(torch, name, copied)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         for method, original in self._saved.items():
-            setattr(torch.Tensor, method, original)
+            if method.startswith("torch."):
+                setattr(torch, method[len("torch."):], original)
+            else:
+                setattr(torch.Tensor, method, original)
         self._saved.clear()
         return super().__exit__(*exc)
+
+
+def to_device(values: Any, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values on ``device`` without the host waiting: on CUDA through a pinned buffer copied with
+    ``non_blocking=True`` (the stream orders it before any kernel that reads it); elsewhere as they are."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if device.type == "cpu" else t.to(device)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from workers.vllm.host_syncs import to_device
+
 _NEEDS_Q: dict[str, bool] = {}
 
 
@@ -222,7 +224,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
 
     device = target_logits.device
     b = len(num_draft_tokens)
-    num = torch.tensor(num_draft_tokens, dtype=torch.long, device=device)
+    num = to_device(num_draft_tokens, device)  # pinned, non-blocking: the host never waits for these copies
     bonus = bonus_token_ids.reshape(b, -1)[:, 0] if b else bonus_token_ids.reshape(0)
     out = torch.full((b, max_spec_len + 1), -1, dtype=torch.int32, device=device)
     fallback: list[str | None] = [None] * b
@@ -235,7 +237,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
     if any(skip):  # placeholder drafts: rows of those requests become -1 (host-side row list, no device read)
         rows_skipped = [starts[i] + k for i in range(b) if skip[i] for k in range(int(num_draft_tokens[i]))]
         draft_token_ids = draft_token_ids.clone()
-        draft_token_ids[torch.tensor(rows_skipped, dtype=torch.long, device=draft_token_ids.device)] = -1
+        draft_token_ids[to_device(rows_skipped, draft_token_ids.device)] = -1
     own = [policies is not None and policies[i] is not None for i in range(b)]
     groups: dict[tuple[str, float], list[int]] = {}
     for i in range(b):
@@ -243,15 +245,16 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
         groups.setdefault((("r:" + key) if own[i] else "default", temps[i]), []).append(i)
 
     def decide(pol: Any, members: list[int], t: float, gen_seed: int, row_keys: list[int] | None = None) -> None:
-        req = torch.tensor(members, dtype=torch.long, device=device)
-        n_req = num.index_select(0, req)
         # the group's flat rows from the host-side draft counts: no device read (a GPU would wait for one)
         lengths = [int(num_draft_tokens[i]) for i in members]
-        rows = torch.tensor([starts[i] + k for i in members for k in range(int(num_draft_tokens[i]))],
-                            dtype=torch.long, device=device)
+        n_rows = sum(lengths)
         # the step's only group (one rule, one temperature: the common case) takes the rows as they are:
-        # no copy of the [N, V] logits (~45 ms per step at 32 x 5 x 152k fp32 on this CPU)
-        whole = len(members) == b and int(rows.shape[0]) == int(target_logits.shape[0])
+        # no copy of the [N, V] logits (~45 ms per step at 32 x 5 x 152k fp32 on this CPU), no index copied over
+        whole = len(members) == b and n_rows == int(target_logits.shape[0])
+        req = torch.arange(b, device=device) if whole else to_device(members, device)
+        n_req = num if whole else num.index_select(0, req)
+        rows = torch.arange(n_rows, device=device) if whole else to_device(
+            [starts[i] + k for i in members for k in range(int(num_draft_tokens[i]))], device)
         pick = (lambda x: x) if whole else (lambda x: x.index_select(0, rows))  # noqa: E731
         inputs = dict(draft_token_ids=pick(draft_token_ids).long(), num_draft_tokens=n_req,
                       target_logits=pick(target_logits), bonus_token_ids=bonus.index_select(0, req),
