@@ -117,20 +117,41 @@ def agree_across_ranks(output: torch.Tensor, group: Any) -> torch.Tensor:
     return output if agreed is None else agreed
 
 
+def needs_head(policies: list[Any]) -> bool:
+    """Whether any of a step's rules (the rule file's, the requests' own) builds dropout heads from the LM head."""
+    from workers.vllm.step import _needs_hidden
+
+    return any(p is not None and _needs_hidden(p) for p in policies)
+
+
 def gather_head_under_tp(model: Any, vocab: int, mask: int, group: Any) -> None:
-    """Under TP, the target's full LM head (:func:`_lm_head`) gathered on every rank at the first step, for
+    """Under TP, the target's full LM head (:func:`_lm_head`) gathered on every rank at the first step whose rules
+    need it (:func:`needs_head`: DropMatch; every rank decides alike, from rank 0's rule and the same requests), for
     DropMatch's dropout heads: V x d x dtype bytes more per rank (bf16: 0.47 GB for Qwen2.5-1.5B, 1.09 GB
     for 7B, 2.5 GB for 72B; counted by :mod:`workers.vllm.memory`). A head that is not a plain tensor
     (quantized) is skipped on every rank alike (the same model everywhere); DropMatch then falls back.
     Never raises (it runs outside any rule's guard, and a raise here would stop the engine): a gather that
     fails (a short head, out of memory) is recorded on the model, and DropMatch then falls back to the
     lossless rule, counted, at every step on every rank, with no further collective."""
-    if group is None or model is None or getattr(model, "_spectune_lm_head", None) is not None:
+    if group is None or model is None or getattr(model, "_spectune_lm_head", None) is not None \
+            or getattr(model, "_spectune_lm_head_error", None) is not None:
         return
     weight = getattr(getattr(model, "lm_head", None), "weight", None)
     if not isinstance(weight, torch.Tensor):
         return
     try:
+        # every rank first tries to allocate what the gather will hold (the caching allocator keeps it for the
+        # gather), then all agree: one rank short of memory must not leave the others alone in the collective
+        ok = 1
+        try:
+            probe = torch.empty(weight.numel() * max(1, int(getattr(group, "world_size", 1))) * weight.element_size(),
+                                dtype=torch.uint8, device=weight.device)
+            del probe
+        except RuntimeError:  # torch.cuda.OutOfMemoryError is one
+            ok = 0
+        short = group.all_reduce(torch.tensor([1 - ok], dtype=torch.int32, device=weight.device))
+        if int(short.reshape(-1)[0]) > 0:  # once per engine: the only device read of this path
+            raise RuntimeError(f"{int(short.reshape(-1)[0])} rank(s) could not allocate the gathered head")
         _lm_head(model, vocab, mask, gather=True)
     except Exception as err:  # noqa: BLE001 - never a dead engine; every rule that needs the head falls back
         model._spectune_lm_head_error = f"{type(err).__name__}: {err}"

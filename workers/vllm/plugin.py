@@ -39,8 +39,9 @@ is the runner vLLM-CPU subclasses):
   drawn from the distribution the proposer patch hands over, so T > 0 requests get none (q one-hot at the draft:
   lossless stays lossless) and rules that read q fall back to lossless, counted (spectune's engines never do).
 - Under tensor parallelism ``rejection_sample`` broadcasts rank 0's output tokens to every rank each
-  verify step (:func:`agree_across_ranks`) and the LM head is gathered at the first step by every rank
-  (:func:`gather_head_under_tp`): no rank can emit other tokens or join a collective alone.
+  verify step (:func:`agree_across_ranks`) and the LM head is gathered by every rank at the first step whose
+  rules need it (DropMatch; :func:`gather_head_under_tp`, after all ranks agree they can hold it): no rank can
+  emit other tokens or join a collective alone.
 - Gates (:mod:`workers.vllm.gates`): on an unsupported vLLM, a changed signature or a missing attribute nothing is
   patched and ``rejection_sample`` raises on first use; spectune's engines raise before vLLM starts.
 
@@ -83,6 +84,7 @@ from workers.vllm.heads import (  # noqa: F401 - public here too
     agree_across_ranks,
     gather_head_under_tp,
     mask_from,
+    needs_head,
     pad_logits,
     padded_draft_width,
 )
@@ -436,11 +438,6 @@ def register() -> None:
             if getattr(getattr(self, "drafter", None), "_spectune_failed", False):  # the last propose failed: its
                 self.drafter._spectune_failed = False  # drafts are judged by no rule, as placeholders are
                 note_drafter(self, False)
-            if not getattr(self, "_spectune_head_ready", False) and self.speculative_config is not None:
-                # under TP the LM head is gathered here, once, by every rank (whatever its rule file said),
-                # never lazily inside a rule where one rank could fail or skip the collective alone
-                gather_head_under_tp(self.model, self.model_config.get_vocab_size(), mask, _tp_group())
-                self._spectune_head_ready = True
             if mask and state is not None and state.logits is not None:
                 # a padded draft's missing ids: never the target's either, in every engine and every path
                 # (vLLM's sampler, bonus tokens, the rule's target logits), as on the CPU engine
@@ -460,6 +457,12 @@ def register() -> None:
                 except Exception as err:  # noqa: BLE001 - the rule file's rule decides instead
                     STEP.rules = None
                     _warn_once(f"per-request rules unreadable ({type(err).__name__})", str(err))
+                if not getattr(self, "_spectune_head_ready", False) and needs_head(
+                        [active.policy, *(r.policy for r in STEP.rules or () if r is not None)]):
+                    # under TP the LM head is gathered here by every rank alike (rank 0's rule, the same requests)
+                    # at the first step whose rules need it: never inside a rule, where one rank could be alone
+                    gather_head_under_tp(self.model, self.model_config.get_vocab_size(), mask, _tp_group())
+                    self._spectune_head_ready = True
             try:
                 return orig_sample_tokens(self, grammar_output)
             finally:

@@ -116,8 +116,12 @@ class FakeGroup:
 
     world_size = 2
 
-    def __init__(self, rank0):
-        self.rank0, self.calls = rank0, 0
+    def __init__(self, rank0, peer_short: int = 0):
+        self.rank0, self.calls, self.peer_short, self.reduces = rank0, 0, peer_short, 0
+
+    def all_reduce(self, tensor):  # the other rank adds whether it was short of memory
+        self.reduces += 1
+        return tensor + self.peer_short
 
     def broadcast(self, tensor, src=0):
         assert src == 0 and tensor.is_contiguous()
@@ -151,6 +155,29 @@ def test_the_head_is_gathered_once_under_tp_only(monkeypatch):
     quantized.lm_head = torch.nn.Module()  # no plain weight: skipped alike on every rank
     heads.gather_head_under_tp(quantized, 16, 0, FakeGroup(None))
     assert gathered == [(16, 12, True)]
+
+
+def test_the_head_is_gathered_only_for_rules_that_need_it_and_only_when_every_rank_can_hold_it(monkeypatch):
+    """Gathered at the first step whose rules build dropout heads (not for a KL judge: +1.09 GB per rank for a
+    7B target, for nothing), and only after every rank allocated its room: a rank short of memory would
+    otherwise never enter the collective while the others wait in it (a hung engine)."""
+    from policies import make_policy
+    from workers.vllm import heads
+
+    assert not heads.needs_head([make_policy("kl_judge"), None, make_policy("lossless")])
+    assert heads.needs_head([make_policy("kl_judge"), make_policy("dropmatch")])
+    gathered = []
+    monkeypatch.setattr(heads, "_lm_head", lambda model, vocab, mask, gather: gathered.append(vocab))
+    model = _shard_model()
+    group = FakeGroup(None, peer_short=1)  # the other rank could not allocate
+    heads.gather_head_under_tp(model, 16, 0, group)
+    assert gathered == [] and group.reduces == 1, "no rank enters the gather"
+    assert "1 rank(s) could not allocate" in model._spectune_lm_head_error
+    heads.gather_head_under_tp(model, 16, 0, group)
+    assert group.reduces == 1, "recorded: never tried again (DropMatch falls back, counted)"
+    fine = FakeGroup(None)
+    heads.gather_head_under_tp(_shard_model(), 16, 0, fine)
+    assert gathered == [16] and fine.reduces == 1
 
 
 def test_a_failed_gather_never_raises_and_dropmatch_falls_back_on_every_step(monkeypatch):
