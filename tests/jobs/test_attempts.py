@@ -79,18 +79,23 @@ def test_the_ledger_lives_outside_any_runs_root(tmp_path, monkeypatch):
 
 
 def test_the_attempts_made_before_the_ledger_are_shipped_in_it():
-    """The 2026-11-30 real-pair sweep (40 confirmation items) and the 2026-12-01 KL-judge certificate (120 of its
-    240 planned items used) are in every ledger of the shipped pair on GSM8K: the committed certificate's items
+    """The 2026-11-30 real-pair sweep (40 confirmation items), the 2026-12-01 KL-judge certificate (120 of its
+    240 planned items used) and the 2026-12-02 frontier's attempt are in every ledger of the shipped pair on GSM8K: the committed certificate's items
     overlap the first attempt's on 19 items, which is why it is marked superseded."""
     from workers.models.identity import pair_fingerprint
 
     ledger = AttemptLedger("gsm8k", pair_fingerprint("qwen2.5-coder-0.5b+1.5b"), "/nonexistent")
     attempts = ledger.attempts()
-    assert sorted(attempts) == ["known-2026-11-30", "known-2026-12-01"]
+    assert sorted(attempts) == ["467f0c67fa7e", "known-2026-11-30", "known-2026-12-01"]
     first, second = attempts["known-2026-11-30"], attempts["known-2026-12-01"]
     assert len(first["used"]) == 40 and len(second["used"]) == 120 and len(second["items"]) == 240
     assert len(set(first["used"]) & set(second["used"])) == 19
     assert len(set(first["search_items"]) & set(second["used"])) == 8
+    # the 2026-12-02 frontier (docs/results/gsm8k-real-frontier): 64 items no earlier attempt used, all four
+    # budgets decided (none certified), so no later attempt confirms on them
+    frontier = attempts["467f0c67fa7e"]
+    assert len(frontier["used"]) == 64 and not set(frontier["used"]) & (set(first["used"]) | set(second["used"]))
+    assert sorted(float(b) for b in frontier["decided"]) == [0.01, 0.02, 0.05, 0.1]
     assert all(json.loads(line)["pair_id"] == ledger.pair_id for line in KNOWN.read_text().splitlines())
 
 
