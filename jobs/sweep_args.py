@@ -164,7 +164,7 @@ def build_parser() -> SweepParser:
                          "that certifies at a look stops there (default 1: one look at the whole set)")
     ap.add_argument("--search-only", type=bool, nargs="?", const=True, default=False,
                     help="stop after the search (report written, nothing confirmed); the same command without it "
-                         "resumes and confirms")
+                         "resumes and confirms (give --confirm-items now: it is part of the study's identity)")
     ap.add_argument("--skip-noise-floor", type=bool, nargs="?", const=True, default=False,
                     help="do not run lossless on the confirmation items (the noise-floor row: an arm as long as the "
                          "candidate's; certificates do not depend on it)")
