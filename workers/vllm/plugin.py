@@ -100,6 +100,7 @@ from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: pub
     carries_rules,
     implicit_rule,
     rule_digest,
+    rule_spec_of,
     seen_rules,
     write_rule,
 )
@@ -277,8 +278,7 @@ def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
     for rid in req_ids:
         state = runner.requests.get(rid)
         sp = getattr(state, "sampling_params", None)
-        args = getattr(sp, "extra_args", None)
-        spec = args.get(RULE_ARG) if isinstance(args, dict) else None
+        spec = rule_spec_of(sp)
         rules.append(None if spec is None else REQUEST_RULES.for_request(rid, spec, len(req_ids)))
         any_rule = any_rule or spec is not None
         seeds.append(request_seed(rid, getattr(sp, "seed", None)))

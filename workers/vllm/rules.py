@@ -159,13 +159,16 @@ def implicit_rule() -> _Active:
     return _IMPLICIT[0]
 
 
+def rule_spec_of(sampling_params: Any) -> Any:
+    """A request's own rule as it carries it (``extra_args[RULE_ARG]``, not yet parsed), or None."""
+    args = getattr(sampling_params, "extra_args", None)
+    return args.get(RULE_ARG) if isinstance(args, dict) else None
+
+
 def carries_rules(runner: Any, req_ids: list[str]) -> bool:
     """Whether any request of the step carries its own rule (one dict lookup per request)."""
-    for rid in req_ids:
-        args = getattr(getattr(runner.requests.get(rid), "sampling_params", None), "extra_args", None)
-        if isinstance(args, dict) and RULE_ARG in args:
-            return True
-    return False
+    return any(rule_spec_of(getattr(runner.requests.get(rid), "sampling_params", None)) is not None
+               for rid in req_ids)
 
 
 def parse_rule_arg(spec: Any) -> dict[str, Any]:
