@@ -113,13 +113,24 @@ def _pair_at_one(z: Tensor, g: Tensor, c1: Tensor) -> tuple[Tensor | None, ...]:
     return _stats(z, g, c1, c1, c1, True, False)
 
 
-KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t, "pair_at_one": _pair_at_one}
+def _stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tensor:
+    from policies.randomness import _numbers_by_element
+
+    return _numbers_by_element(key, n_heads, per_head, bits)
+
+
+KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t, "pair_at_one": _pair_at_one,
+           "streams": _stream_numbers}
 
 
 _lock = threading.Lock()
 _compiled: dict[str, Any] = {}
 _failed: list[str] = []  # why the fused kernels are off in this process (first failure), empty while they work
-CALLS = {"fused": 0}  # blocks this process decided with the fused kernel (a vLLM worker reports it)
+CALLS = {"fused": 0, "streams": 0}  # blocks decided / random draws made by the fused kernels (a vLLM worker reports them)
+# A random draw this large makes each of the eager hash's ~30 passes a parallel region of its own (ATen's grain:
+# 32,768 elements); under OpenMP contention each such region can cost a scheduler time slice (docs/measurements.md,
+# "Per-request DropMatch under contention"). Smaller draws stay eager: the same numbers, no compilation.
+MIN_STREAM_NUMBERS = 1 << 15
 
 
 _forced: list[str] = []  # forced(): a mode that overrides the environment (benchmarks, tests)
@@ -178,6 +189,31 @@ def _kernel(name: str) -> Any:
     return fn
 
 
+
+def stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tensor | None:
+    """:class:`policies.randomness.RowStreams`' numbers of one draw, float32 ``[B, n_heads, per_head]``, in one
+    compiled pass (bit for bit the eager hash's: integer arithmetic), where the fused kernels run (as
+    :func:`enabled`, by device: ``auto`` on CPU) and the draw has at least :data:`MIN_STREAM_NUMBERS` numbers;
+    else None, and the caller hashes with eager ops. A compile or run that fails is reported once and switches
+    the fused kernels off in this process, as for :func:`row_stats`."""
+    if _failed or key.shape[0] * n_heads * per_head < MIN_STREAM_NUMBERS:
+        return None
+    try:
+        want = mode()
+    except ValueError as err:
+        _report(str(err))
+        return None
+    if want == "0" or (want == "auto" and key.device.type != "cpu"):
+        return None
+    try:
+        numbers = _kernel("streams")(key, n_heads, per_head, bits)
+        CALLS["streams"] += 1
+        return numbers
+    except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager hash draws instead
+        _fail(err)
+        return None
+
+
 def failure() -> str | None:
     """Why the fused kernels were switched off in this process, or None."""
     return _failed[0] if _failed else None
@@ -210,11 +246,15 @@ def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_sc
         CALLS["fused"] += 1
         return stats
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead
-        if not _failed:
-            _failed.append(f"{type(err).__name__}: {err}"[:500])
-            _report(f"the fused statistics kernel failed ({_failed[0]}); the eager kernels decide from now on in "
-                    f"this process (slower, the same rules). {ENV}=0 skips the attempt")
+        _fail(err)
         return None
+
+
+def _fail(err: Exception) -> None:
+    if not _failed:
+        _failed.append(f"{type(err).__name__}: {err}"[:500])
+        _report(f"a fused kernel failed ({_failed[0]}); the eager kernels decide from now on in this process "
+                f"(slower, the same rules and numbers). {ENV}=0 skips the attempt")
 
 
 _reported: set[str] = set()

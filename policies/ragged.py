@@ -31,9 +31,14 @@ CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU:
 # (policies.fused.READERS, with the kernel on) reads the block in few passes and its per-chunk work
 # (DropMatch's heads, streams, emission) dominates: 32 MiB blocks (nine requests), just under the size above
 # which glibc maps every temporary afresh (workers.host_memory). ``python -m jobs.bench.step --chunk-mib 8
-# --chunk-mib 32`` times both.
+# --chunk-mib 32`` times both. DropMatch with the fused kernel: 128 MiB blocks (36 requests). Its per-chunk
+# work is ~1,000 small tensor ops (heads, candidates, streams), each an OpenMP region whose threads spin
+# after it: on a CPU shared with other busy processes every region can cost a time slice, so fewer chunks
+# decide faster there (4.6x -> 2.7x the greedy group at B 256) and no slower on an idle one, its blocks
+# being read by the fused kernel and the heads' matmuls, not by eager passes (docs/measurements.md).
 CHUNK_ELEMENTS_CPU = 1 << 21
 CHUNK_ELEMENTS_CPU_FUSED = 1 << 23
+CHUNK_ELEMENTS_CPU_HEADS = 1 << 25
 
 
 @dataclass(frozen=True)
@@ -128,9 +133,11 @@ def verify_flat(
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
     if chunk_elements is None:
-        big = getattr(policy, "name", None) in fused.READERS and fused.enabled(target_logits)
+        name = getattr(policy, "name", None)
+        big = name in fused.READERS and fused.enabled(target_logits)
         chunk_elements = CHUNK_ELEMENTS if device.type != "cpu" else (
-            CHUNK_ELEMENTS_CPU_FUSED if big else CHUNK_ELEMENTS_CPU)
+            (CHUNK_ELEMENTS_CPU_HEADS if name == "dropmatch" else CHUNK_ELEMENTS_CPU_FUSED) if big
+            else CHUNK_ELEMENTS_CPU)
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view

@@ -70,12 +70,13 @@ def blocks_of(mib: float | None) -> Iterator[None]:
     if mib is None:
         yield
         return
-    saved = ragged.CHUNK_ELEMENTS_CPU, ragged.CHUNK_ELEMENTS_CPU_FUSED
-    ragged.CHUNK_ELEMENTS_CPU = ragged.CHUNK_ELEMENTS_CPU_FUSED = max(1, int(mib * (1 << 20)) // 4)
+    saved = ragged.CHUNK_ELEMENTS_CPU, ragged.CHUNK_ELEMENTS_CPU_FUSED, ragged.CHUNK_ELEMENTS_CPU_HEADS
+    ragged.CHUNK_ELEMENTS_CPU = ragged.CHUNK_ELEMENTS_CPU_FUSED = ragged.CHUNK_ELEMENTS_CPU_HEADS = max(
+        1, int(mib * (1 << 20)) // 4)
     try:
         yield
     finally:
-        ragged.CHUNK_ELEMENTS_CPU, ragged.CHUNK_ELEMENTS_CPU_FUSED = saved
+        ragged.CHUNK_ELEMENTS_CPU, ragged.CHUNK_ELEMENTS_CPU_FUSED, ragged.CHUNK_ELEMENTS_CPU_HEADS = saved
 
 
 @one_line_errors

@@ -125,7 +125,7 @@ def test_a_kernel_that_fails_is_reported_once_and_the_eager_kernels_decide(monke
     with fused.forced("0"):
         eager = make_policy("kl_judge").decide(replace(batch, generator=torch.Generator().manual_seed(1)))
     assert torch.equal(first.accepted, eager.accepted) and torch.equal(again.accepted, eager.accepted)
-    assert sum("fused statistics kernel failed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("a fused kernel failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_the_mode_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):

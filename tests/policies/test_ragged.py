@@ -171,11 +171,13 @@ def test_the_target_block_has_contiguous_draft_positions():
     assert torch.equal(block[2, :3], flat[2:5])
 
 
-@pytest.mark.parametrize("name, fused_on, big", [("kl_judge", "1", True), ("dropmatch", "1", True),
-                                                 ("top_k", "1", False), ("kl_judge", "0", False)])
-def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, big):
-    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks; every other rule (its
-    eager passes prefer small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
+@pytest.mark.parametrize("name, fused_on, sizes_seen", [("kl_judge", "1", [6, 6]), ("dropmatch", "1", [12]),
+                                                        ("top_k", "1", [2] * 6), ("kl_judge", "0", [2] * 6),
+                                                        ("dropmatch", "0", [2] * 6)])
+def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, sizes_seen):
+    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks, DropMatch the larger
+    CHUNK_ELEMENTS_CPU_HEADS (its per-chunk small ops: fewer chunks); every other rule (its eager passes prefer
+    small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
     import policies.ragged as ragged
     from policies import fused
 
@@ -183,6 +185,7 @@ def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatc
     per_request = (n + 1) * v
     monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU", 2 * per_request)
     monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_FUSED", 6 * per_request)
+    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_HEADS", 12 * per_request)
     rule = make_policy(name, **get_spec(name).example)
     sizes: list[int] = []
 
@@ -201,4 +204,4 @@ def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatc
                     bonus_token_ids=torch.zeros(b, dtype=torch.long), draft_logits=torch.randn(b * n, v, generator=g),
                     target_hidden=torch.randn(b * n, 8, generator=g), lm_head_weight=torch.randn(v, 8, generator=g),
                     temperature=0.7, generator=torch.Generator().manual_seed(1))
-    assert sizes == ([6, 6] if big else [2] * 6), sizes
+    assert sizes == sizes_seen, sizes

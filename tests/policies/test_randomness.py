@@ -91,3 +91,29 @@ def test_with_heads_a_draw_extends_in_heads_and_in_length(bits):
     assert not torch.equal(big[:, 0], big[:, 1]), "each head its own numbers"
     plain = RowStreams(torch.tensor([3, 4]), start=5).uniform((2, 6, 7), bits=bits)
     assert torch.equal(plain, big[:, 0, :6]), "head 0 of a draw with heads is the draw without"
+
+
+@pytest.mark.parametrize("bits", [16, 24])
+def test_the_compiled_draw_makes_the_eager_hashs_numbers_bit_for_bit(bits):
+    """policies.fused.stream_numbers (one compiled pass, used for draws of MIN_STREAM_NUMBERS or more on CPU)
+    gives every row, head and position the numbers the eager hash gives, lengths not a multiple of 4 included;
+    a draw below the threshold, or with the fused kernels off, is hashed eagerly."""
+    from policies import fused
+    from policies.randomness import _numbers
+
+    keys = torch.tensor([3, -7, 2 ** 62, -(2 ** 63), 0], dtype=torch.int64)
+    for n_heads, per_head in [(5, 4 * 1537 + 3), (2, 40_001)]:
+        calls = fused.CALLS["streams"]
+        with fused.forced("1"):
+            compiled = fused.stream_numbers(keys, n_heads, per_head, bits)
+        assert compiled is not None and fused.CALLS["streams"] == calls + 1 and fused.failure() is None
+        assert torch.equal(compiled, _numbers(keys, n_heads, per_head, bits))
+        with fused.forced("1"):  # the same draw through RowStreams: the compiled numbers, laid out by shape
+            drawn = RowStreams(keys, start=4).uniform((5, n_heads, per_head), bits, heads=True)
+        with fused.forced("0"):
+            eager = RowStreams(keys, start=4).uniform((5, n_heads, per_head), bits, heads=True)
+        assert torch.equal(drawn, eager)
+    with fused.forced("1"):
+        assert fused.stream_numbers(keys[:1], 1, fused.MIN_STREAM_NUMBERS - 1, bits) is None
+    with fused.forced("0"):
+        assert fused.stream_numbers(keys, 5, 40_000, bits) is None
