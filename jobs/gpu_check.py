@@ -111,17 +111,24 @@ def markdown(results: dict[str, Any]) -> str:
                     if not c.get("skipped")}
         b, v = meta["probe"]
         lines += ["", f"Per call at B={b}, V={v}, L={DRAFT_LEN}:", "",
-                  "| rule | T | CUDA sync warnings | host syncs | launches |", "|---|---:|---:|---:|---:|"]
+                  "| rule | T | CUDA sync warnings | host syncs | of which host-to-device | launches |",
+                  "|---|---:|---:|---:|---:|---:|"]
         for key in dict.fromkeys(k for k in probes):
             s, la = syncs.get(key, {}), launches.get(key, {})
             count = la.get("kernels", la.get("leaf_aten_ops", ""))
+            h2d = s.get("host_syncs_by_kind", {}).get("h2d", 0) if s else ""
             lines.append(f"| {key[0]} | {key[1]:g} | {s.get('cuda_sync_warnings', '')} | {s.get('host_syncs', '')} "
+                         f"| {h2d} "
                          f"| {count} |")
     if "memory" in results:
-        lines += ["", "| rule | T | B | head [V, d] bf16 | inputs MiB | peak extra MiB |", "|---|---:|---:|---|---:|---:|"]
+        lines += ["", "Peak device memory of one step above its inputs, against what the memory plan "
+                  "(workers/vllm/memory.py) keeps outside both engines' shares for a rule:", "",
+                  "| rule | T | B | head [V, d] bf16 | inputs MiB | peak extra MiB | plan MiB | within plan |",
+                  "|---|---:|---:|---|---:|---:|---:|---|"]
         for c in results["memory"]["cases"]:
             lines.append(f"| {c['rule']} | {c['T']:g} | {c['B']} | {c['head']} | {c.get('inputs_mib', '')} | "
-                         f"{c.get('peak_extra_mib', 'skipped')} |")
+                         f"{c.get('peak_extra_mib', 'skipped')} | {c.get('plan_mib', '')} | "
+                         f"{c.get('within_plan', '')} |")
     if results["skipped"]:
         lines += ["", f"Skipped: {len(results['skipped'])} cases ({results['skipped'][0]['reason']})."]
     return "\n".join(lines) + "\n"

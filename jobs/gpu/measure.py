@@ -19,6 +19,7 @@ from jobs.gpu.steps import (
     synthetic_step,
     timed_ms,
 )
+from workers.vllm.memory import PLAN_DROPMATCH_K, rule_working_bytes
 
 # -- measurements -------------------------------------------------------------------------------------
 
@@ -114,8 +115,12 @@ def memory_cases(run: Run) -> list[dict[str, Any]]:
                 outcome = call_rule(policy, step, t, seed=SEED)  # warm-up
                 case["fallback"] = fallbacks(outcome)
                 case["inputs_mib"] = round(step.nbytes() / 2**20, 1)
+                # what workers/vllm/memory.py keeps outside both engines' shares for this step's rule (its K,
+                # else the plan's default): the device's peak must stay under it
+                k = int(params.get("k", PLAN_DROPMATCH_K)) if name == "dropmatch" else PLAN_DROPMATCH_K
+                case["plan_mib"] = round(rule_working_bytes(vocab, b * DRAFT_LEN, k) / 2**20, 1)
                 if not run.cuda:
-                    case["peak_extra_mib"] = "n/a"
+                    case["peak_extra_mib"] = case["within_plan"] = "n/a"
                     continue
                 run.sync()
                 torch.cuda.reset_peak_memory_stats(run.device)
@@ -123,6 +128,7 @@ def memory_cases(run: Run) -> list[dict[str, Any]]:
                 call_rule(policy, step, t, seed=SEED)
                 run.sync()
                 case["peak_extra_mib"] = round((torch.cuda.max_memory_allocated(run.device) - base) / 2**20, 1)
+                case["within_plan"] = case["peak_extra_mib"] <= case["plan_mib"]
             run.log(f"memory: {name} head [{vocab}, {d}] B={b}: "
                     + ", ".join(f"T={c['T']:g} {c.get('peak_extra_mib', 'skipped')}" for c in cases[-2:]))
         del step

@@ -37,6 +37,7 @@ GIB = 1 << 30
 HEADROOM_BYTES = int(1.5 * GIB)  # NCCL buffers, allocator fragmentation: outside any engine
 CONTEXT_BYTES = int(0.5 * GIB)  # one CUDA context per process on the device (each engine's worker, the caller's)
 TP_SIZES = (1, 2, 4, 7, 8, 14, 16)  # tried for the smallest TP that fits (the heads must divide, both models)
+PLAN_DROPMATCH_K = 8  # DropMatch heads the plan makes room for unless told (the search's K reaches 16)
 DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float32": 4, "fp32": 4, "float": 4}
 
 
@@ -120,11 +121,19 @@ class MemoryPlan:
         return asdict(self)
 
 
+def rule_working_bytes(vocab: int, rows: int, dropmatch_k: int) -> int:
+    """What the plan keeps outside both engines' shares for a rule's working memory in one verify step of
+    ``rows`` draft positions: DropMatch's dropout logits, ``K x rows x V`` float32, at most one chunk of
+    them (``policies.ragged.CHUNK_ELEMENTS`` per head). ``jobs.gpu_check``'s memory section measures every
+    rule's peak against it on the device."""
+    return min(dropmatch_k * rows * vocab, CHUNK_ELEMENTS * dropmatch_k) * 4
+
+
 def _needs(target: ModelShape, draft: ModelShape, dtype_bytes: int, tp: int, kv_tokens: int, max_num_seqs: int,
            draft_len: int, dropmatch_k: int) -> tuple[int, int, int]:
     rows = max_num_seqs * draft_len
     q_cache = 2 * rows * target.vocab * dtype_bytes  # the cached q and its concatenated copy, the draft's dtype
-    dropmatch = min(dropmatch_k * rows * target.vocab, CHUNK_ELEMENTS * dropmatch_k) * 4
+    dropmatch = rule_working_bytes(target.vocab, rows, dropmatch_k)
     gathered_head = 0 if tp == 1 else target.vocab * target.hidden * dtype_bytes  # full head on every rank
     extras = q_cache + dropmatch + gathered_head
     spec = (target.weight_bytes(dtype_bytes, tp) + draft.weight_bytes(dtype_bytes, tp)
@@ -136,7 +145,7 @@ def _needs(target: ModelShape, draft: ModelShape, dtype_bytes: int, tp: int, kv_
 
 def plan_memory(card_bytes: int, target: ModelShape, draft: ModelShape, *, dtype: str = "bfloat16", tp: int = 1,
                 max_num_seqs: int = 256, draft_len: int = 5, max_model_len: int = 4096, context: int = 1024,
-                dropmatch_k: int = 8) -> MemoryPlan:
+                dropmatch_k: int = PLAN_DROPMATCH_K) -> MemoryPlan:
     """How the pair fits on a device of ``card_bytes`` per rank (see the module docstring). ``context``:
     the tokens a typical sequence holds (prompt + output); the KV cache is sized for ``max_num_seqs`` of
     them, at least one ``max_model_len`` sequence."""

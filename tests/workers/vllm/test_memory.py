@@ -55,3 +55,17 @@ def test_the_table_covers_every_card_and_target_and_the_cli_reads_dirs(tmp_path,
     draft_dir, target_dir = save_tiny_pair(tmp_path)
     assert main(["--target", str(target_dir), "--draft", str(draft_dir), "--card-gib", "24"]) == 0
     assert '"mode": "both"' in capsys.readouterr().out
+
+
+def test_the_rules_working_memory_is_one_chunk_of_dropmatch_logits_at_most():
+    """rule_working_bytes (the plan's reservation for a rule's run-time memory, held against the device's
+    peak by jobs.gpu_check): K x rows x V float32, capped at one chunk per head; the plan's extras hold it."""
+    from policies.ragged import CHUNK_ELEMENTS
+    from workers.vllm.memory import PLAN_DROPMATCH_K, rule_working_bytes
+
+    assert rule_working_bytes(1000, 10, 4) == 4 * 10 * 1000 * 4
+    assert rule_working_bytes(152_064, 256 * 5, 8) == 8 * CHUNK_ELEMENTS * 4  # 1,280 rows x V > one chunk
+    small, big = ModelShape(**QWEN25["0.5B"]), ModelShape(**QWEN25["7B"])
+    plan = plan_memory(141 * GIB, big, small, max_num_seqs=256, draft_len=5)
+    q_cache = 2 * 256 * 5 * big.vocab * 2
+    assert plan.extras_gib == round((q_cache + rule_working_bytes(big.vocab, 256 * 5, PLAN_DROPMATCH_K)) / GIB, 2)
