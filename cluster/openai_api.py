@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import secrets
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -84,7 +83,7 @@ class GenRequest:
     messages: list[dict[str, str]] | None  # chat
     max_tokens: int
     temperature: float
-    seed: int
+    seed: int | None  # None: the client gave none (vLLM then samples with its batched generator)
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -306,7 +305,7 @@ def _finish(body: dict, limits: Limits, default: SpecChoice, kind: str, prompt: 
     return GenRequest(
         kind=kind, prompt=prompt, messages=messages, max_tokens=int(max_tokens),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-        seed=secrets.randbits(31) if seed is None else seed % (2 ** 63), stop=_stop(body, limits), stream=stream,
+        seed=None if seed is None else seed % (2 ** 63), stop=_stop(body, limits), stream=stream,
         include_usage=include_usage, spec=spec, overridden=overridden,
     )
 

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -217,7 +218,8 @@ class SpecDecodeServer:
         if self._fails(req):
             def on_tokens(_: list[int]) -> bool:
                 raise RuntimeError("injected failure (fail_marker) after the first round")
-        common = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+        seed = secrets.randbits(31) if req.seed is None else req.seed  # the CPU engine draws from a seeded generator
+        common = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, seed=seed,
                       stop=list(req.stop) or None, on_tokens=on_tokens)
         if req.spec.policy is None:
             return self.engine.autoregressive(ids, **common)

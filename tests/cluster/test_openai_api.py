@@ -100,7 +100,7 @@ def test_spec_decode_override_uses_the_registry():
 def test_stream_options_and_seed():
     req = completion(stream=True, stream_options={"include_usage": True}, seed=3)
     assert req.stream and req.include_usage and req.seed == 3
-    assert len({completion().seed for _ in range(5)}) > 1  # unseeded requests draw a fresh seed
+    assert completion().seed is None  # unseeded: no seed reaches vLLM (the CPU engine draws one per request)
     assert completion(seed=-1).seed >= 0
 
 

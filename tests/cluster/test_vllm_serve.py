@@ -63,6 +63,20 @@ def test_greedy_lossless_equals_speculation_off(server):
     assert lossless["choices"][0]["text"] == off["choices"][0]["text"]
 
 
+def test_a_sampled_request_carries_a_seed_to_vllm_only_when_the_client_gave_one(server):
+    """An unseeded T > 0 request reaches vLLM with no seed (its batched sampler, not a per-request generator
+    loop); a seeded one with its seed. Both are answered through the vLLM engine and its rule. (Seeded
+    sampling does not repeat a text under vLLM's speculative decoding: its drafter samples unseeded.)"""
+    from workers.vllm.common import sampling_params
+
+    assert sampling_params(8, 0.8, None, None, []).seed is None
+    assert sampling_params(8, 0.8, 5, None, []).seed == 5 and sampling_params(8, 0.0, 5, None, []).seed is None
+    body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": 24, "temperature": 0.9}
+    for extra in ({}, {"seed": 11}, {}):
+        r = post(server, "/v1/completions", {**body, **extra})
+        assert r.status_code == 200 and r.json()["spec_decode"]["num_drafts"] >= 1, r.text
+
+
 def test_another_draft_length_is_a_400_naming_the_field(server):
     r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4,
                                          "spec_decode": {"policy": "lossless", "draft_len": 6}})

@@ -105,11 +105,13 @@ class AsyncVLLMDecoder:
         self.checked = True
 
     async def stream(self, prompt_ids: Any, rule: Any, *, max_new_tokens: int = 256, temperature: float = 0.0,
-                     seed: int = 0, stop: list[str] | tuple[str, ...] | None = None,
+                     seed: int | None = 0, stop: list[str] | tuple[str, ...] | None = None,
                      stop_on_eos: bool = True, top_p: float = 1.0, top_k: int | None = None,
                      min_p: float = 0.0) -> AsyncIterator[list[int] | Generation]:
         """Yield lists of new token ids (EOS excluded), then the finished Generation. ``rule``: a Policy,
-        a name or ``{"policy", "params", "seed"}`` (speculative), or None (target-only). Bad input raises
+        a name or ``{"policy", "params", "seed"}`` (speculative), or None (target-only). ``seed`` None: the
+        request carries no seed (a T > 0 request is then sampled by vLLM's batched generator, not its own:
+        no per-request loop at large batch; not reproducible). Bad input raises
         ValueError before anything reaches vLLM: ``top_p``/``top_k``/``min_p`` other than off too (a rule
         does not apply them; :func:`~workers.vllm.common.refuse_sampling_constraints`)."""
         refuse_sampling_constraints(top_p, top_k, min_p)

@@ -21,14 +21,15 @@ from workers.vllm.settings import DEFAULT_GPU_MEMORY_UTILIZATION, PAD_ATTR, VLLM
 WORKER_EXTENSION = "workers.vllm.plugin.WorkerExtension"
 
 
-def sampling_params(max_new_tokens: int, temperature: float, seed: int, stop: Any, eos: list[int],
+def sampling_params(max_new_tokens: int, temperature: float, seed: int | None, stop: Any, eos: list[int],
                     rule: dict[str, Any] | None = None) -> Any:
-    """vLLM's SamplingParams for one request of either engine: the seed only where it draws (T > 0),
+    """vLLM's SamplingParams for one request of either engine: the seed only where it draws (T > 0) and
+    one was given (a seeded request puts vLLM's sampler on its per-request generator loop),
     EOS as stop tokens (none: generate to the length), and the request's own rule in ``extra_args``."""
     from vllm import SamplingParams
 
     return SamplingParams(
-        temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 else None,
+        temperature=float(temperature), max_tokens=max_new_tokens, seed=int(seed) if temperature > 0 and seed is not None else None,
         stop=[x for x in (stop or ()) if x] or None, stop_token_ids=eos or None, ignore_eos=not eos,
         skip_special_tokens=True, extra_args=None if rule is None else {RULE_ARG: rule})
 

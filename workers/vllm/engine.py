@@ -224,10 +224,14 @@ class VLLMDecoder:
         """vLLM does not expose draft/target step times separately: c must come from the caller."""
         return {"pair": self.pair.name, "cost_ratio": None, "verify_s": {}, "engine": "vllm"}
 
-    def worker_env(self) -> list[dict[str, Any]]:
-        """What each vLLM worker process of the engine that is up runs with (pid, thread binding, CPUs,
-        OpenMP threads); never starts one."""
-        live = self._llm if self._llm is not None else self._reference
+    def worker_env(self, which: str | None = None) -> list[dict[str, Any]]:
+        """What each vLLM worker process of an engine runs with (pid, thread binding, CPUs, OpenMP threads)
+        and what it did (spectune_env): ``which`` (SPECULATIVE or REFERENCE), or by default the speculative
+        engine if it is up, else the reference one; never starts one."""
+        if which not in (None, SPECULATIVE, REFERENCE):
+            raise ValueError(f"which must be {SPECULATIVE!r} or {REFERENCE!r}, got {which!r}")
+        live = {SPECULATIVE: self._llm, REFERENCE: self._reference}.get(which) if which else (
+            self._llm if self._llm is not None else self._reference)
         return [] if live is None else list(live.collective_rpc("spectune_env"))
 
     # -- the pieces -----------------------------------------------------------------------------

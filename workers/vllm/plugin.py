@@ -65,7 +65,6 @@ saves every call's inputs and outputs.
 from __future__ import annotations
 
 import os
-import re
 import sys
 import threading
 from pathlib import Path
@@ -99,6 +98,7 @@ from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: pub
     _Active,
     carries_rules,
     implicit_rule,
+    request_seed,
     rule_digest,
     rule_spec_of,
     seen_rules,
@@ -254,20 +254,6 @@ def _trace(active: _Active, spec: dict[str, Any], unit: int, used: Any, reason: 
     torch.save(record, Path(trace_dir) / f"{os.getpid()}-{active.calls:06d}-{t:g}-{unit:04d}.pt")
 
 
-_CHILD = re.compile(r"(\d+)_.")  # vLLM names the children of an n > 1 request "<index>_<parent id>"
-
-
-def request_seed(req_id: str, seed: int | None) -> int:
-    """The request's part of its random stream: ``SamplingParams.seed`` when set (vLLM gives the children of a
-    seeded n > 1 request seed + index), else 0, or index + 1 for the children of an unseeded n > 1 request:
-    ``seed or 0`` once gave those children the same numbers. A plain unseeded request keeps 0, so a rule
-    with its own seed decides the same in every batch and rerun (request ids are per call)."""
-    if seed is not None:
-        return int(seed)
-    child = _CHILD.match(req_id)
-    return int(child.group(1)) + 1 if child else 0
-
-
 def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
     """Once per step: each request's own rule, seed and position (``STEP.rules`` None when no request
     of the step carries a rule: the common case costs one dict lookup per request)."""
@@ -281,7 +267,7 @@ def _read_request_rules(runner: Any, req_ids: list[str]) -> None:
         spec = rule_spec_of(sp)
         rules.append(None if spec is None else REQUEST_RULES.for_request(rid, spec, len(req_ids)))
         any_rule = any_rule or spec is not None
-        seeds.append(request_seed(rid, getattr(sp, "seed", None)))
+        seeds.append(request_seed(rid, getattr(sp, "seed", None), float(getattr(sp, "temperature", 0.0) or 0.0)))
         positions.append(int(getattr(state, "num_computed_tokens", 0) or 0))
     STEP.rules, STEP.request_seeds, STEP.positions = (rules, seeds, positions) if any_rule else (None, None, None)
 
@@ -297,13 +283,15 @@ class WorkerExtension:
 
     def spectune_env(self) -> dict[str, Any]:
         """What the worker process runs with: its thread binding, CPUs, OpenMP threads, step timeout; and
-        what it did: TP broadcasts, rule-file reads, blocks decided by the fused kernel (policies.fused)."""
+        what it did: TP broadcasts, rule-file reads, steps that asked for the rule, blocks decided by the fused
+        kernel (policies.fused)."""
         return {"pid": os.getpid(), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
                 "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS"),
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"],
-                "rule_file_reads": RULE.file_reads, "fused_calls": fused.CALLS["fused"], "fused_failure": fused.failure()}
+                "rule_file_reads": RULE.file_reads, "rule_lookups": RULE.lookups, "fused_calls": fused.CALLS["fused"],
+                "fused_failure": fused.failure()}
 
 
 def register() -> None:
@@ -427,8 +415,12 @@ def register() -> None:
 
         def sample_tokens(self, grammar_output):
             state = self.execute_model_state
-            active = RULE.shared(_tp_group())  # read once per step, by rank 0 alone under TP, and shared
-            if (active is None or active.policy is None) and carries_rules(self, self.input_batch.req_ids):
+            # read once per step, by rank 0 alone under TP, and shared; never in a target-only engine (no
+            # drafts to judge: no rule file read, no broadcast per step)
+            speculative = getattr(self, "speculative_config", None) is not None
+            active = RULE.shared(_tp_group()) if speculative else None
+            if speculative and (active is None or active.policy is None) and carries_rules(
+                    self, self.input_batch.req_ids):
                 active = implicit_rule()  # no rule file or vLLM's own: a request's own rule still decides it
             STEP.active, STEP.snapshot = active, True
             mask = getattr(self, "_spectune_mask_from", None)

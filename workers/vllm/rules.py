@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,7 @@ class _RuleState:
     def __init__(self) -> None:
         self.active: _Active | None = None
         self.file_reads = 0  # times this process read the rule file (WorkerExtension.spectune_env reports it)
+        self.lookups = 0  # steps that asked for the rule (spectune_env too): none in a target-only engine
 
     def shared(self, group: Any) -> _Active | None:
         """The step's rule under tensor parallelism (``group``: vLLM's TP group; None: :meth:`current`). Rank 0
@@ -89,6 +91,7 @@ class _RuleState:
         between two ranks' reads included. Every rank calls it once per step. Never raises: a broadcast
         that fails is reported once and each rank reads the file itself (rank 0's tokens still decide,
         :func:`workers.vllm.heads.agree_across_ranks`)."""
+        self.lookups += 1
         if group is None:
             return self.current()
         rank0 = int(getattr(group, "rank_in_group", 0)) == 0
@@ -157,6 +160,24 @@ def implicit_rule() -> _Active:
         _IMPLICIT.append(_activate({"policy": "lossless", "params": {}, "seed": 0,
                                     "why": "a request carries its own rule; the rule file names none"}, (0, 0)))
     return _IMPLICIT[0]
+
+
+_CHILD = re.compile(r"(\d+)_.")  # vLLM names the children of an n > 1 request "<index>_<parent id>"
+
+
+def request_seed(req_id: str, seed: int | None, temperature: float = 0.0) -> int:
+    """The request's part of its random stream: ``SamplingParams.seed`` when set (vLLM gives the children of a
+    seeded n > 1 request seed + index). Unseeded: at T = 0, 0, or index + 1 for the children of an n > 1
+    request (``seed or 0`` once gave those children the same numbers), so a rule with its own seed decides
+    the same in every batch and rerun (request ids are per call); at T > 0, a hash of the request's id, so
+    that unseeded requests (a server's, which vLLM samples with its batched generator) draw independently of
+    each other, not the same numbers at the same positions."""
+    if seed is not None:
+        return int(seed)
+    if temperature > 0:
+        return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") >> 1
+    child = _CHILD.match(req_id)
+    return int(child.group(1)) + 1 if child else 0
 
 
 def rule_spec_of(sampling_params: Any) -> Any:

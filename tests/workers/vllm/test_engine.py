@@ -284,6 +284,21 @@ def test_a_batch_decodes_like_single_requests_with_per_request_stats(engine, cpu
     assert [sum(g.stats.accepted_per_position[i] for g in batch) for i in range(L)] == per_pos[:L]
 
 
+def test_the_target_only_engine_never_asks_for_the_rule(engine):
+    """The reference (target-only) engine has no drafts to judge: its steps neither read the rule file nor
+    share it (no per-step broadcast under TP); the speculative engine's steps do."""
+    from workers.vllm.engine import REFERENCE, SPECULATIVE
+
+    engine.autoregressive_batch(PROMPTS, max_new_tokens=12)
+    engine.generate(PROMPTS[0], "lossless", draft_len=L, max_new_tokens=12)
+    (ref,) = engine.worker_env(REFERENCE)
+    (spec,) = engine.worker_env(SPECULATIVE)
+    assert ref["rule_lookups"] == 0 and ref["rule_file_reads"] == 0, ref
+    assert spec["rule_lookups"] > 0 and spec["rule_file_reads"] > 0, spec
+    with pytest.raises(ValueError, match="which must be"):
+        engine.worker_env("draft")
+
+
 def test_a_bad_request_fails_alone_in_a_batch(engine):
     out = engine.generate_batch([PROMPTS[0], [10_000], [7] * 600], "lossless", draft_len=L, max_new_tokens=8)
     assert out[0].token_ids and "outside the vocabulary" in str(out[1]) and "max_model_len" in str(out[2])

@@ -214,8 +214,9 @@ def test_an_invalid_request_rule_falls_back_to_lossless():
 
 def test_unseeded_requests_draw_from_streams_of_their_own():
     """``seed or 0`` gave the children of an unseeded ``n > 1`` request (vLLM names them "<index>_<parent>")
-    the same numbers; now each child has its own stream, while a plain unseeded request keeps stream 0 (a
-    rule with its own seed decides the same in every batch) and a set seed (0 included) is kept."""
+    the same numbers; now each child has its own stream, while a plain unseeded request keeps stream 0 at
+    T = 0 (a rule with its own seed decides the same in every batch) and a set seed (0 included) is kept.
+    Unseeded at T > 0, each request draws from a stream of its own (a hash of its id)."""
     from types import SimpleNamespace
 
     from workers.vllm.plugin import STEP, _read_request_rules, request_seed
@@ -235,6 +236,17 @@ def test_unseeded_requests_draw_from_streams_of_their_own():
         assert plain == 0 and request_seed("23", None) == 0, "a plain request: the same stream in every call"
         assert seeded == 7 and request_seed("x", 0) == 0, "a set seed is kept"
         assert keyed_seed(2, a, 5) != keyed_seed(2, b, 5)
+    finally:
+        STEP.rules = STEP.request_seeds = STEP.positions = None
+    # unseeded at T > 0 (a server's requests reach vLLM with no seed): each request a stream of its own
+    runner = SimpleNamespace(requests={rid: SimpleNamespace(
+        sampling_params=SimpleNamespace(seed=None, temperature=0.8, extra_args={"spectune_rule": rule}),
+        num_computed_tokens=5) for rid in ("cmpl-a", "cmpl-b")})
+    _read_request_rules(runner, ["cmpl-a", "cmpl-b"])
+    try:
+        a, b = STEP.request_seeds
+        assert a != b and a == request_seed("cmpl-a", None, 0.8) and 0 <= a < 2 ** 63
+        assert request_seed("cmpl-a", 3, 0.8) == 3 and request_seed("cmpl-a", None, 0.0) == 0
     finally:
         STEP.rules = STEP.request_seeds = STEP.positions = None
 
