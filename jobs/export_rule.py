@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.vllm.settings import SPECULATIVE_METHODS
+
 CHOSEN_GLOB = "chosen-budget-*.json"
 
 
@@ -114,10 +116,12 @@ def check_choice(choice: dict[str, Any], what: str, allow_uncertified: bool) -> 
                          "--allow-uncertified to export it anyway")
 
 
-def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: int) -> tuple[Path, Path, int]:
-    """(draft dir, target dir, the draft's padded width or 0) of a pair vLLM loads from disk."""
+def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: int,
+                 method: str = "draft_model") -> tuple[Path, Path, int]:
+    """(draft dir, target dir, the draft's padded width or 0) of a pair vLLM loads from disk; with ``method``
+    eagle3 the draft directory is an EAGLE-3 head for the target (workers.models.eagle.check_head_dir)."""
     from workers.models.pair import TINY_PAIR, pair_dirs
-    from workers.vllm.settings import check_pair_dirs
+    from workers.vllm.settings import VLLMSettings, check_drafter_dirs
 
     if not pair:
         raise ValueError("the choice names no pair: pass --pair (a pair name or DRAFT+TARGET directories)")
@@ -128,7 +132,8 @@ def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: 
         draft, target, _ = pair_dirs(pair, cache_dir)
     except Exception as err:  # AssetError (a real pair not fetched) names the fix command
         raise ValueError(f"pair {pair!r}: {err}") from None
-    return Path(draft).resolve(), Path(target).resolve(), check_pair_dirs(draft, target, tensor_parallel_size)
+    settings = VLLMSettings(tensor_parallel_size=tensor_parallel_size, speculative_method=method)
+    return Path(draft).resolve(), Path(target).resolve(), check_drafter_dirs(settings, Path(draft), Path(target))
 
 
 def export(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,7 +160,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"dtype {dtype_name!r} has no vLLM equivalent; use one of {sorted(_VLLM_DTYPES)}")
     seed = args.seed if args.seed is not None else int((choice.get("decode") or {}).get("seed", 0) or 0)
     tp = args.tensor_parallel_size
-    draft, target, width = resolve_pair(args.pair or choice.get("pair"), args.cache_dir, tp)
+    draft, target, width = resolve_pair(args.pair or choice.get("pair"), args.cache_dir, tp, args.speculative_method)
 
     out = Path(args.out or default_out).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +176,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
         env[STEP_TIMEOUT_ENV] = str(CPU_STEP_TIMEOUT_S)
         if args.kv_cache_gb is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gb:g}"
-    spec_config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": draft_len,
+    spec_config = {"method": args.speculative_method, "model": str(draft), "num_speculative_tokens": draft_len,
                    "draft_tensor_parallel_size": tp, "draft_sample_method": "probabilistic"}
     # --generation-config vllm: a stock `vllm serve` applies the model's generation_config.json to every request
     # by default (an HF instruct target's top_p 0.8, top_k 20 and repetition penalty), and the output would then
@@ -244,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-len", type=int, help="override the choice's draft length")
     ap.add_argument("--seed", type=int, help="the rule's seed (default: the sweep's decode seed, else 0)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default="draft_model",
+                    help="what drafts: the pair's draft model, or an EAGLE-3 head (eagle3: --pair HEAD+TARGET)")
     ap.add_argument("--served-model-name", default="spectune", help="the OpenAI model id clients send")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)

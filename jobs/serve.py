@@ -26,6 +26,7 @@ from typing import Any
 
 from cluster.serve_settings import ServeSettings
 from workers.engines import ENGINES
+from workers.vllm.settings import SPECULATIVE_METHODS
 
 CHOICE_KEYS = ("policy", "params", "draft_len")
 
@@ -233,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="vLLM: tokens per engine step, prefill chunks included (vLLM-CPU default 2048)")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM: requests per engine step")
+    ap.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None,
+                    help="vLLM: what drafts: the pair's draft model (default), or an EAGLE-3 head (eagle3: --pair "
+                         "HEAD+TARGET)")
     ap.add_argument("--runs-root", help="where sweeps live (default ./runs)")
     ap.add_argument("--write-config", metavar="FILE", help="write a Serve config YAML for these settings and exit")
     return ap
@@ -250,9 +254,10 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     scheduler = (args.max_num_batched_tokens, args.max_num_seqs)
-    if (args.kv_cache_gb is not None or args.enforce_eager or scheduler != (None, None)) and args.engine != "vllm":
-        raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens and --max-num-seqs are vLLM "
-                         "settings: add --engine vllm")
+    if (args.kv_cache_gb is not None or args.enforce_eager or scheduler != (None, None)
+            or args.speculative_method is not None) and args.engine != "vllm":
+        raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens, --max-num-seqs and "
+                         "--speculative-method are vLLM settings: add --engine vllm")
     uri = args.tracking_uri
     if args.run_dir:
         from jobs.tracking import tracking_uri
@@ -275,6 +280,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
                                    ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager),
                                    ("max_num_batched_tokens", args.max_num_batched_tokens),
                                    ("max_num_seqs", args.max_num_seqs),
+                                   ("speculative_method", args.speculative_method),
                                    ("kv_cache_memory_bytes", None if args.kv_cache_gb is None
                                     else int(args.kv_cache_gb * 2**30))) if v is not None} or None,
     }

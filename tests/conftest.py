@@ -17,6 +17,7 @@ import os
 # Exactly the modules the Makefile's second pytest run lists (tests/test_layering.py checks the two agree);
 # every other test module, the vLLM pieces that need no vLLM included, runs in the main environment.
 VLLM_ONLY = ["workers/vllm/test_engine.py", "workers/vllm/test_engine_start.py", "workers/vllm/test_faults.py",
+             "workers/vllm/test_eagle3.py",
              "cluster/test_vllm_pair_actor.py", "cluster/test_vllm_serve.py", "workers/models/test_calibrate_vllm.py",
              "workers/vllm/test_vllm_serve_cli.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_ONLY

@@ -79,6 +79,26 @@ def test_chosen_file_gives_the_rule_file_and_the_exact_command(tmp_path, pair, c
     assert rc == 0 and res["command"] in text.splitlines() and res["curl"] in text.splitlines()
 
 
+def test_an_eagle3_head_is_checked_and_named_in_the_command(tmp_path, pair, capsys):
+    """--speculative-method eagle3: the pair's draft directory is an EAGLE-3 head, checked against the target
+    (workers.models.eagle.check_head_dir) and named in vLLM's speculative config, no padding override."""
+    from workers.models.eagle import save_tiny_eagle3_head
+
+    _, target = pair
+    head = save_tiny_eagle3_head(tmp_path / "head", target, draft_ids=list(range(200)))
+    path = tmp_path / "chosen.json"
+    path.write_text(json.dumps(chosen(f"{head}+{target}")))
+    rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json",
+                       "--speculative-method", "eagle3")
+    assert rc == 0, err
+    argv = json.loads(out)["argv"]
+    opt = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
+    assert json.loads(opt["--speculative-config"])["method"] == "eagle3" and "--hf-overrides" not in opt
+    assert json.loads(opt["--speculative-config"])["model"] == str(head.resolve())
+    rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"))  # a head is no draft model
+    assert rc == 2 and "Traceback" not in err
+
+
 def test_from_sweep_by_budget_and_the_budgets_present(tmp_path, pair, capsys):
     draft, target = pair
     run_dir = tmp_path / "sweep"

@@ -117,6 +117,7 @@ def test_policy_file_and_flags(tmp_path):
     (["--max-num-batched-tokens", "512"], "add --engine vllm"),
     (["--engine", "vllm", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "must be >= max_num_seqs"),
     (["--engine", "vllm", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
+    (["--speculative-method", "eagle3"], "add --engine vllm"),
 ])
 def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys):
     assert serve_job.main(argv) == 2

@@ -40,7 +40,7 @@ from workers.vllm.common import (
     to_generation,
 )
 from workers.vllm.rules import rule_digest
-from workers.vllm.settings import VLLMPair, VLLMSettings, _declared_eos, check_pair_dirs
+from workers.vllm.settings import VLLMPair, VLLMSettings, _declared_eos, check_drafter_dirs
 
 
 class AsyncVLLMDecoder:
@@ -59,7 +59,7 @@ class AsyncVLLMDecoder:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
         # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
-        self._draft_width = check_pair_dirs(draft_dir, target_dir, s.tensor_parallel_size)
+        self._draft_width = check_drafter_dirs(s, draft_dir, target_dir)
         # on a GPU, unless the user chose: the memory plan's fractions and engines (a pair that does not fit fails here)
         self.settings = s = plan_memory_on_gpu(s, draft_dir, target_dir)
         # every request here carries its own rule; the setup's lossless rule file only makes the plugin act

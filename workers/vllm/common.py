@@ -189,7 +189,7 @@ def engine_kwargs(s: VLLMSettings, target_dir: Path, draft_dir: Path | None, sha
         return kwargs
     kwargs.update(
         gpu_memory_utilization=spec_share, per_request_spec_decode_metrics="summary",
-        speculative_config={"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": s.draft_len,
+        speculative_config={"method": s.speculative_method, "model": str(draft_dir), "num_speculative_tokens": s.draft_len,
                             "draft_tensor_parallel_size": s.tensor_parallel_size,
                             "draft_sample_method": "probabilistic"})
     return kwargs

@@ -54,6 +54,14 @@ def drafts_for_rules(proposer: Any, logits: torch.Tensor, sampling_metadata: Any
     divided by T as vLLM divides them (:func:`scaled_as_vllm`), or the T = 1 logits for greedy drafts."""
     from workers.vllm.step import _warn_once
 
+    width = getattr(proposer, "_spectune_vocab", None)
+    if width is None:
+        width = proposer._spectune_vocab = int(proposer.vllm_config.model_config.get_vocab_size())
+    if int(logits.shape[-1]) != width:
+        # q must be over the target's ids: an EAGLE-3 head's reduced vocabulary is mapped onto them by its
+        # compute_logits (-inf outside), a narrower draft model's padded (_PaddedLogits); anything else is a
+        # drafter spectune does not know: its drafts go unjudged (failed_draft), never misread
+        raise ValueError(f"the drafter's logits are {int(logits.shape[-1])} wide, the target scores {width} ids")
     probs = None
     if not (sampling_metadata.all_greedy or not getattr(proposer, "_enable_probabilistic_draft_probs", False)):
         # vLLM samples from softmax(logits / T), the division in the logits' dtype (bf16 on GPUs), in

@@ -76,7 +76,7 @@ from workers.vllm.settings import (
     VLLMPair,
     VLLMSettings,
     _declared_eos,
-    check_pair_dirs,
+    check_drafter_dirs,
 )
 
 SPECULATIVE, REFERENCE = "speculative", "target-only reference"  # the two engines a decoder may run
@@ -97,7 +97,7 @@ class VLLMDecoder:
             raise VLLMUnavailable(f"the vLLM engine needs vllm installed ({err})") from None
         draft_dir, target_dir, pair_cache = pair_dirs(pair, cache_dir)
         # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
-        self._draft_width = check_pair_dirs(draft_dir, target_dir, self.settings.tensor_parallel_size)
+        self._draft_width = check_drafter_dirs(self.settings, draft_dir, target_dir)
         # on a GPU, unless the user chose: the memory plan's fractions and engines (a pair that does not fit fails here)
         self.settings = plan_memory_on_gpu(self.settings, draft_dir, target_dir)
         self._setup = setup = VLLMProcessSetup(self.settings)

@@ -70,6 +70,13 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
                                                                      "num_speculative_tokens", "parallel_drafting"),
 }
 
+# proposer class -> methods it must inherit from SpecDecodeBaseProposer, not define: the drafters spectune's rules
+# run with (draft_model, eagle3) draft through the patched base method; an override would bypass it
+INHERITED: dict[str, tuple[str, ...]] = {
+    "vllm.v1.spec_decode.draft_model.DraftModelProposer": ("_sample_draft_tokens",),
+    "vllm.v1.spec_decode.eagle.EagleProposer": ("_sample_draft_tokens",),
+}
+
 FAILURES: list[str] = []  # what register() found in this process (empty: the patches are applied)
 
 
@@ -155,9 +162,18 @@ def check_attributes(name: str, cls: Any, expected: tuple[str, ...]) -> str | No
     return f"{name}: has no {', '.join(missing)} (the plugin reads them)" if missing else None
 
 
+def check_inherited(name: str, cls: Any, methods: tuple[str, ...]) -> str | None:
+    if cls is None:
+        return f"{name}: missing (spectune's rules draft through it)"
+    own = [m for m in methods if m in vars(cls)]
+    return (f"{name} defines its own {', '.join(own)}: its drafts would bypass spectune's patch of the base "
+            "proposer's") if own else None
+
+
 def check(version: str | None = None, symbols: dict[str, Any] | None = None,
           signatures: dict[str, tuple[tuple[str, ...], str]] | None = None,
-          attributes: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+          attributes: dict[str, tuple[str, ...]] | None = None,
+          inherited: dict[str, tuple[str, ...]] | None = None) -> list[str]:
     """The problems with the installed vLLM (or ``version`` / ``symbols``, for tests): [] when none."""
     if version is None:
         import vllm
@@ -166,6 +182,8 @@ def check(version: str | None = None, symbols: dict[str, Any] | None = None,
     signatures = SIGNATURES if signatures is None else signatures
     if attributes is None:  # given symbols (tests) check only what they name
         attributes = ATTRIBUTES if symbols is None else {}
+    if inherited is None:
+        inherited = INHERITED if symbols is None else {}
     problems = [p for p in [check_version(version)] if p]
     for name, (expected, how) in signatures.items():
         fn = symbols[name] if symbols is not None and name in symbols else resolve(name)
@@ -175,6 +193,11 @@ def check(version: str | None = None, symbols: dict[str, Any] | None = None,
     for name, wanted in attributes.items():
         cls = symbols[name] if symbols is not None and name in symbols else resolve(name)
         problem = check_attributes(name, cls, wanted)
+        if problem:
+            problems.append(problem)
+    for name, methods in inherited.items():
+        cls = symbols[name] if symbols is not None and name in symbols else resolve(name)
+        problem = check_inherited(name, cls, methods)
         if problem:
             problems.append(problem)
     return problems

