@@ -234,6 +234,29 @@ class VLLMDecoder:
             self._llm if self._llm is not None else self._reference)
         return [] if live is None else list(live.collective_rpc("spectune_env"))
 
+    def memory_report(self) -> dict[str, Any]:
+        """Each engine that is up, against what it was given: its workers' peak reserved device memory (None on
+        CPU builds), its ``gpu_memory_utilization`` share and, on a GPU, the device's total and whether the
+        peak stayed within the share (the memory plan's claim: spectune's extras lie outside both shares,
+        workers/vllm/memory.py). After a warm batch; docs/gpu.md says what a first GPU run records."""
+        from workers.vllm.common import device_total_bytes, memory_shares
+
+        shares = dict(zip((SPECULATIVE, REFERENCE), memory_shares(self.settings, not self.exclusive), strict=True))
+        report: dict[str, Any] = {"max_num_seqs": self.settings.max_num_seqs, "engines": {}}
+        total = None
+        for which, llm in ((SPECULATIVE, self._llm), (REFERENCE, self._reference)):
+            if llm is None:
+                continue
+            peaks = [w.get("cuda_max_reserved_bytes") for w in self.worker_env(which)]
+            entry: dict[str, Any] = {"gpu_memory_utilization": shares[which], "worker_max_reserved_bytes": peaks}
+            if peaks and all(p is not None for p in peaks):
+                total = total or device_total_bytes()
+                entry["share_bytes"] = int(shares[which] * total)
+                entry["within_share"] = all(p <= entry["share_bytes"] for p in peaks)
+            report["engines"][which] = entry
+        report["device_total_bytes"] = total
+        return report
+
     # -- the pieces -----------------------------------------------------------------------------
 
     @property

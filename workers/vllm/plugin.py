@@ -291,7 +291,9 @@ class WorkerExtension:
                 "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                 "torch_threads": torch.get_num_threads(), "tp_broadcasts": TP_AGREEMENT["broadcasts"],
                 "rule_file_reads": RULE.file_reads, "rule_lookups": RULE.lookups, "fused_calls": fused.CALLS["fused"],
-                "fused_failure": fused.failure()}
+                "fused_failure": fused.failure(),
+                # on a GPU: what this worker's allocator reserved at its peak (the memory plan's check), else None
+                "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved()) if torch.cuda.is_available() else None}
 
 
 def register() -> None:

@@ -297,6 +297,12 @@ def test_the_target_only_engine_never_asks_for_the_rule(engine):
     assert spec["rule_lookups"] > 0 and spec["rule_file_reads"] > 0, spec
     with pytest.raises(ValueError, match="which must be"):
         engine.worker_env("draft")
+    # the memory report a GPU run records per engine (docs/gpu.md): on a CPU build no device peak to hold
+    report = engine.memory_report()
+    assert set(report["engines"]) == {SPECULATIVE, REFERENCE} and report["device_total_bytes"] is None
+    for entry in report["engines"].values():
+        assert entry["worker_max_reserved_bytes"] == [None] and 0 < entry["gpu_memory_utilization"] <= 1
+        assert "within_share" not in entry
 
 
 def test_a_bad_request_fails_alone_in_a_batch(engine):
