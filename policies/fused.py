@@ -126,6 +126,7 @@ KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t
 _lock = threading.Lock()
 _compiled: dict[str, Any] = {}
 _failed: list[str] = []  # why the fused kernels are off in this process (first failure), empty while they work
+_streams_failed: list[str] = []  # the same for the random-stream kernel alone (its numbers equal the eager hash's)
 CALLS = {"fused": 0, "streams": 0}  # blocks decided / random draws made by the fused kernels (a vLLM worker reports them)
 # A random draw this large makes each of the eager hash's ~30 passes a parallel region of its own (ATen's grain:
 # 32,768 elements); under OpenMP contention each such region can cost a scheduler time slice (docs/measurements.md,
@@ -195,8 +196,8 @@ def stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tenso
     compiled pass (bit for bit the eager hash's: integer arithmetic), where the fused kernels run (as
     :func:`enabled`, by device: ``auto`` on CPU) and the draw has at least :data:`MIN_STREAM_NUMBERS` numbers;
     else None, and the caller hashes with eager ops. A compile or run that fails is reported once and switches
-    the fused kernels off in this process, as for :func:`row_stats`."""
-    if _failed or key.shape[0] * n_heads * per_head < MIN_STREAM_NUMBERS:
+    this kernel off in this process (the numbers are the same either way; the statistics kernels stay on)."""
+    if _streams_failed or key.shape[0] * n_heads * per_head < MIN_STREAM_NUMBERS:
         return None
     try:
         want = mode()
@@ -210,7 +211,11 @@ def stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tenso
         CALLS["streams"] += 1
         return numbers
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager hash draws instead
-        _fail(err)
+        # the same numbers either way: only this kernel goes off (the statistics kernels' figures would change)
+        if not _streams_failed:
+            _streams_failed.append(f"{type(err).__name__}: {err}"[:500])
+            _report(f"the fused random-stream kernel failed ({_streams_failed[0]}); the eager hash draws the same "
+                    "numbers from now on in this process")
         return None
 
 
@@ -246,15 +251,11 @@ def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_sc
         CALLS["fused"] += 1
         return stats
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead
-        _fail(err)
+        if not _failed:
+            _failed.append(f"{type(err).__name__}: {err}"[:500])
+            _report(f"the fused statistics kernel failed ({_failed[0]}); the eager kernels decide from now on in "
+                    f"this process (slower, the same rules). {ENV}=0 skips the attempt")
         return None
-
-
-def _fail(err: Exception) -> None:
-    if not _failed:
-        _failed.append(f"{type(err).__name__}: {err}"[:500])
-        _report(f"a fused kernel failed ({_failed[0]}); the eager kernels decide from now on in this process "
-                f"(slower, the same rules and numbers). {ENV}=0 skips the attempt")
 
 
 _reported: set[str] = set()

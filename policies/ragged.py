@@ -136,8 +136,12 @@ def verify_flat(
         name = getattr(policy, "name", None)
         big = name in fused.READERS and fused.enabled(target_logits)
         chunk_elements = CHUNK_ELEMENTS if device.type != "cpu" else (
-            (CHUNK_ELEMENTS_CPU_HEADS if name == "dropmatch" else CHUNK_ELEMENTS_CPU_FUSED) if big
-            else CHUNK_ELEMENTS_CPU)
+            (CHUNK_ELEMENTS_CPU_HEADS if name == "dropmatch" and getattr(policy.config, "mode", "") == "candidate"
+             else CHUNK_ELEMENTS_CPU_FUSED) if big else CHUNK_ELEMENTS_CPU)
+        if name == "dropmatch" and getattr(policy.config, "mode", "") == "exact":
+            # exact mode holds K full-vocabulary head logits of the chunk (twice at T > 0: at T = 1 and at T):
+            # the chunk shrinks with K so that they stay within one block (what the GPU memory plan reserves)
+            chunk_elements //= policy.config.k * (2 if temperature > 0 else 1)
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view

@@ -51,13 +51,14 @@ def test_the_small_cpu_run_passes_and_covers_every_section_rule_and_temperature(
     assert all(c["leaf_aten_ops"] > 0 for c in results["launches"]["cases"])
     heads = {tuple(c["head"]) for c in results["memory"]["cases"] if c["rule"] == "dropmatch"}
     assert heads == set(small.memory_heads)
+    exact = [c for c in results["memory"]["cases"] if c["params"].get("mode") == "exact"]
+    assert {(tuple(c["head"]), c["T"]) for c in exact} == {(h, t) for h in small.memory_heads for t in (0.0, 0.7)}
     # every memory case carries what the plan keeps for a rule at its shape (the device's peak is held to it
     # on CUDA); the syncs table counts host-to-device copies apart (a GPU run's check of items 1 and 2)
     from workers.vllm.memory import rule_working_bytes
 
     for c in results["memory"]["cases"]:
-        k = c["params"].get("k", 8) if c["rule"] == "dropmatch" else 8
-        assert c["plan_mib"] == round(rule_working_bytes(c["head"][0], c["B"] * c["L"], k) / 2**20, 1) > 0, c
+        assert c["plan_mib"] == round(rule_working_bytes(c["head"][0], c["B"] * c["L"], 8) / 2**20, 1) > 0, c
         assert c["within_plan"] == c["peak_extra_mib"] == "n/a"
     md = (out / "results.md").read_text()
     assert "| plan MiB | within plan |" in md and "| of which host-to-device |" in md

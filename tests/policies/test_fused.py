@@ -125,7 +125,7 @@ def test_a_kernel_that_fails_is_reported_once_and_the_eager_kernels_decide(monke
     with fused.forced("0"):
         eager = make_policy("kl_judge").decide(replace(batch, generator=torch.Generator().manual_seed(1)))
     assert torch.equal(first.accepted, eager.accepted) and torch.equal(again.accepted, eager.accepted)
-    assert sum("a fused kernel failed" in r.getMessage() for r in caplog.records) == 1
+    assert sum("fused statistics kernel failed" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_the_mode_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
@@ -155,3 +155,21 @@ def test_top_ids_selects_what_topk_selects(vocab):
     for row_got, row in zip(got.reshape(-1, 64), flat, strict=True):
         assert len(set(row_got.tolist())) == 64 and int(row_got.max()) < vocab
         assert row.gather(0, row_got).isnan().sum() == row.isnan().sum().clamp(max=64)
+
+
+def test_a_failed_stream_kernel_leaves_the_statistics_kernels_on(monkeypatch, caplog):
+    """The random-stream kernel's numbers equal the eager hash's, so its failure switches off only itself: the
+    statistics kernels (whose figures differ from the eager ones in the last bits) keep deciding."""
+    monkeypatch.setattr(fused, "_streams_failed", [])
+    monkeypatch.setattr(fused, "_failed", [])
+    monkeypatch.setattr(fused, "_compiled", {**fused._compiled, "streams": _raises})
+    keys = torch.arange(4, dtype=torch.int64)
+    with caplog.at_level(logging.WARNING, logger="spectune.policies"), fused.forced("1"):
+        assert fused.stream_numbers(keys, 2, 20_000, 16) is None
+        assert fused.stream_numbers(keys, 2, 20_000, 16) is None
+    assert fused.failure() is None and fused._streams_failed
+    assert sum("random-stream kernel failed" in r.getMessage() for r in caplog.records) == 1
+
+
+def _raises(*args):
+    raise RuntimeError("no C++ compiler")

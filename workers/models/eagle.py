@@ -19,8 +19,31 @@ from typing import Any
 
 import torch
 
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Qwen2ForCausalLM",
-                        "Eagle3Qwen3ForCausalLM")
+
+def _is_eagle3(architecture: str) -> bool:
+    """vLLM's EAGLE-3 classes all carry "Eagle3" in their registered names (LlamaForCausalLMEagle3,
+    Eagle3LlamaForCausalLM, Eagle3Qwen3vlForCausalLM, Eagle3DeepseekV2ForCausalLM, the speculators library's
+    Eagle3Speculator...): the list grows with each release, the name does not change."""
+    return "eagle3" in architecture.lower()
+
+
+def _weight_names(head_dir: Path) -> set[str]:
+    """The tensor names of a head's checkpoint: safetensors files, a sharded index, or PyTorch ``.bin`` files
+    (the original EAGLE-3 releases), read without loading the tensors' data where the format allows."""
+    names: set[str] = set()
+    for index in head_dir.glob("*.index.json"):
+        try:
+            names |= set(json.loads(index.read_text()).get("weight_map", {}))
+        except (OSError, ValueError):
+            pass
+    for f in head_dir.glob("*.safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(str(f), "pt") as st:
+            names |= set(st.keys())
+    for f in head_dir.glob("*.bin"):
+        names |= set(torch.load(str(f), map_location="cpu", weights_only=True, mmap=True))
+    return names
 
 
 def _config(path: Path, role: str) -> dict[str, Any]:
@@ -35,20 +58,26 @@ def check_head_dir(head_dir: str | Path, target_dir: str | Path, tensor_parallel
     naming the problem: not an EAGLE-3 architecture, another vocabulary than the target's, a draft vocabulary
     wider than it or reduced without its ``d2t`` map, a hidden size or aux layers the target does not have,
     attention heads tensor parallelism cannot split."""
+    from workers.vllm.settings import _model_config
+
     head_dir, target_dir = Path(head_dir), Path(target_dir)
-    head, target = _config(head_dir, "EAGLE-3 head"), _config(target_dir, "target")
+    head, target = _config(head_dir, "EAGLE-3 head"), _model_config(target_dir)
+    nested = head.get("transformer_layer_config")  # the speculators library's format
+    if isinstance(nested, dict):
+        head = {**nested, **{k: v for k, v in head.items() if k != "transformer_layer_config"}}
     archs = head.get("architectures") or []
-    if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+    if not any(_is_eagle3(str(a)) for a in archs):
         raise ValueError(f"EAGLE-3 head {head_dir} declares architectures {archs}; vLLM runs an eagle3 head only as "
-                         f"one of {list(EAGLE3_ARCHITECTURES)}")
-    vocab, draft_vocab = head.get("vocab_size"), head.get("draft_vocab_size", head.get("vocab_size"))
+                         "one of its Eagle3 classes (LlamaForCausalLMEagle3, Eagle3LlamaForCausalLM, ...)")
+    vocab = head.get("vocab_size", target.get("vocab_size"))
+    draft_vocab = head.get("draft_vocab_size", vocab)
     if vocab != target.get("vocab_size"):
         raise ValueError(f"EAGLE-3 head {head_dir} has vocab_size {vocab!r}, its target {target_dir} "
                          f"{target.get('vocab_size')!r}: a head drafts for the target it was trained on")
     if not (isinstance(draft_vocab, int) and 0 < draft_vocab <= vocab):
         raise ValueError(f"EAGLE-3 head {head_dir}: draft_vocab_size {draft_vocab!r} must be in [1, vocab_size {vocab}]")
     hidden = head.get("target_hidden_size", head.get("hidden_size"))
-    if hidden != target.get("hidden_size"):
+    if hidden is not None and hidden != target.get("hidden_size"):
         raise ValueError(f"EAGLE-3 head {head_dir} reads hidden states of size {hidden!r}, its target {target_dir} "
                          f"has {target.get('hidden_size')!r}")
     layers = int(target.get("num_hidden_layers") or 0)
@@ -58,13 +87,8 @@ def check_head_dir(head_dir: str | Path, target_dir: str | Path, tensor_parallel
         raise ValueError(f"EAGLE-3 head {head_dir}: eagle_aux_hidden_state_layer_ids {aux!r} must name layers of its "
                          f"target (0..{layers})")
     if draft_vocab < vocab:
-        from safetensors import safe_open
-
-        names: set[str] = set()
-        for f in head_dir.glob("*.safetensors"):
-            with safe_open(str(f), "pt") as st:
-                names |= set(st.keys())
-        if "d2t" not in names:
+        names = _weight_names(head_dir)
+        if not any(n == "d2t" or n.endswith(".d2t") for n in names):
             raise ValueError(f"EAGLE-3 head {head_dir} drafts over {draft_vocab} of {vocab} ids but has no d2t map: "
                              "vLLM would read its ids as the target's first ids")
     heads = head.get("num_attention_heads")

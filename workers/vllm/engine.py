@@ -99,6 +99,7 @@ class VLLMDecoder:
         # before any vLLM process: a pair vLLM would refuse late (or run wrongly) fails here, naming the fix
         self._draft_width = check_drafter_dirs(self.settings, draft_dir, target_dir)
         # on a GPU, unless the user chose: the memory plan's fractions and engines (a pair that does not fit fails here)
+        self._chosen = self.settings  # before the plan: memory_report() recomputes the plan from these
         self.settings = plan_memory_on_gpu(self.settings, draft_dir, target_dir)
         self._setup = setup = VLLMProcessSetup(self.settings)
         self.cpu_binding, self.rule_file, self._digest = setup.cpu_binding, setup.rule_file, setup.digest
@@ -236,10 +237,12 @@ class VLLMDecoder:
 
     def memory_report(self) -> dict[str, Any]:
         """Each engine that is up, against what it was given: its workers' peak reserved device memory (None on
-        CPU builds), its ``gpu_memory_utilization`` share and, on a GPU, the device's total and whether the
-        peak stayed within the share (the memory plan's claim: spectune's extras lie outside both shares,
-        workers/vllm/memory.py). After a warm batch; docs/gpu.md says what a first GPU run records."""
-        from workers.vllm.common import device_total_bytes, memory_shares
+        CPU builds), its ``gpu_memory_utilization`` share and, on a GPU where the memory plan chose the shares,
+        whether the peak stayed within what the plan allows it: its share, plus spectune's extras for the
+        speculative engine (the plan keeps them outside both shares: workers/vllm/memory.py). After a warm
+        batch; docs/gpu.md says what a first GPU run records."""
+        from workers.vllm.common import device_total_bytes, memory_decision, memory_shares
+        from workers.vllm.memory import GIB
 
         shares = dict(zip((SPECULATIVE, REFERENCE), memory_shares(self.settings, not self.exclusive), strict=True))
         report: dict[str, Any] = {"max_num_seqs": self.settings.max_num_seqs, "engines": {}}
@@ -252,7 +255,11 @@ class VLLMDecoder:
             if peaks and all(p is not None for p in peaks):
                 total = total or device_total_bytes()
                 entry["share_bytes"] = int(shares[which] * total)
-                entry["within_share"] = all(p <= entry["share_bytes"] for p in peaks)
+                _, plan = memory_decision(self._chosen, self._dirs[1], self._dirs[0], total)
+                if plan is not None and self.settings.kv_cache_memory_bytes is None:
+                    extras = int(plan.extras_gib * GIB) if which == SPECULATIVE else 0
+                    entry["plan_extras_bytes"] = extras
+                    entry["within_plan"] = all(p <= entry["share_bytes"] + extras for p in peaks)
             report["engines"][which] = entry
         report["device_total_bytes"] = total
         return report

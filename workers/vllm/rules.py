@@ -162,6 +162,7 @@ def implicit_rule() -> _Active:
     return _IMPLICIT[0]
 
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS: a request with a lower temperature is decoded greedily
 _CHILD = re.compile(r"(\d+)_.")  # vLLM names the children of an n > 1 request "<index>_<parent id>"
 
 
@@ -174,7 +175,7 @@ def request_seed(req_id: str, seed: int | None, temperature: float = 0.0) -> int
     each other, not the same numbers at the same positions."""
     if seed is not None:
         return int(seed)
-    if temperature > 0:
+    if temperature >= SAMPLING_EPS:  # below it vLLM decodes greedily (temperature_cpu -1): a T = 0 request
         return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") >> 1
     child = _CHILD.match(req_id)
     return int(child.group(1)) + 1 if child else 0

@@ -48,3 +48,31 @@ def test_the_tiny_heads_checkpoint_has_vllms_eagle3_layout(tmp_path):
         assert tuple(st.get_tensor("fc.weight").shape) == (cfg["hidden_size"], 3 * cfg["hidden_size"])
     with pytest.raises(ValueError, match="draft_ids must be target ids"):
         save_tiny_eagle3_head(tmp_path / "bad", target, draft_ids=[320])
+
+
+def test_heads_in_other_layouts_vllm_loads_are_accepted(tmp_path):
+    """A reduced head shipped as PyTorch .bin (the original EAGLE-3 releases) has its d2t found there; any of
+    vLLM's Eagle3 class names, and the speculators library's nested config, pass the architecture check."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    _, target = save_tiny_pair(tmp_path / "pair", head_dim=64)
+    head = save_tiny_eagle3_head(tmp_path / "head", target, draft_ids=list(range(100)))
+    weights = load_file(str(head / "model.safetensors"))
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    shutil.copy(head / "config.json", binary / "config.json")
+    torch.save(weights, binary / "pytorch_model.bin")
+    check_head_dir(binary, target)
+    torch.save({k: v for k, v in weights.items() if k != "d2t"}, binary / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="has no d2t map"):
+        check_head_dir(binary, target)
+    cfg = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**cfg, "architectures": ["Eagle3DeepseekV2ForCausalLM"]}))
+    check_head_dir(head, target)
+    layer = {k: v for k, v in cfg.items() if k not in ("architectures", "draft_vocab_size")}
+    (head / "config.json").write_text(json.dumps({"architectures": ["Eagle3Speculator"], "draft_vocab_size": 100,
+                                                  "transformer_layer_config": layer}))
+    check_head_dir(head, target)

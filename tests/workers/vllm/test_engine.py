@@ -302,7 +302,7 @@ def test_the_target_only_engine_never_asks_for_the_rule(engine):
     assert set(report["engines"]) == {SPECULATIVE, REFERENCE} and report["device_total_bytes"] is None
     for entry in report["engines"].values():
         assert entry["worker_max_reserved_bytes"] == [None] and 0 < entry["gpu_memory_utilization"] <= 1
-        assert "within_share" not in entry
+        assert "within_plan" not in entry
 
 
 def test_a_bad_request_fails_alone_in_a_batch(engine):

@@ -247,6 +247,7 @@ def test_unseeded_requests_draw_from_streams_of_their_own():
         a, b = STEP.request_seeds
         assert a != b and a == request_seed("cmpl-a", None, 0.8) and 0 <= a < 2 ** 63
         assert request_seed("cmpl-a", 3, 0.8) == 3 and request_seed("cmpl-a", None, 0.0) == 0
+        assert request_seed("cmpl-a", None, 1e-6) == 0, "below vLLM's _SAMPLING_EPS a request decodes greedily"
     finally:
         STEP.rules = STEP.request_seeds = STEP.positions = None
 
