@@ -171,13 +171,9 @@ def test_the_target_block_has_contiguous_draft_positions():
     assert torch.equal(block[2, :3], flat[2:5])
 
 
-@pytest.mark.parametrize("name, fused_on, sizes_seen", [("kl_judge", "1", [6, 6]), ("dropmatch", "1", [12]),
-                                                        ("top_k", "1", [2] * 6), ("kl_judge", "0", [2] * 6),
-                                                        ("dropmatch", "0", [2] * 6)])
-def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, sizes_seen):
-    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks, DropMatch the larger
-    CHUNK_ELEMENTS_CPU_HEADS (its per-chunk small ops: fewer chunks); every other rule (its eager passes prefer
-    small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
+def chunk_sizes(monkeypatch, rule, fused_on: str, temperature: float) -> list[int]:
+    """The requests per rule call of ``verify_flat`` over 12 requests (L 3, V 64), with CPU blocks of 2
+    (eager), 6 (fused kernel) and 12 (DropMatch's candidate mode) requests."""
     import policies.ragged as ragged
     from policies import fused
 
@@ -186,7 +182,6 @@ def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatc
     monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU", 2 * per_request)
     monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_FUSED", 6 * per_request)
     monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_HEADS", 12 * per_request)
-    rule = make_policy(name, **get_spec(name).example)
     sizes: list[int] = []
 
     class Recording:
@@ -203,39 +198,25 @@ def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatc
                     num_draft_tokens=torch.full((b,), n), target_logits=torch.randn(b * n, v, generator=g),
                     bonus_token_ids=torch.zeros(b, dtype=torch.long), draft_logits=torch.randn(b * n, v, generator=g),
                     target_hidden=torch.randn(b * n, 8, generator=g), lm_head_weight=torch.randn(v, 8, generator=g),
-                    temperature=0.7, generator=torch.Generator().manual_seed(1))
-    assert sizes == sizes_seen, sizes
+                    temperature=temperature, generator=torch.Generator().manual_seed(1))
+    return sizes
+
+
+@pytest.mark.parametrize("name, fused_on, sizes_seen", [("kl_judge", "1", [6, 6]), ("dropmatch", "1", [12]),
+                                                        ("top_k", "1", [2] * 6), ("kl_judge", "0", [2] * 6),
+                                                        ("dropmatch", "0", [2] * 6)])
+def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, sizes_seen):
+    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks, DropMatch the larger
+    CHUNK_ELEMENTS_CPU_HEADS (its per-chunk small ops: fewer chunks); every other rule (its eager passes prefer
+    small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
+    rule = make_policy(name, **get_spec(name).example)
+    assert chunk_sizes(monkeypatch, rule, fused_on, 0.7) == sizes_seen
 
 
 @pytest.mark.parametrize("temperature, per_chunk", [(0.0, 3), (0.7, 1)])
 def test_dropmatch_exact_mode_fits_its_k_heads_in_one_block(monkeypatch, temperature, per_chunk):
     """Exact mode holds K full-vocabulary head logits of a chunk (and their copy at T > 0): its chunks shrink by
-    K (by 2K at T > 0), so the heads stay within one block (what the GPU memory plan reserves); candidate mode
-    takes the large CPU block."""
-    import policies.ragged as ragged
-    from policies import fused
-
-    b, n, v, k = 12, 3, 64, 2
-    per_request = (n + 1) * v
-    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU", 6 * per_request)
-    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_FUSED", 6 * per_request)
-    monkeypatch.setattr(ragged, "CHUNK_ELEMENTS_CPU_HEADS", 12 * per_request)
-    rule = make_policy("dropmatch", mode="exact", k=k, criterion="naive")
-    sizes: list[int] = []
-
-    class Recording:
-        def __init__(self) -> None:
-            self.name, self.config = rule.name, rule.config
-
-        def decide(self, batch):
-            sizes.append(batch.batch_size)
-            return rule.decide(batch)
-
-    g = torch.Generator().manual_seed(0)
-    with fused.forced("1"):
-        verify_flat(Recording(), draft_token_ids=torch.randint(0, v, (b * n,), generator=g),
-                    num_draft_tokens=torch.full((b,), n), target_logits=torch.randn(b * n, v, generator=g),
-                    bonus_token_ids=torch.zeros(b, dtype=torch.long), draft_logits=torch.randn(b * n, v, generator=g),
-                    target_hidden=torch.randn(b * n, 8, generator=g), lm_head_weight=torch.randn(v, 8, generator=g),
-                    temperature=temperature, generator=torch.Generator().manual_seed(1))
-    assert sizes == [per_chunk] * (b // per_chunk), sizes
+    K (by 2K at T > 0) from the fused kernel's block, so the heads stay within one block (what the GPU memory
+    plan reserves); only candidate mode takes the large CPU block."""
+    rule = make_policy("dropmatch", mode="exact", k=2, criterion="naive")
+    assert chunk_sizes(monkeypatch, rule, "1", temperature) == [per_chunk] * (12 // per_chunk)
