@@ -212,9 +212,7 @@ def stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tenso
         return numbers
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager hash draws instead
         # the same numbers either way: only this kernel goes off (the statistics kernels' figures would change)
-        if not _streams_failed:
-            _streams_failed.append(f"{type(err).__name__}: {err}"[:500])
-            _report(f"the fused random-stream kernel failed ({_streams_failed[0]}); the eager hash draws the same "
+        _switch_off(_streams_failed, err, "the fused random-stream kernel failed ({}); the eager hash draws the same "
                     "numbers from now on in this process")
         return None
 
@@ -251,11 +249,17 @@ def row_stats(target: Tensor, draft: Tensor | None, temperature: float, draft_sc
         CALLS["fused"] += 1
         return stats
     except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager kernels decide instead
-        if not _failed:
-            _failed.append(f"{type(err).__name__}: {err}"[:500])
-            _report(f"the fused statistics kernel failed ({_failed[0]}); the eager kernels decide from now on in "
+        _switch_off(_failed, err, "the fused statistics kernel failed ({}); the eager kernels decide from now on in "
                     f"this process (slower, the same rules). {ENV}=0 skips the attempt")
         return None
+
+
+def _switch_off(flag: list[str], err: Exception, message: str) -> None:
+    """A kernel's first failure: recorded in ``flag`` (which switches it off) and reported once, ``message``'s
+    ``{}`` naming the error."""
+    if not flag:
+        flag.append(f"{type(err).__name__}: {err}"[:500])
+        _report(message.format(flag[0]))
 
 
 _reported: set[str] = set()
