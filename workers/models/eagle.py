@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from workers.models.pair import model_config
+
 
 def _is_eagle3(architecture: str) -> bool:
     """vLLM's EAGLE-3 classes all carry "Eagle3" in their registered names (LlamaForCausalLMEagle3,
@@ -58,10 +60,8 @@ def check_head_dir(head_dir: str | Path, target_dir: str | Path, tensor_parallel
     naming the problem: not an EAGLE-3 architecture, another vocabulary than the target's, a draft vocabulary
     wider than it or reduced without its ``d2t`` map, a hidden size or aux layers the target does not have,
     attention heads tensor parallelism cannot split."""
-    from workers.vllm.settings import _model_config
-
     head_dir, target_dir = Path(head_dir), Path(target_dir)
-    head, target = _config(head_dir, "EAGLE-3 head"), _model_config(target_dir)
+    head, target = _config(head_dir, "EAGLE-3 head"), model_config(target_dir)
     nested = head.get("transformer_layer_config")  # the speculators library's format
     if isinstance(nested, dict):
         head = {**nested, **{k: v for k, v in head.items() if k != "transformer_layer_config"}}

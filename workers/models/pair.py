@@ -189,6 +189,19 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
+def model_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """A Hugging Face model directory's config.json as a dict, the language model's fields on top for a
+    multimodal config (``text_config``); a ValueError naming the directory when it has none readable."""
+    model_dir = Path(model_dir)
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{model_dir}: no readable config.json ({err}); vLLM needs a Hugging Face model "
+                         "directory") from None
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
 def check_same_vocab(draft_vocab: dict[str, int], target_vocab: dict[str, int], draft_src: Any, target_src: Any) -> None:
     """Raise ValueError describing how two token->id maps differ over the ids both have, if they do.
 

@@ -124,17 +124,6 @@ class VLLMPair:
 PAD_ATTR = "spectune_draft_width"
 
 
-def _model_config(model_dir: Path) -> dict[str, Any]:
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{model_dir}: no readable config.json ({err}); vLLM needs a Hugging Face model "
-                         "directory") from None
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config  # multimodal: the language model's fields
-
-
 def check_drafter_dirs(settings: VLLMSettings, draft_dir: Path, target_dir: Path) -> int:
     """:func:`check_pair_dirs` for a draft model, :func:`workers.models.eagle.check_head_dir` for an EAGLE-3 head
     (never padded: vLLM maps a reduced head vocabulary onto the target's itself); the draft's width as there."""
@@ -151,10 +140,10 @@ def check_pair_dirs(draft_dir: Path, target_dir: Path, tensor_parallel_size: int
     any vLLM process starts: a draft wider than the target, tokenizers that differ, a draft too narrow for
     the tokenizer, attention heads that tensor parallelism cannot split. Returns the draft's logits width
     when it is narrower than the target's (vLLM then pads it, :data:`PAD_ATTR`), else 0."""
-    from workers.models.pair import check_same_specials, check_same_vocab, special_tokens
+    from workers.models.pair import check_same_specials, check_same_vocab, model_config, special_tokens
 
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
-    draft, target = _model_config(draft_dir), _model_config(target_dir)
+    draft, target = model_config(draft_dir), model_config(target_dir)
     widths = [c.get("vocab_size") for c in (draft, target)]
     if not all(isinstance(w, int) and w > 0 for w in widths):
         raise ValueError(f"config.json of draft {draft_dir} / target {target_dir} give vocab_size {widths[0]!r} / "
