@@ -312,11 +312,24 @@ def _finish(body: dict, limits: Limits, default: SpecChoice, kind: str, prompt: 
 
 # -- responses ----------------------------------------------------------------------------------
 
-def spec_metrics(stats: Any, spec: SpecChoice) -> dict[str, Any]:
-    """Per-request speculative metrics with vLLM's names (plus the rule that ran)."""
+def in_certificate(source: dict[str, Any], default: SpecChoice, req: GenRequest) -> bool:
+    """Whether a request ran inside the served rule's certificate: the served rule is certified and served
+    within what its certificate covers (``source``, from jobs.serve), the request ran that rule, and at the
+    temperature the certificate was made at (unknown: not inside). Its prompts are another matter: a
+    certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
+    if source.get("certified") is not True or req.spec != default:
+        return False
+    temperature = (source.get("covers") or {}).get("temperature")
+    return temperature is not None and abs(req.temperature - float(temperature)) <= 1e-6
+
+
+def spec_metrics(stats: Any, spec: SpecChoice, inside: bool | None = None) -> dict[str, Any]:
+    """Per-request speculative metrics with vLLM's names (plus the rule that ran, and whether it ran inside
+    the served rule's certificate)."""
     on = spec.policy is not None
     return {
         **spec.to_dict(),
+        **({} if inside is None else {"in_certificate": inside}),
         "mean_acceptance_length": stats.mean_acceptance_length,
         "draft_acceptance_rate": stats.draft_acceptance_rate if on else 0.0,
         "num_drafts": stats.num_drafts if on else 0,

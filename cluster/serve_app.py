@@ -37,6 +37,7 @@ from cluster.openai_api import (
     GenRequest,
     Response,
     TextStream,
+    in_certificate,
     parse_chat,
     parse_completion,
     spec_metrics,
@@ -250,10 +251,15 @@ class SpecDecodeServer:
                 gen = payload if kind == "done" else gen
         except Exception as err:  # the engine dropped its caches; this replica serves the next request
             return self._error(route, _failure(err), t0)
-        self.metrics.generation(req.spec, gen)
+        spec = self._finished(req, gen, route, t0)
+        return resp.full(gen.text or "", gen.finish_reason, usage(len(ids), len(gen.token_ids)), spec)
+
+    def _finished(self, req: GenRequest, gen: Any, route: str, t0: float) -> dict[str, Any]:
+        """Count a finished generation; its response's ``spec_decode``."""
+        inside = in_certificate(self.s.source, self.default, req)
+        self.metrics.generation(req.spec, gen, inside)
         self.metrics.answered(route, 200, time.perf_counter() - t0)
-        return resp.full(gen.text or "", gen.finish_reason, usage(len(ids), len(gen.token_ids)),
-                         spec_metrics(gen.stats, req.spec))
+        return spec_metrics(gen.stats, req.spec, inside)
 
     async def _events(self, req: GenRequest, ids: list[int], resp: Response, route: str, t0: float):
         text = TextStream(self.pair.tokenizer, req.stop)
@@ -275,12 +281,10 @@ class SpecDecodeServer:
                 rest = text.finish(gen.text or "")
                 if rest:
                     yield sse(resp.chunk(rest))
-                yield sse(resp.chunk(None, gen.finish_reason, spec=spec_metrics(gen.stats, req.spec)))
+                yield sse(resp.chunk(None, gen.finish_reason, spec=self._finished(req, gen, route, t0)))
                 if req.include_usage:
                     yield sse(resp.usage_chunk(usage(len(ids), len(gen.token_ids))))
                 yield sse("[DONE]")
-                self.metrics.generation(req.spec, gen)
-                self.metrics.answered(route, 200, time.perf_counter() - t0)
                 return
         except Exception as err:
             failure = _failure(err)

@@ -97,6 +97,9 @@ class ServeMetrics:
                                  boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160], tag_keys=("route",))
         self.ttft = Histogram("spectune_time_to_first_token_s", description="time to first streamed token (s)",
                               boundaries=[0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40], tag_keys=("route",))
+        self.certified = Counter("spectune_requests_in_certificate", description="generations by whether they ran "
+                                 "the served rule inside its certificate (rule and temperature)",
+                                 tag_keys=("in_certificate",))
         self.mal = Histogram("spectune_mean_acceptance_length", description="per-request mean acceptance length",
                              boundaries=[1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 12, 17], tag_keys=by)
 
@@ -105,7 +108,8 @@ class ServeMetrics:
         if seconds is not None and status == 200:
             self.latency.observe(seconds, tags={"route": route})
 
-    def generation(self, spec: SpecChoice, gen: Any) -> None:
+    def generation(self, spec: SpecChoice, gen: Any, inside: bool = False) -> None:
+        self.certified.inc(1, tags={"in_certificate": str(bool(inside)).lower()})
         tags = {"policy": spec.policy or "off"}
         s = gen.stats
         self.prompt.inc(s.prompt_tokens, tags=tags)

@@ -161,6 +161,13 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int((choice.get("decode") or {}).get("seed", 0) or 0)
     tp = args.tensor_parallel_size
     draft, target, width = resolve_pair(args.pair or choice.get("pair"), args.cache_dir, tp, args.speculative_method)
+    from jobs.scope import changes, check_scope, covers
+
+    outside = check_scope(choice, what, changes(choice, pair=(draft, target) if args.pair else None,
+                                                dtype=dtype_name, draft_len=draft_len,
+                                                drafter=args.speculative_method, engine="vllm",
+                                                cache_dir=args.cache_dir),
+                          args.allow_uncertified)
 
     out = Path(args.out or default_out).expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -212,8 +219,13 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
             "target_dir": str(target), "draft_width": width, "dtype": _VLLM_DTYPES[dtype_name], "env": env,
             "argv": argv, "speculative_config": spec_config, "command": command, "url": url,
             "request_example": body, "curl": curl, "rule_arg": RULE_ARG,
-            "source": {"what": what, "path": choice["_path"], "certified": choice.get("certified")},
+            "source": {"what": what, "path": choice["_path"], "certified": choice.get("certified"),
+                       "covers": covers(choice), **outside},
             "notes": notes}
+
+
+def _covers_line(c: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in c.items()) + " (requests at another temperature run outside it)"
 
 
 def describe(res: dict[str, Any]) -> str:
@@ -223,6 +235,9 @@ def describe(res: dict[str, Any]) -> str:
         f"# rule {rule['policy']} {json.dumps(rule['params'], sort_keys=True)} seed {rule['seed']} "
         f"(digest {res['digest']}) from {res['source']['what']}"
         + ("" if cert is True else "  -- NOT certified (--allow-uncertified)"),
+        *([f"# outside its certificate: {'; '.join(res['source']['outside_certificate'])}"]
+          if res["source"].get("outside_certificate") else []),
+        *([f"# its certificate covers: {_covers_line(res['source']['covers'])}"] if cert is True else []),
         f"# wrote {res['rule_file']}",
         "# serve it (spectune installed in vLLM's environment: its plugin decides every verify step with this rule;",
         "# requests keep top_p=1, top_k and min_p off):",

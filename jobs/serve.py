@@ -149,7 +149,14 @@ def settings_from(spec: dict[str, Any]) -> ServeSettings:
             raise ValueError(f"{given[0]} given together with a sweep/file policy: use one source")
         if sweep or "certified" in chosen or chosen.get("policy") is None:  # hand-written files claim nothing
             check_certified(chosen, what, allow_uncertified)
-        spec.update({k: chosen[k] for k in CHOICE_KEYS if k in chosen}, source=chosen["source"])
+        from jobs.scope import changes, check_scope, covers
+
+        drafter = (spec.get("vllm") or {}).get("speculative_method")
+        outside = check_scope(chosen, what, changes(chosen, pair=spec.get("pair"), dtype=spec.get("dtype"),
+                                                    drafter=drafter, engine=spec.get("engine") or "cpu"),
+                              allow_uncertified)
+        source = {**chosen["source"], **({"covers": covers(chosen)} if "certified" in chosen else {}), **outside}
+        spec.update({k: chosen[k] for k in CHOICE_KEYS if k in chosen}, source=source)
         for k in ("pair", "dtype"):
             if spec.get(k) is None and chosen.get(k):
                 spec[k] = chosen[k]

@@ -396,7 +396,8 @@ class Sweep:
     def base_choice(self, budget: float) -> dict[str, Any]:
         return {"budget": budget, "pair": self.args.pair, "benchmark": self.bench.name, "dtype": self.args.dtype,
                 "sweep": self.name, "parent_run_id": self.tracker.parent_id, "decode": self.s["decode"],
-                "split": self.split, "search_items": len(self.items)}
+                "engine": self.args.engine, "split": self.split, "search_items": len(self.items),
+                **({"pair_fingerprint": self.ledger.pair_id} if getattr(self, "ledger", None) else {})}
 
     def spec_of(self, row: dict) -> DecodeSpec:
         return DecodeSpec.make(row["family"], json.loads(row["params"]), row["draft_len"], **self.s["decode"])

@@ -10,6 +10,7 @@ from cluster.openai_api import (
     Response,
     SpecChoice,
     TextStream,
+    in_certificate,
     parse_chat,
     parse_completion,
     parse_spec,
@@ -95,6 +96,21 @@ def test_spec_decode_override_uses_the_registry():
     for value, param, words in cases:
         err = error_of(parse_spec, value, DEFAULT, LIMITS)
         assert err.status == 400 and err.param == param and words in err.message, (value, err.message)
+
+
+def test_a_request_is_inside_the_certificate_only_with_the_served_certified_rule_at_its_temperature():
+    certified = {"kind": "sweep", "certified": True, "covers": {"temperature": 0.0, "pair": "tiny-random"}}
+    assert in_certificate(certified, DEFAULT, completion(temperature=0))
+    assert in_certificate(certified, DEFAULT, completion(temperature=0, spec_decode={"params": {"threshold": 0.5}}))
+    outside = [(certified, completion(temperature=0.7)),  # another temperature
+               (certified, completion(temperature=0, spec_decode={"params": {"threshold": 0.6}})),  # other knobs
+               (certified, completion(temperature=0, spec_decode={"policy": "lossless"})),  # another rule
+               (certified, completion(temperature=0, spec_decode={"draft_len": 4})),
+               ({**certified, "certified": False, "outside_certificate": ["dtype bf16"]}, completion(temperature=0)),
+               ({"kind": "flags"}, completion(temperature=0)),
+               ({"kind": "sweep", "certified": True}, completion(temperature=0))]  # temperature unknown
+    for source, req in outside:
+        assert not in_certificate(source, DEFAULT, req), (source, req)
 
 
 def test_stream_options_and_seed():

@@ -98,6 +98,7 @@ def test_completion_has_usage_and_per_request_spec_metrics(server):
     assert 0 <= sd["num_accepted_tokens"] <= sd["num_draft_tokens"] and sd["num_drafts"] >= 1
     assert sd["mean_acceptance_length"] == pytest.approx(use["completion_tokens"] / sd["num_drafts"])
     assert sd["draft_acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+    assert sd["in_certificate"] is False  # a rule given by flags has no certificate
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,13 @@ def test_an_eagle3_head_is_checked_and_named_in_the_command(tmp_path, pair, caps
     head = save_tiny_eagle3_head(tmp_path / "head", target, draft_ids=list(range(200)))
     path = tmp_path / "chosen.json"
     path.write_text(json.dumps(chosen(f"{head}+{target}")))
+    rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--speculative-method",
+                     "eagle3")  # a certificate made with the draft model says nothing of a head's drafts
+    assert rc == 2 and "drafter eagle3" in err and "--allow-uncertified" in err and not (tmp_path / "rule.json").exists()
     rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json",
-                       "--speculative-method", "eagle3")
+                       "--speculative-method", "eagle3", "--allow-uncertified")
     assert rc == 0, err
+    assert json.loads(out)["source"]["certified"] is False
     argv = json.loads(out)["argv"]
     opt = {argv[i]: argv[i + 1] for i in range(3, len(argv) - 1) if argv[i].startswith("--")}
     assert json.loads(opt["--speculative-config"])["method"] == "eagle3" and "--hf-overrides" not in opt
@@ -135,6 +140,61 @@ def test_uncertified_choices_are_refused_unless_allowed(tmp_path, pair, capsys):
         rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--allow-uncertified")
         assert rc == 0 and "NOT certified" in out, err
         (tmp_path / "rule.json").unlink()
+
+
+def test_an_override_outside_the_certificate_is_refused_unless_allowed(tmp_path, pair, capsys):
+    """A certificate covers its pair, dtype, draft length and drafter: overriding one of them is refused
+    (naming it), or with --allow-uncertified exported as not certified, the change named; the same pair
+    spelled another way is the same pair."""
+    draft, target = pair
+    path = tmp_path / "chosen.json"
+    path.write_text(json.dumps(chosen(f"{draft}+{target}", benchmark="gsm8k", decode={"temperature": 0.0})))
+    other, link = tmp_path / "other", tmp_path / "link"
+    shutil.copytree(target, other)  # another directory: other weights as far as anyone can tell from here
+    link.symlink_to(target, target_is_directory=True)  # the same directory
+    for flags, change in ((["--dtype", "bf16"], "dtype bf16 (certified: fp32)"),
+                          (["--draft-len", "4"], "draft length 4 (certified: 3)"),
+                          (["--pair", f"{draft}+{other}"], "pair ")):
+        rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), *flags)
+        assert rc == 2 and change in err and "--allow-uncertified" in err and err.count("\n") == 1, (flags, err)
+        assert not (tmp_path / "rule.json").exists()
+        rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json",
+                           "--allow-uncertified", *flags)
+        assert rc == 0, err
+        source = json.loads(out)["source"]
+        assert source["certified"] is False and any(change in c for c in source["outside_certificate"])
+        rc, text, _ = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--allow-uncertified",
+                          *flags)
+        assert "NOT certified" in text and "outside its certificate: " in text
+        (tmp_path / "rule.json").unlink()
+    # the certified settings, however spelled, stay certified and say what the certificate covers
+    for flags in ([], ["--dtype", "fp32", "--draft-len", "3"], ["--pair", f"{draft}/+{link}"]):
+        rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json", *flags)
+        assert rc == 0, (flags, err)
+        source = json.loads(out)["source"]
+        assert source["certified"] is True and "outside_certificate" not in source
+        assert source["covers"] == {"benchmark": "gsm8k", "pair": f"{draft}+{target}", "dtype": "fp32",
+                                    "draft_len": 3, "drafter": "draft_model", "temperature": 0.0}
+    rc, text, _ = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"))
+    assert "# its certificate covers: benchmark gsm8k" in text and "temperature 0.0" in text
+    # where the choice records the pair's fingerprint (sweeps do), a copy of the same weights is the same pair
+    from workers.models.identity import pair_fingerprint
+
+    path.write_text(json.dumps(chosen(f"{draft}+{target}", pair_fingerprint=pair_fingerprint(f"{draft}+{target}"))))
+    rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json", "--pair",
+                       f"{draft}+{other}")
+    assert rc == 0 and json.loads(out)["source"]["certified"] is True, err
+    weights = next(p for p in other.iterdir() if p.suffix == ".safetensors")
+    data = bytearray(weights.read_bytes())
+    data[-4:] = b"\x11\x22\x33\x44"  # other weights
+    weights.write_bytes(bytes(data))
+    rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--pair", f"{draft}+{other}")
+    assert rc == 2 and f"pair {draft}+{other}" in err, err
+    # a certificate made on the CPU engine does not cover vLLM's decoding; one made on vLLM does
+    for engine, rc_wanted in (("cpu", 2), ("vllm", 0)):
+        path.write_text(json.dumps(chosen(f"{draft}+{target}", engine=engine)))
+        rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / f"{engine}.json"))
+        assert rc == rc_wanted and ("engine vllm (certified: cpu" in err) == (engine == "cpu"), err
 
 
 def test_unservable_choices_are_one_line_errors(tmp_path, pair, capsys):

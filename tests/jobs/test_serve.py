@@ -4,6 +4,7 @@ config file rebuilds the same app; bad sources are one-line errors before Ray st
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,34 @@ def test_policy_from_a_sweep_run_id_and_budget(swept):
     args = serve_job.build_parser().parse_args(["--from-sweep", run_id, "--budget", "0.9",
                                                 "--run-dir", str(next(root.glob("sweeps/*")))])
     assert serve_job.settings_from(serve_job.args_to_spec(args)).policy == chosen["policy"]
+    # what the certificate covers is in the source (/v1/policy); the same pair and dtype given again keep it
+    assert src["covers"] == {"benchmark": "gsm8k", "pair": "tiny-random", "dtype": "fp32", "engine": "cpu",
+                             "draft_len": chosen["draft_len"], "drafter": "draft_model", "temperature": 0.0,
+                             "shots": chosen["decode"]["shots"], "max_new_tokens": 6}
+    from workers.models.identity import pair_fingerprint
+
+    assert chosen["pair_fingerprint"] == pair_fingerprint("tiny-random")  # what the certificate ledger keys on
+    sweep = {"from_sweep": {"run_id": run_id, "budget": "90%"}, "runs_root": str(root)}
+    assert serve_job.settings_from({**sweep, "pair": "tiny-random", "dtype": "fp32"}).source["certified"] is True
+
+
+@pytest.mark.parametrize("override,change", [
+    ({"dtype": "bf16"}, "dtype bf16 (certified: fp32)"),
+    ({"pair": "qwen2.5-coder-0.5b+1.5b"}, "pair qwen2.5-coder-0.5b+1.5b (certified: tiny-random)"),
+    ({"engine": "vllm", "vllm": {"speculative_method": "eagle3"}}, "drafter eagle3"),
+    ({"engine": "vllm"}, "engine vllm (certified: cpu"),
+])
+def test_an_override_outside_the_certificate_is_refused_unless_allowed(swept, override, change):
+    """The certified budget's pair, dtype and drafter are what it covers: another one is refused, naming it,
+    before anything starts; allowed, the policy says it is not certified and why."""
+    root, meta = swept
+    sweep = {"from_sweep": {"run_id": meta["parent_run_id"], "budget": "90%"}, "runs_root": str(root)}
+    with pytest.raises(ValueError, match=r"certified for pair tiny-random, dtype fp32.*" + re.escape(change)):
+        serve_job.settings_from({**sweep, **override})
+    if "engine" in override:
+        return  # allowed, it would go on to start a vLLM engine
+    settings = serve_job.settings_from({**sweep, **override, "allow_uncertified": True})
+    assert settings.source["certified"] is False and settings.source["outside_certificate"] == [change]
 
 
 def test_an_uncertified_budget_is_refused_unless_allowed(swept, capsys):

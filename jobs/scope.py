@@ -1,0 +1,99 @@
+"""What a sweep's certificate covers, and whether a rule served or exported from it still runs inside that.
+
+A certificate bounds the accuracy drop of one rule decoded under the conditions its confirmation ran: the
+pair, the dtype, the draft length, the drafter (the pair's draft model: sweeps never draft with an EAGLE
+head), the benchmark and its decoding settings (temperature, shots, max new tokens), the engine. ``jobs.serve``
+and ``jobs.export_rule`` may change all but the benchmark's (the engine where the choice records it: files
+from before it was recorded say nothing of theirs). An override that changes one of them leaves the
+certificate behind: the rule is then refused unless the caller passes ``--allow-uncertified``, and where
+it is allowed it is reported ``certified: false`` with the changes named (``outside_certificate``). A
+request at another temperature cannot be refused ahead of time; each response says whether it ran inside
+the certificate (:func:`cluster.openai_api.in_certificate`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+DRAFTER = "draft_model"  # what every sweep drafts with
+
+
+def covers(choice: dict[str, Any]) -> dict[str, Any]:
+    """The conditions a chosen file's certificate was made under (what it records; older files lack the engine)."""
+    decode = choice.get("decode") or {}
+    out = {"benchmark": choice.get("benchmark"), "pair": choice.get("pair"), "dtype": choice.get("dtype"),
+           "draft_len": choice.get("draft_len"), "drafter": DRAFTER, "engine": choice.get("engine"),
+           "temperature": decode.get("temperature"), "shots": decode.get("shots"),
+           "max_new_tokens": decode.get("max_new_tokens")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _pair_dirs(pair: Any, cache_dir: str | None) -> tuple[Path, Path] | None:
+    """A pair's two model directories, resolved; None where it cannot be resolved here."""
+    if isinstance(pair, (tuple, list)) and len(pair) == 2:
+        return Path(pair[0]).resolve(), Path(pair[1]).resolve()
+    from workers.models.pair import pair_dirs
+
+    try:
+        draft, target, _ = pair_dirs(str(pair), cache_dir)
+    except (ValueError, OSError):
+        return None
+    return Path(draft).resolve(), Path(target).resolve()
+
+
+def same_pair(certified: Any, used: Any, fingerprint: str | None = None, cache_dir: str | None = None) -> bool:
+    """Whether ``used`` (a pair name, ``DRAFT+TARGET``, or two directories) names the certified pair: the
+    same text; else, where the choice records the pair's fingerprint (what the certificate ledger keys on,
+    ``workers.models.identity``), the same fingerprint (a copy of the same weights is the same pair); else
+    the same two directories once resolved."""
+    if certified is None or used is None or str(certified) == str(used):
+        return True
+    if fingerprint:
+        from workers.models.identity import pair_fingerprint
+
+        text = "+".join(str(p) for p in used) if isinstance(used, (tuple, list)) else str(used)
+        try:
+            return pair_fingerprint(text) == fingerprint
+        except (ValueError, OSError):
+            return False
+    a, b = _pair_dirs(certified, cache_dir), _pair_dirs(used, cache_dir)
+    return a is not None and a == b
+
+
+def changes(choice: dict[str, Any], *, pair: Any = None, dtype: str | None = None, draft_len: int | None = None,
+            drafter: str | None = None, engine: str | None = None, cache_dir: str | None = None) -> list[str]:
+    """What the given settings change of the conditions the choice was certified under, one phrase each
+    (empty: inside them). A setting left None is the choice's own."""
+    out = []
+    if pair is not None and not same_pair(choice.get("pair"), pair, choice.get("pair_fingerprint"), cache_dir):
+        shown = "+".join(str(p) for p in pair) if isinstance(pair, (tuple, list)) else str(pair)
+        out.append(f"pair {shown} (certified: {choice.get('pair')})")
+    if dtype is not None and choice.get("dtype") is not None and dtype != choice["dtype"]:
+        out.append(f"dtype {dtype} (certified: {choice['dtype']})")
+    if draft_len is not None and choice.get("draft_len") is not None and int(draft_len) != int(choice["draft_len"]):
+        out.append(f"draft length {draft_len} (certified: {choice['draft_len']})")
+    if drafter is not None and drafter != DRAFTER:
+        out.append(f"drafter {drafter} (certified: the pair's draft model)")
+    if engine is not None and choice.get("engine") is not None and engine != choice["engine"]:
+        out.append(f"engine {engine} (certified: {choice['engine']}; its kernels and numerics differ)")
+    return out
+
+
+def check_scope(choice: dict[str, Any], what: str, found: list[str], allow_uncertified: bool) -> dict[str, Any]:
+    """The source fields for a certified choice used with the changes ``found``: nothing to add when there
+    are none (or the choice was not certified anyway); ``certified: false`` and the changes when the caller
+    allows it; else a ValueError naming each change and the ways out."""
+    if not found or choice.get("certified") is not True:
+        return {}
+    if not allow_uncertified:
+        raise ValueError(f"{what} is certified for {_conditions(choice)}, and this changes {'; '.join(found)}: "
+                         "its certificate does not cover that. Use the certified settings, certify these with a "
+                         "sweep, or pass --allow-uncertified")
+    return {"certified": False, "outside_certificate": found}
+
+
+def _conditions(choice: dict[str, Any]) -> str:
+    c = covers(choice)
+    return ", ".join(f"{k} {c[k]}" for k in ("pair", "dtype", "draft_len") if k in c) + ", the pair's draft model" \
+        + (f", the {c['engine']} engine" if "engine" in c else "")
