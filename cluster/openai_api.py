@@ -312,12 +312,18 @@ def _finish(body: dict, limits: Limits, default: SpecChoice, kind: str, prompt: 
 
 # -- responses ----------------------------------------------------------------------------------
 
+def _ran(spec: SpecChoice) -> Any:
+    """A rule as it runs: its whole validated config (knobs left out take their defaults) and draft length."""
+    rule = spec.build()
+    return None if rule is None else (rule.describe(), spec.draft_len)
+
+
 def in_certificate(source: dict[str, Any], default: SpecChoice, req: GenRequest) -> bool:
     """Whether a request ran inside the served rule's certificate: the served rule is certified and served
     within what its certificate covers (``source``, from jobs.serve), the request ran that rule, and at the
     temperature the certificate was made at (unknown: not inside). Its prompts are another matter: a
     certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
-    if source.get("certified") is not True or req.spec != default:
+    if source.get("certified") is not True or _ran(req.spec) != _ran(default):
         return False
     temperature = (source.get("covers") or {}).get("temperature")
     return temperature is not None and abs(req.temperature - float(temperature)) <= 1e-6

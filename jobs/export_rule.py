@@ -212,7 +212,8 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
 
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     url = f"http://{host}:{args.port}/v1/completions"
-    body = {"model": args.served_model_name, "prompt": "def fibonacci(n):", "max_tokens": 64, "temperature": 0,
+    body = {"model": args.served_model_name, "prompt": "def fibonacci(n):", "max_tokens": 64,
+            "temperature": float(covers(choice).get("temperature", 0.0)),  # the certificate's, if it says
             "vllm_xargs": {RULE_ARG: json.dumps(rule, sort_keys=True)}}
     curl = f"curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
     return {"rule_file": str(out), "digest": digest, "rule": rule, "draft_len": draft_len, "draft_dir": str(draft),

@@ -30,35 +30,49 @@ def covers(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 def _pair_dirs(pair: Any, cache_dir: str | None) -> tuple[Path, Path] | None:
-    """A pair's two model directories, resolved; None where it cannot be resolved here."""
+    """A pair's two model directories, resolved; None where it cannot be resolved here (an unknown name, a
+    shipped pair not fetched on this machine)."""
     if isinstance(pair, (tuple, list)) and len(pair) == 2:
         return Path(pair[0]).resolve(), Path(pair[1]).resolve()
+    from workers.cli import InputError
     from workers.models.pair import pair_dirs
 
     try:
         draft, target, _ = pair_dirs(str(pair), cache_dir)
-    except (ValueError, OSError):
+    except (ValueError, OSError, InputError):
         return None
     return Path(draft).resolve(), Path(target).resolve()
 
 
 def same_pair(certified: Any, used: Any, fingerprint: str | None = None, cache_dir: str | None = None) -> bool:
     """Whether ``used`` (a pair name, ``DRAFT+TARGET``, or two directories) names the certified pair: the
-    same text; else, where the choice records the pair's fingerprint (what the certificate ledger keys on,
-    ``workers.models.identity``), the same fingerprint (a copy of the same weights is the same pair); else
-    the same two directories once resolved."""
+    same text; the same fingerprint where the choice records the pair's (what the certificate ledger keys
+    on, ``workers.models.identity``: a copy of the same weights is the same pair); the same two directories
+    once resolved. What cannot be resolved here is not the same pair."""
     if certified is None or used is None or str(certified) == str(used):
         return True
     if fingerprint:
+        from workers.cli import InputError
         from workers.models.identity import pair_fingerprint
 
         text = "+".join(str(p) for p in used) if isinstance(used, (tuple, list)) else str(used)
         try:
-            return pair_fingerprint(text) == fingerprint
-        except (ValueError, OSError):
-            return False
+            if pair_fingerprint(text) == fingerprint:
+                return True
+        except (ValueError, OSError, InputError):
+            pass
     a, b = _pair_dirs(certified, cache_dir), _pair_dirs(used, cache_dir)
     return a is not None and a == b
+
+
+def same_dtype(a: str, b: str) -> bool:
+    """bf16 and bfloat16 (any case, a ``torch.`` prefix) are one dtype; what no table knows compares as text."""
+    from workers.models.pair import resolve_dtype
+
+    try:
+        return resolve_dtype(a) == resolve_dtype(b)
+    except ValueError:
+        return str(a) == str(b)
 
 
 def changes(choice: dict[str, Any], *, pair: Any = None, dtype: str | None = None, draft_len: int | None = None,
@@ -69,7 +83,7 @@ def changes(choice: dict[str, Any], *, pair: Any = None, dtype: str | None = Non
     if pair is not None and not same_pair(choice.get("pair"), pair, choice.get("pair_fingerprint"), cache_dir):
         shown = "+".join(str(p) for p in pair) if isinstance(pair, (tuple, list)) else str(pair)
         out.append(f"pair {shown} (certified: {choice.get('pair')})")
-    if dtype is not None and choice.get("dtype") is not None and dtype != choice["dtype"]:
+    if dtype is not None and choice.get("dtype") is not None and not same_dtype(dtype, choice["dtype"]):
         out.append(f"dtype {dtype} (certified: {choice['dtype']})")
     if draft_len is not None and choice.get("draft_len") is not None and int(draft_len) != int(choice["draft_len"]):
         out.append(f"draft length {draft_len} (certified: {choice['draft_len']})")
@@ -95,5 +109,5 @@ def check_scope(choice: dict[str, Any], what: str, found: list[str], allow_uncer
 
 def _conditions(choice: dict[str, Any]) -> str:
     c = covers(choice)
-    return ", ".join(f"{k} {c[k]}" for k in ("pair", "dtype", "draft_len") if k in c) + ", the pair's draft model" \
-        + (f", the {c['engine']} engine" if "engine" in c else "")
+    parts = [f"{k} {c[k]}" for k in ("pair", "dtype", "draft_len") if k in c] + ["the pair's draft model"]
+    return ", ".join(parts + ([f"the {c['engine']} engine"] if "engine" in c else []))

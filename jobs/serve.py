@@ -129,6 +129,9 @@ def settings_from(spec: dict[str, Any]) -> ServeSettings:
     else ``policy``/``params``/``draft_len`` as given. A sweep or file also gives the pair and
     dtype it was calibrated on, unless ``pair``/``dtype`` are given explicitly."""
     spec = dict(spec)
+    if "source" in spec:  # else a Serve config could claim a certificate for a rule given by flags
+        raise ValueError("source is not a setting: it records where the policy came from (from_sweep, policy_file "
+                         "or flags) and is set from that")
     sweep, file = spec.pop("from_sweep", None), spec.pop("policy_file", None)
     runs_root = spec.pop("runs_root", None)
     allow_uncertified = bool(spec.pop("allow_uncertified", False))

@@ -15,6 +15,7 @@ from cluster.openai_api import (
     parse_completion,
     parse_spec,
 )
+from policies import make_policy
 from workers.models.pair import tiny_tokenizer
 
 MODEL = "spectune/tiny-random"
@@ -102,6 +103,10 @@ def test_a_request_is_inside_the_certificate_only_with_the_served_certified_rule
     certified = {"kind": "sweep", "certified": True, "covers": {"temperature": 0.0, "pair": "tiny-random"}}
     assert in_certificate(certified, DEFAULT, completion(temperature=0))
     assert in_certificate(certified, DEFAULT, completion(temperature=0, spec_decode={"params": {"threshold": 0.5}}))
+    knobs = make_policy("kl_judge", threshold=0.5).describe()["params"]  # every knob, the others at their defaults
+    assert in_certificate(certified, DEFAULT, completion(temperature=0, spec_decode={"params": knobs}))
+    assert in_certificate(certified, DEFAULT, completion(temperature=0, spec_decode={"policy": "kl_judge",
+                                                                                    "params": {"threshold": 0.5}}))
     outside = [(certified, completion(temperature=0.7)),  # another temperature
                (certified, completion(temperature=0, spec_decode={"params": {"threshold": 0.6}})),  # other knobs
                (certified, completion(temperature=0, spec_decode={"policy": "lossless"})),  # another rule

@@ -114,6 +114,13 @@ def test_sweep_source_errors_are_clear(swept, capsys):
                                  "runs_root": str(root)})
 
 
+def test_a_serve_config_cannot_claim_a_certificate():
+    """source records where the policy came from; given as a setting it would mark a flags rule certified."""
+    with pytest.raises(ValueError, match="source is not a setting"):
+        serve_job.settings_from({"policy": "lossless", "source": {"kind": "sweep", "certified": True,
+                                                                  "covers": {"temperature": 0.0}}})
+
+
 def test_policy_file_and_flags(tmp_path):
     path = tmp_path / "chosen.json"
     path.write_text(json.dumps({"policy": "dropmatch", "params": {"k": 4, "p_drop": 0.2}, "draft_len": 4,
