@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,40 +54,71 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool = True  # Qwen2 has q/k/v biases; Llama-style configs say attention_bias
+    # An EAGLE-3 head: the target states its ``fc`` folds into one (its layer then reads 2 x hidden: the token's
+    # embedding beside the folded state); 0 for any other model
+    aux_layers: int = 0
+    head_vocab: int = 0  # the LM head's rows where narrower than ``vocab`` (an EAGLE-3 head's draft vocabulary)
+    embedding: bool = True  # False: the model uses another's token embedding (an EAGLE-3 head that has none)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelShape:
-        text = config.get("text_config")
-        c = {**config, **text} if isinstance(text, dict) else config
+        """The shape a ``config.json`` describes: a multimodal model's language model (``text_config``), an
+        EAGLE-3 head in the speculators library's layout (``transformer_layer_config``) or vLLM's."""
+        from workers.models.eagle import _is_eagle3
+
+        c = dict(config)
+        for nested in ("text_config", "transformer_layer_config"):
+            if isinstance(c.get(nested), dict):
+                c = {**c, **c[nested]}
+        eagle3 = any(_is_eagle3(str(a)) for a in (c.get("architectures") or []))
         try:
             heads = int(c["num_attention_heads"])
             hidden = int(c["hidden_size"])
+            vocab = int(c["vocab_size"])
+            head_vocab = int(c.get("draft_vocab_size") or vocab) if eagle3 else vocab
+            aux = len(c.get("eagle_aux_hidden_state_layer_ids")
+                      or (c.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or (0, 1, 2))
             return cls(layers=int(c["num_hidden_layers"]), hidden=hidden, heads=heads,
                        kv_heads=int(c.get("num_key_value_heads") or heads),
                        head_dim=int(c.get("head_dim") or hidden // heads), intermediate=int(c["intermediate_size"]),
-                       vocab=int(c["vocab_size"]), tied=bool(c.get("tie_word_embeddings", False)),
-                       qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")))
+                       vocab=vocab, tied=bool(c.get("tie_word_embeddings", False)) and not eagle3,
+                       qkv_bias=bool(c.get("attention_bias", c.get("model_type") == "qwen2")),
+                       aux_layers=aux if eagle3 else 0, head_vocab=head_vocab if head_vocab < vocab else 0)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"config.json lacks what a memory estimate needs ({err}): num_hidden_layers, "
                              "hidden_size, num_attention_heads, intermediate_size, vocab_size") from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelShape:
+        """:meth:`from_config` of a model directory; an EAGLE-3 head whose checkpoint has no token embedding
+        uses the target's (vLLM shares it), so none is counted."""
         path = Path(model_dir) / "config.json"
         try:
-            return cls.from_config(json.loads(path.read_text()))
+            shape = cls.from_config(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as err:
             raise ValueError(f"{model_dir}: no readable config.json ({err})") from None
+        if shape.aux_layers:
+            from workers.models.eagle import _weight_names
+
+            names = _weight_names(Path(model_dir))
+            if names and not any("embed_tokens" in n for n in names):
+                shape = replace(shape, embedding=False)
+        return shape
 
     @property
     def params(self) -> int:
-        """Parameters: embeddings, LM head (untied), per layer q/k/v/o (+ q/k/v biases where the model has
-        them) and a gated MLP, two norms per layer and the final one."""
+        """Parameters: the token embedding (unless shared), the LM head (untied), per layer q/k/v/o (+ q/k/v
+        biases where the model has them) and a gated MLP, two norms per layer and the final one. An EAGLE-3
+        head's layer reads 2 x hidden and has a third norm, and its ``fc`` folds ``aux_layers`` states."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = self.hidden * (q + 2 * kv) + (q + 2 * kv) * self.qkv_bias + q * self.hidden
+        reads = self.hidden * (2 if self.aux_layers else 1)
+        attn = reads * (q + 2 * kv) + (q + 2 * kv) * self.qkv_bias + q * self.hidden
         mlp = 3 * self.hidden * self.intermediate
-        embed = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embed + self.layers * (attn + mlp + 2 * self.hidden) + self.hidden
+        norms = (3 if self.aux_layers else 2) * self.hidden
+        embed = self.vocab * self.hidden * self.embedding
+        head = 0 if self.tied else (self.head_vocab or self.vocab) * self.hidden
+        fc = self.aux_layers * self.hidden * self.hidden
+        return embed + head + fc + self.layers * (attn + mlp + norms) + self.hidden
 
     def splits_over(self, tp: int) -> bool:
         """Whether tensor parallelism ``tp`` can split this model's heads (and split or replicate its KV heads)."""

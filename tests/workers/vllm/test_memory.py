@@ -25,6 +25,31 @@ def test_a_saved_pair_counts_exactly_what_torch_holds(tmp_path):
         ModelShape.from_dir(tmp_path)
 
 
+@pytest.mark.parametrize("draft_ids", [None, list(range(0, 320, 2))])
+def test_an_eagle3_head_counts_what_its_checkpoint_holds(tmp_path, draft_ids):
+    """An EAGLE-3 head: one layer reading 2 x hidden, fc over three target states, an LM head over its own
+    vocabulary, no embedding of its own (vLLM shares the target's); vLLM's layout and the speculators one."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from workers.models.eagle import save_tiny_eagle3_head
+
+    _, target = save_tiny_pair(tmp_path / "pair")
+    head = save_tiny_eagle3_head(tmp_path / "head", target, draft_ids=draft_ids)
+    held = sum(t.numel() for name, t in load_file(str(head / "model.safetensors")).items()
+               if name not in ("d2t", "t2d"))  # the vocabulary maps are buffers, not weights
+    shape = ModelShape.from_dir(head)
+    assert not shape.embedding and shape.aux_layers == 3 and shape.layers == 1
+    assert shape.params == held and shape.head_vocab == (0 if draft_ids is None else 160)
+    assert shape.params < ModelShape.from_dir(target).params
+    cfg = json.loads((head / "config.json").read_text())
+    layer = {k: cfg.pop(k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                     "num_key_value_heads", "head_dim")}
+    nested = {**cfg, "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer}
+    assert ModelShape.from_config(nested).params == held + shape.vocab * shape.hidden  # its embedding: unknown, counted
+
+
 def test_a_7b_reference_gets_what_its_weights_need_where_the_fixed_split_starved_it():
     target, draft = ModelShape(**QWEN25["7B"]), ModelShape(**QWEN25["0.5B"])
     weights = target.weight_bytes(2)
