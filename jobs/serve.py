@@ -76,7 +76,8 @@ def _certificate(choice: dict[str, Any]) -> dict[str, Any]:
     """What a sweep's choice says about its certificate (absent: a sweep from before certification)."""
     if "certified" not in choice:
         return {}
-    return {"certified": bool(choice["certified"]), "certification": choice.get("certification")}
+    return {"certified": bool(choice["certified"]), "certification": choice.get("certification"),
+            **({"superseded": choice["superseded"]} if choice.get("superseded") else {})}
 
 
 def check_certified(choice: dict[str, Any], what: str, allow_uncertified: bool) -> None:
@@ -87,6 +88,9 @@ def check_certified(choice: dict[str, Any], what: str, allow_uncertified: bool) 
         raise ValueError(f"{what} has no policy to serve: {cert.get('reason') or choice.get('reason') or 'no candidate'}")
     if choice.get("certified") is True or allow_uncertified:
         return
+    if choice.get("superseded"):
+        raise ValueError(f"{what} is NOT certified: its certificate is superseded ({choice['superseded']}). "
+                         "Pass --allow-uncertified to serve it anyway")
     cert = choice.get("certification")
     if cert is None:
         raise ValueError(f"{what} was chosen without certification (a sweep from before confirmation splits); "
@@ -112,7 +116,18 @@ def read_choice(path: Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
     if not isinstance(choice, dict) or "policy" not in choice:
         raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
+    note = superseded_note(path)
+    if note is not None and "certified" in choice:
+        head = (note.read_text().strip().splitlines() or ["superseded"])[0].lstrip("# ").strip()
+        choice.update(certified=False, superseded=f"{head}; see {note}")
     return choice
+
+
+def superseded_note(path: Path) -> Path | None:
+    """The ``SUPERSEDED.md`` that withdraws the certificates of a chosen file's folder (a results folder, or
+    the run directory above a sweep's ``report/``), or None."""
+    folders = [path.parent] + ([path.parent.parent] if path.parent.name == "report" else [])
+    return next((f / "SUPERSEDED.md" for f in folders if (f / "SUPERSEDED.md").is_file()), None)
 
 
 def choice_from_file(path: str) -> dict[str, Any]:

@@ -142,6 +142,27 @@ def test_uncertified_choices_are_refused_unless_allowed(tmp_path, pair, capsys):
         (tmp_path / "rule.json").unlink()
 
 
+def test_a_superseded_certificate_is_not_exported_as_one(tmp_path, pair, capsys):
+    """A SUPERSEDED.md beside a chosen file (a results folder) or above its report/ withdraws its certificate."""
+    draft, target = pair
+    for folder in (tmp_path / "results", tmp_path / "run" / "report"):
+        folder.mkdir(parents=True)
+        path = folder / "chosen-budget-0.05.json"
+        path.write_text(json.dumps(chosen(f"{draft}+{target}")))
+        rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json")
+        assert rc == 0 and json.loads(out)["source"]["certified"] is True, err
+        (tmp_path / "rule.json").unlink()
+        note = (folder if folder.name != "report" else folder.parent) / "SUPERSEDED.md"
+        note.write_text("# Superseded: a second attempt on used items\n\nwhy, at length\n")
+        rc, _, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"))
+        assert rc == 2 and "superseded (Superseded: a second attempt on used items; see " in err, err
+        assert "--allow-uncertified" in err and err.count("\n") == 1 and not (tmp_path / "rule.json").exists()
+        rc, out, err = run(capsys, "--chosen", str(path), "--out", str(tmp_path / "rule.json"), "--json",
+                           "--allow-uncertified")
+        assert rc == 0 and json.loads(out)["source"]["certified"] is False, err
+        (tmp_path / "rule.json").unlink()
+
+
 def test_an_override_outside_the_certificate_is_refused_unless_allowed(tmp_path, pair, capsys):
     """A certificate covers its pair, dtype, draft length and drafter: overriding one of them is refused
     (naming it), or with --allow-uncertified exported as not certified, the change named; the same pair

@@ -121,6 +121,19 @@ def test_a_serve_config_cannot_claim_a_certificate():
                                                                   "covers": {"temperature": 0.0}}})
 
 
+def test_a_superseded_policy_file_is_refused_unless_allowed(tmp_path):
+    path = tmp_path / "chosen-budget-0.05.json"
+    path.write_text(json.dumps({"policy": "kl_judge", "params": {"threshold": 0.3}, "draft_len": 3,
+                                "pair": "tiny-random", "dtype": "fp32", "certified": True,
+                                "certification": {"certified": True, "bound": 0.04, "n": 40}}))
+    assert serve_job.settings_from({"policy_file": str(path)}).source["certified"] is True
+    (tmp_path / "SUPERSEDED.md").write_text("# Superseded: its items were used twice\n")
+    with pytest.raises(ValueError, match=r"NOT certified: its certificate is superseded \(Superseded: its items"):
+        serve_job.settings_from({"policy_file": str(path)})
+    source = serve_job.settings_from({"policy_file": str(path), "allow_uncertified": True}).source
+    assert source["certified"] is False and source["superseded"].startswith("Superseded: its items were used twice")
+
+
 def test_policy_file_and_flags(tmp_path):
     path = tmp_path / "chosen.json"
     path.write_text(json.dumps({"policy": "dropmatch", "params": {"k": 4, "p_drop": 0.2}, "draft_len": 4,
