@@ -192,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = recompute(Path(args.folder))
     folder = out if args.cmd == "export" else Path(args.folder)
-    note = folder / "SUPERSEDED.md"
-    if note.is_file():
-        print(f"SUPERSEDED: {note.read_text().strip().splitlines()[0].lstrip('# ')} (see {note})")
+    from jobs.scope import withdrawn
+
+    found = withdrawn(folder)
+    if found is not None:
+        print(f"SUPERSEDED: {found[0]} (see {found[1]})")
 
     def said(value: bool | None, yes: str, no: str) -> str:
         return "not checked (no sweep.json / search_items.txt)" if value is None else yes if value else no
@@ -206,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'recomputes' if r['design_matches'] else 'DOES NOT RECOMPUTE'}; items "
               f"{said(r['pool_front'], 'are the pool front in its fixed order', 'are NOT the pool front in its fixed order')}, "
               f"{said(r['disjoint'], 'disjoint from the search', 'SHARED WITH THE SEARCH')}")
-    return 0 if rows and all(r["ok"] for r in rows) and not note.is_file() else 1
+    return 0 if rows and all(r["ok"] for r in rows) and found is None else 1
 
 
 if __name__ == "__main__":

@@ -29,6 +29,16 @@ def covers(choice: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def withdrawn(*folders: Path) -> tuple[str, Path] | None:
+    """The first line of the ``SUPERSEDED.md`` that withdraws a folder's certificates (a results folder, a
+    sweep's run directory) and where it is, for the first of ``folders`` that holds one; None if none does."""
+    for folder in folders:
+        note = Path(folder) / "SUPERSEDED.md"
+        if note.is_file():
+            return (note.read_text().strip().splitlines() or ["superseded"])[0].lstrip("# ").strip(), note
+    return None
+
+
 def _pair_dirs(pair: Any, cache_dir: str | None) -> tuple[Path, Path] | None:
     """A pair's two model directories, resolved; None where it cannot be resolved here (an unknown name, a
     shipped pair not fetched on this machine)."""

@@ -116,18 +116,13 @@ def read_choice(path: Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
     if not isinstance(choice, dict) or "policy" not in choice:
         raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
-    note = superseded_note(path)
-    if note is not None and "certified" in choice:
-        head = (note.read_text().strip().splitlines() or ["superseded"])[0].lstrip("# ").strip()
-        choice.update(certified=False, superseded=f"{head}; see {note}")
+    from jobs.scope import withdrawn
+
+    # a results folder's SUPERSEDED.md beside the file, or a sweep's in the run directory above its report/
+    found = withdrawn(path.parent, *([path.parent.parent] if path.parent.name == "report" else []))
+    if found is not None and "certified" in choice:
+        choice.update(certified=False, superseded=f"{found[0]}; see {found[1]}")
     return choice
-
-
-def superseded_note(path: Path) -> Path | None:
-    """The ``SUPERSEDED.md`` that withdraws the certificates of a chosen file's folder (a results folder, or
-    the run directory above a sweep's ``report/``), or None."""
-    folders = [path.parent] + ([path.parent.parent] if path.parent.name == "report" else [])
-    return next((f / "SUPERSEDED.md" for f in folders if (f / "SUPERSEDED.md").is_file()), None)
 
 
 def choice_from_file(path: str) -> dict[str, Any]:

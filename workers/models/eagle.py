@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,23 +47,13 @@ def _weight_names(head_dir: Path) -> set[str]:
     return names
 
 
-def _config(path: Path, role: str) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{role} {path} has no readable config.json ({err})") from None
-
-
 def check_head_dir(head_dir: str | Path, target_dir: str | Path, tensor_parallel_size: int = 1) -> None:
     """What vLLM would refuse late, or run wrongly, about an EAGLE-3 head for ``target_dir``, as one ValueError
     naming the problem: not an EAGLE-3 architecture, another vocabulary than the target's, a draft vocabulary
     wider than it or reduced without its ``d2t`` map, a hidden size or aux layers the target does not have,
     attention heads tensor parallelism cannot split."""
     head_dir, target_dir = Path(head_dir), Path(target_dir)
-    head, target = _config(head_dir, "EAGLE-3 head"), model_config(target_dir)
-    nested = head.get("transformer_layer_config")  # the speculators library's format
-    if isinstance(nested, dict):
-        head = {**nested, **{k: v for k, v in head.items() if k != "transformer_layer_config"}}
+    head, target = model_config(head_dir, "EAGLE-3 head"), model_config(target_dir, "target")
     archs = head.get("architectures") or []
     if not any(_is_eagle3(str(a)) for a in archs):
         raise ValueError(f"EAGLE-3 head {head_dir} declares architectures {archs}; vLLM runs an eagle3 head only as "
@@ -108,7 +97,7 @@ def save_tiny_eagle3_head(directory: str | Path, target_dir: str | Path, seed: i
     from safetensors.torch import load_file, save_file
 
     target_dir, out = Path(target_dir), Path(directory)
-    cfg = _config(target_dir, "target")
+    cfg = model_config(target_dir, "target")
     vocab, hidden = int(cfg["vocab_size"]), int(cfg["hidden_size"])
     heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)

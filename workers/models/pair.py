@@ -189,17 +189,28 @@ def _same_file(a: Path, b: Path) -> bool:
     return a.is_file() and b.is_file() and a.stat().st_size == b.stat().st_size and a.read_bytes() == b.read_bytes()
 
 
-def model_config(model_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """A Hugging Face model directory's config.json as a dict, the language model's fields on top for a
-    multimodal config (``text_config``); a ValueError naming the directory when it has none readable."""
+def flat_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A ``config.json``'s fields on one level: a multimodal model's language model (``text_config``, its
+    fields winning) and an EAGLE-3 head in the speculators library's layout (``transformer_layer_config``,
+    the head's own top-level fields winning)."""
+    out = dict(config)
+    layer = out.pop("transformer_layer_config", None)
+    if isinstance(layer, dict):
+        out = {**layer, **out}
+    text = out.get("text_config")
+    return {**out, **text} if isinstance(text, dict) else out
+
+
+def model_config(model_dir: str | os.PathLike[str], role: str = "") -> dict[str, Any]:
+    """A Hugging Face model directory's config.json, on one level (:func:`flat_config`); a ValueError naming
+    the directory (and its ``role``: draft, target, EAGLE-3 head) when it has none readable."""
     model_dir = Path(model_dir)
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{model_dir}: no readable config.json ({err}); vLLM needs a Hugging Face model "
-                         "directory") from None
-    text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
+        raise ValueError(f"{role + ' ' if role else ''}{model_dir}: no readable config.json ({err}); vLLM needs a "
+                         "Hugging Face model directory") from None
+    return flat_config(config)
 
 
 def check_same_vocab(draft_vocab: dict[str, int], target_vocab: dict[str, int], draft_src: Any, target_src: Any) -> None:

@@ -65,11 +65,9 @@ class ModelShape:
         """The shape a ``config.json`` describes: a multimodal model's language model (``text_config``), an
         EAGLE-3 head in the speculators library's layout (``transformer_layer_config``) or vLLM's."""
         from workers.models.eagle import _is_eagle3
+        from workers.models.pair import flat_config
 
-        c = dict(config)
-        for nested in ("text_config", "transformer_layer_config"):
-            if isinstance(c.get(nested), dict):
-                c = {**c, **c[nested]}
+        c = flat_config(config)
         eagle3 = any(_is_eagle3(str(a)) for a in (c.get("architectures") or []))
         try:
             heads = int(c["num_attention_heads"])
