@@ -326,7 +326,8 @@ def in_certificate(source: dict[str, Any], default: SpecChoice, req: GenRequest)
     if source.get("certified") is not True or _ran(req.spec) != _ran(default):
         return False
     temperature = (source.get("covers") or {}).get("temperature")
-    return temperature is not None and abs(req.temperature - float(temperature)) <= 1e-6
+    known = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)  # a hand-edited file's
+    return known and abs(req.temperature - float(temperature)) <= 1e-6
 
 
 def spec_metrics(stats: Any, spec: SpecChoice, inside: bool | None = None) -> dict[str, Any]:

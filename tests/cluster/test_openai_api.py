@@ -113,7 +113,8 @@ def test_a_request_is_inside_the_certificate_only_with_the_served_certified_rule
                (certified, completion(temperature=0, spec_decode={"draft_len": 4})),
                ({**certified, "certified": False, "outside_certificate": ["dtype bf16"]}, completion(temperature=0)),
                ({"kind": "flags"}, completion(temperature=0)),
-               ({"kind": "sweep", "certified": True}, completion(temperature=0))]  # temperature unknown
+               ({"kind": "sweep", "certified": True}, completion(temperature=0)),  # temperature unknown
+               ({**certified, "covers": {"temperature": "zero"}}, completion(temperature=0))]  # unreadable: not inside
     for source, req in outside:
         assert not in_certificate(source, DEFAULT, req), (source, req)
 
