@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from policies.hashing import _numbers_by_element
+
 ENV = "SPECTUNE_FUSED"
 MIN_VOCAB = 32_768
 # Rules whose full-vocabulary work is this kernel's (with the kernel on): they take larger blocks on CPU
@@ -114,8 +116,6 @@ def _pair_at_one(z: Tensor, g: Tensor, c1: Tensor) -> tuple[Tensor | None, ...]:
 
 
 def _stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tensor:
-    from policies.randomness import _numbers_by_element
-
     return _numbers_by_element(key, n_heads, per_head, bits)
 
 
