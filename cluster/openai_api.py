@@ -319,15 +319,12 @@ def _ran(spec: SpecChoice) -> Any:
 
 
 def in_certificate(source: dict[str, Any], default: SpecChoice, req: GenRequest) -> bool:
-    """Whether a request ran inside the served rule's certificate: the served rule is certified and served
-    within what its certificate covers (``source``, from jobs.serve), the request ran that rule, and at the
-    temperature the certificate was made at (unknown: not inside). Its prompts are another matter: a
-    certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
-    if source.get("certified") is not True or _ran(req.spec) != _ran(default):
-        return False
-    temperature = (source.get("covers") or {}).get("temperature")
-    known = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)  # a hand-edited file's
-    return known and abs(req.temperature - float(temperature)) <= 1e-6
+    """Whether a request ran inside the served rule's certificate (``workers.results.scope.ran_inside``): the
+    request ran the served rule (its whole config and draft length) at the certificate's temperature."""
+    from workers.results.scope import ran_inside
+
+    # an uncertified source never builds the rules to compare them
+    return source.get("certified") is True and ran_inside(source, _ran(req.spec) == _ran(default), req.temperature)
 
 
 def spec_metrics(stats: Any, spec: SpecChoice, inside: bool | None = None) -> dict[str, Any]:

@@ -22,14 +22,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from jobs.attempts import AttemptLedger, LedgerRefusal, Plan
-from jobs.evidence import (
-    bound_between,
-    confirmation_rows,
-    ordered_prefix,
-    write_evidence,
-)
-from jobs.flips import flip_rows, write_flips
 from jobs.speed import over_lossless, speed_figures
 from workers.certify.decide import (
     Candidate,
@@ -47,6 +39,15 @@ from workers.certify.exact import exact_bound
 from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.evaluation import Record
 from workers.metrics import score_of
+from workers.results.evidence import (
+    bound_between,
+    confirmation_rows,
+    ordered_prefix,
+    write_evidence,
+)
+from workers.results.flips import flip_rows, write_flips
+from workers.results.ledger import AttemptLedger, LedgerRefusal, Plan
+from workers.results.store import write_json
 
 
 def candidates_from(frame: Any) -> list[Candidate]:
@@ -198,13 +199,6 @@ def composition(sources: dict[str, int], n_items: int) -> str:
     return f"{n_items:,} held-apart items" + (f": {parts}" if parts else "")
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write via a temporary file and rename: a reader never sees half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
-
-
 def _confirm_metrics(bound: DropBound, speed: dict[str, float], records: dict[str, Record]) -> dict[str, float]:
     """One candidate's confirmation figures, under the same names as the search's (``confirm.<name>``
     next to ``search.<name>`` in MLflow, so the compare view lines them up)."""
@@ -316,8 +310,8 @@ def certify_sweep(sweep: Any, frame: Any, out: Path) -> tuple[dict[str, Any], st
     ``<out>/chosen-budget-<b>.json`` and ``certification.json``. Returns the chosen policies by
     budget (as text), each carrying ``certified`` and its evidence, and the markdown table."""
     from dashboards.tables import certification_table
-    from jobs.records import RecordStore, slug
     from workers.evaluation import TARGET_ONLY, DecodeSpec
+    from workers.results.store import RecordStore, slug
 
     args, decode = sweep.args, sweep.s["decode"]
     candidates = candidates_from(frame)

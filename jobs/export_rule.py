@@ -50,7 +50,7 @@ def find_run_dir(run: str, runs_root: str | None = None) -> Path:
             raise ValueError(f"--from-sweep {run}: no report/ directory in it (is it a sweep's run directory, and "
                              "did its confirmation finish?)")
         return path.resolve()
-    from jobs.records import runs_root as root_of
+    from workers.results.store import runs_root as root_of
 
     sweeps = root_of(runs_root) / "sweeps"
     for meta in sorted(sweeps.glob("*/sweep.json")):
@@ -161,7 +161,7 @@ def export(args: argparse.Namespace) -> dict[str, Any]:
     seed = args.seed if args.seed is not None else int((choice.get("decode") or {}).get("seed", 0) or 0)
     tp = args.tensor_parallel_size
     draft, target, width = resolve_pair(args.pair or choice.get("pair"), args.cache_dir, tp, args.speculative_method)
-    from jobs.scope import changes, check_scope, covers
+    from workers.results.scope import changes, check_scope, covers
 
     outside = check_scope(choice, what, changes(choice, pair=(draft, target) if args.pair else None,
                                                 dtype=dtype_name, draft_len=draft_len,

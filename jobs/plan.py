@@ -4,7 +4,7 @@
     python -m jobs.plan --records runs/.../trial --reference runs/.../target-only --budget 0.01,0.02,0.05
 
 From numbers, or from a pilot: two record directories (a trial run and its reference, as written
-by ``jobs.records.RecordStore``), paired by item id; a failed item scores 0 in its arm. For right/wrong
+by ``workers.results.store.RecordStore``), paired by item id; a failed item scores 0 in its arm. For right/wrong
 scores the plan is exact (``workers.certify.exact.exact_plan``): the smallest n at which the exact test
 that certifies reaches the wanted power, by summing over every outcome (the normal approximation, about
 6.2 d / (b - drop)^2 at alpha = .05, under-plans: 0.67-0.79 power where it promises 0.80,
@@ -58,7 +58,7 @@ def parse_budgets(text: str) -> list[float]:
 
 
 def load_scores(directory: str, flag: str) -> dict[str, float]:
-    from jobs.records import RecordStore  # polars and the engine's imports: only for a pilot
+    from workers.results.store import RecordStore  # polars and the engine's imports: only for a pilot
 
     records = RecordStore(directory).load()
     if not records:

@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = recompute(Path(args.folder))
     folder = out if args.cmd == "export" else Path(args.folder)
-    from jobs.scope import withdrawn
+    from workers.results.scope import withdrawn
 
     found = withdrawn(folder)
     if found is not None:

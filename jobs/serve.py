@@ -45,8 +45,8 @@ def parse_budget(text: str | float) -> float:
 
 def find_sweep_store(run_id: str, runs_root: str | None = None) -> str:
     """The tracking URI of the sweep whose parent MLflow run is ``run_id`` (searched under runs/sweeps)."""
-    from jobs.records import runs_root as root_of
     from jobs.tracking import tracking_uri
+    from workers.results.store import runs_root as root_of
 
     for meta in sorted((root_of(runs_root) / "sweeps").glob("*/sweep.json")):
         try:
@@ -116,7 +116,7 @@ def read_choice(path: Path, what: str) -> dict[str, Any]:
         raise ValueError(f"{what}: {path} is not valid JSON: {err}") from None
     if not isinstance(choice, dict) or "policy" not in choice:
         raise ValueError(f'{what}: {path} must be a JSON object with "policy" (and "params", "draft_len", "pair")')
-    from jobs.scope import withdrawn
+    from workers.results.scope import withdrawn
 
     # a results folder's SUPERSEDED.md beside the file, or a sweep's in the run directory above its report/
     found = withdrawn(path.parent, *([path.parent.parent] if path.parent.name == "report" else []))
@@ -162,7 +162,7 @@ def settings_from(spec: dict[str, Any]) -> ServeSettings:
             raise ValueError(f"{given[0]} given together with a sweep/file policy: use one source")
         if sweep or "certified" in chosen or chosen.get("policy") is None:  # hand-written files claim nothing
             check_certified(chosen, what, allow_uncertified)
-        from jobs.scope import changes, check_scope, covers
+        from workers.results.scope import changes, check_scope, covers
 
         drafter = (spec.get("vllm") or {}).get("speculative_method")
         outside = check_scope(chosen, what, changes(chosen, pair=spec.get("pair"), dtype=spec.get("dtype"),

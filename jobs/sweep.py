@@ -30,10 +30,8 @@ import platform  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
-from jobs.evidence import ordered_prefix, paired  # noqa: E402
-from jobs.flips import flip_rows, flips_page, write_flips  # noqa: E402
+from dashboards.flips import flips_page  # noqa: E402
 from jobs.progress import Progress, search_cost, trial_line, trial_timing  # noqa: E402
-from jobs.records import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 from jobs.search_space import decode_params, suggest  # noqa: E402
 from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_params: the sweep's CLI, imported from here too)
     build_parser,
@@ -48,6 +46,9 @@ from jobs.sweep_args import (  # noqa: E402, F401  (build_parser, enqueued_param
 )
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record  # noqa: E402
 from workers.metrics import aggregate, noise_floor, score_of  # noqa: E402
+from workers.results.evidence import ordered_prefix, paired  # noqa: E402
+from workers.results.flips import flip_rows, write_flips  # noqa: E402
+from workers.results.store import RecordStore, reference_dir, runs_root, slug  # noqa: E402
 
 
 class Sweep:
@@ -470,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     _exit_on_sigterm()
     try:
         settings = parse_settings(args)
-        from jobs.records import persistent_dir
+        from workers.results.store import persistent_dir
 
         runs_root(args.runs_root)  # a root inside a Ray job's temporary working_dir copy fails now, not at the end
         if args.run_dir:

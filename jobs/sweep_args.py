@@ -22,11 +22,11 @@ from typing import Any
 import jsonargparse
 import yaml
 
-from jobs.records import slug
 from jobs.search_space import DEFAULT_FAMILIES, check_families
 from workers.benchmarks import BENCHMARKS, get_benchmark
 from workers.cli import require_positive
 from workers.engines import ENGINES, check_engine
+from workers.results.store import slug
 
 
 class _ValueError(argparse.ArgumentTypeError, ValueError):
@@ -329,7 +329,7 @@ POOL = "held-apart: confirm split + unused search rows, in sha256('confirm/' + i
 def study_name(args: argparse.Namespace, s: dict[str, Any]) -> str:
     # everything that changes what is certified: rerunning with any of it changed is another study (its own
     # run directory), never an overwrite of this one's certificates. --trials is not: a rerun with more trials
-    # extends the search; a second confirmation of a budget is then caught by jobs.attempts
+    # extends the search; a second confirmation of a budget is then caught by workers.results.ledger
     key = json.dumps({"families": s["families"], "budgets": s["budgets"], "draft_len": s["draft_len"],
                       "decode": s["decode"], "objective": args.objective, "cost_ratio": args.cost_ratio,
                       "subset_seed": args.subset_seed, "split": s["bench"].split_info(), "pool": POOL,

@@ -44,7 +44,7 @@ def _ledger(tmp_path_factory, name: str):
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_ledger(tmp_path_factory):
-    """No test may write into the user's certificate ledger (jobs.attempts) in the asset cache."""
+    """No test may write into the user's certificate ledger (workers.results.ledger) in the asset cache."""
     yield from _ledger(tmp_path_factory, "ledger-session")
 
 

@@ -28,8 +28,8 @@ import time
 from datetime import datetime
 from typing import Any
 
-from jobs.records import runs_root
 from workers.cli import one_line_errors, parse_rule, require_positive
+from workers.results.store import runs_root
 
 NATIVE = "vllm-native"
 TARGET_ONLY = "target-only"

@@ -22,13 +22,13 @@ import os
 import sys
 import time
 
-from jobs.records import RecordStore, reference_dir, runs_root, slug
 from workers.benchmarks import get_benchmark
 from workers.cli import one_line_errors, parse_rule
 from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics import aggregate, noise_floor
 from workers.models.calibrate import get_profile
+from workers.results.store import RecordStore, reference_dir, runs_root, slug
 
 DEFAULT_RULES = ["kl_judge:threshold=0.5", "dropmatch:k=5,p_drop=0.3,criterion=js"]
 

@@ -17,8 +17,8 @@ import sys
 import time
 from datetime import datetime
 
-from jobs.records import runs_root
 from workers.cli import one_line_errors, parse_rule, require_positive
+from workers.results.store import runs_root
 
 NATIVE = "vllm-native"
 

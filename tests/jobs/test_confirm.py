@@ -8,10 +8,10 @@ import math
 import pytest
 
 from jobs.confirm import Confirmation, noise_floor_row, speed_figures
-from jobs.evidence import confirmation_pairs, ordered_prefix, paired, write_evidence
 from tests.workers.test_metrics import rec
 from workers.certify.decide import Candidate, drop_bound, first_prune
 from workers.certify.exact import certify_paired
+from workers.results.evidence import confirmation_pairs, ordered_prefix, paired, write_evidence
 
 
 def test_a_failed_item_counts_as_a_failure_in_the_arm_that_failed():

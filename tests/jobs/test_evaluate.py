@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from jobs import evaluate
-from jobs.records import RecordStore
 from workers.evaluation import DecodeSpec
+from workers.results.store import RecordStore
 
 
 def run(tmp_path, *extra: str) -> int:

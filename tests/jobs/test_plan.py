@@ -8,10 +8,10 @@ import math
 import pytest
 
 from jobs.plan import main
-from jobs.records import RecordStore
 from workers.certify.decide import drop_bound, items_needed
 from workers.certify.exact import exact_plan, exact_power
 from workers.evaluation import Record
+from workers.results.store import RecordStore
 
 
 def rec(item: str, score: float, error: str | None = None) -> Record:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.evidence import write_evidence
 from jobs.results import main, recompute
 from workers.certify.decide import certifies, sequential_bound
 from workers.certify.sequential import look_plan
+from workers.results.evidence import write_evidence
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = sorted(p.parent for p in (ROOT / "docs" / "results").glob("*/certification.json"))

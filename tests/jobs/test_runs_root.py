@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.records import RAY_WORKING_DIR_MARK, runs_root
+from workers.results.store import RAY_WORKING_DIR_MARK, runs_root
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """What a model pair *is*, whatever it is called: a fingerprint of its weights, config and tokenizer.
 
-The certificate ledger (``jobs.attempts``) keys confirmation attempts on it, so that the same two models
+The certificate ledger (``workers.results.ledger``) keys confirmation attempts on it, so that the same two models
 spelled another way (the shipped pair's name, its two converted directories, hub ids whose snapshots hold
 the same files, a symlink) or loaded in another dtype are one pair, and a second confirmation on items an
 earlier attempt used is caught.

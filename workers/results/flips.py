@@ -4,19 +4,19 @@ A trial's (search split) and a confirmed candidate's (confirmation split) record
 the target-only references they were judged against. Each row says the two scores, whether the item
 was lost (the candidate scored lower), won or the same, what each arm's scorer extracted and why it
 scored so, whether the candidate's tokens diverged from target-only and at which output token, and
-both outputs in full. ``flips_page`` turns the flipped items into ``report/flips.md``, the two texts
-side by side. Descriptions of what happened, not certificates: the decision lives in the evidence CSVs.
+both outputs in full. ``dashboards.flips`` turns the flipped items into ``report/flips.md``, the two
+texts side by side. Descriptions of what happened, not certificates: the decision lives in the evidence CSVs.
 """
 
 from __future__ import annotations
 
-import html
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from workers.evaluation import Record
 from workers.metrics import score_of
+from workers.results.store import atomic_path
 
 COLUMNS = ("item_id", "reference_score", "candidate_score", "flip", "diverged", "divergence", "reference_answer",
            "candidate_answer", "reference_reason", "candidate_reason", "reference_failed", "candidate_failed",
@@ -72,47 +72,6 @@ def write_flips(path: Path, rows: list[dict[str, Any]]) -> Path:
     schema = {c: pl.Float64 if c.endswith("_score") else pl.Int64 if c == "divergence"
               else pl.Boolean if c in ("diverged", "reference_failed", "candidate_failed") else pl.Utf8 for c in COLUMNS}
     frame = pl.DataFrame(rows, schema=schema) if rows else pl.DataFrame(schema=schema)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".parquet.tmp")
-    frame.write_parquet(tmp)
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        frame.write_parquet(tmp)
     return path
-
-
-def summary(rows: list[dict[str, Any]]) -> dict[str, int]:
-    return {"n": len(rows), "lost": sum(r["flip"] == "lost" for r in rows), "won": sum(r["flip"] == "won" for r in rows),
-            "diverged": sum(bool(r["diverged"]) for r in rows)}
-
-
-def flips_page(sections: list[tuple[str, Path]], title: str, per_section: int = 25) -> str:
-    """Markdown for ``report/flips.md``: per ``(heading, flips.parquet)``, the counts and each flipped
-    item (lost first) with both outputs side by side (an HTML table, as GitHub and MLflow render it)."""
-    import polars as pl
-
-    lines = [f"# Flipped items: {title}", "",
-             "Items where the candidate's score differs from target-only's on the same item (lost: lower; won: "
-             "higher), each with both outputs side by side. Descriptions, not certificates: a budget is decided on "
-             "the confirmation split's evidence (see certification.md). n is the items both arms ran.", ""]
-    for heading, path in sections:
-        if not path.is_file():
-            continue
-        rows = pl.read_parquet(path).to_dicts()
-        s = summary(rows)
-        lines += [f"## {heading}", "",
-                  f"n = {s['n']}: lost {s['lost']}, won {s['won']}; output diverged from target-only on {s['diverged']} "
-                  f"item(s). Every row: `{path.name}` beside the records.", ""]
-        flipped = sorted((r for r in rows if r["flip"] != "same"), key=lambda r: (r["flip"] != "lost", r["item_id"]))
-        for r in flipped[:per_section]:
-            where = f"first differs at output token {r['divergence']}" if r["diverged"] else "same tokens"
-            lines += [f"<details><summary><b>{html.escape(r['item_id'])}</b>: {r['flip']} "
-                      f"({r['reference_score']:g} → {r['candidate_score']:g}; {where})</summary>", "",
-                      "<table><tr><th>target-only</th><th>candidate</th></tr>",
-                      f"<tr><td>answer {html.escape(r['reference_answer'] or '-')}: "
-                      f"{html.escape(r['reference_reason'] or '')}</td>"
-                      f"<td>answer {html.escape(r['candidate_answer'] or '-')}: "
-                      f"{html.escape(r['candidate_reason'] or '')}</td></tr>",
-                      f"<tr><td><pre>{html.escape(r['reference_text'])}</pre></td>"
-                      f"<td><pre>{html.escape(r['candidate_text'])}</pre></td></tr></table>", "</details>", ""]
-        if len(flipped) > per_section:
-            lines += [f"... and {len(flipped) - per_section} more in `{path}`.", ""]
-    return "\n".join(lines) + "\n"

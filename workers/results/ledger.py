@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.records import slug
+from workers.results.store import slug
 
 LEDGER_ENV = "SPECTUNE_LEDGER"
 KNOWN = Path(__file__).with_name("known_attempts.jsonl")

@@ -1,10 +1,10 @@
-"""jobs/scope.py: what a certificate covers, and which deployment settings leave it behind."""
+"""workers/results/scope.py: what a certificate covers, and which deployment settings leave it behind."""
 
 from __future__ import annotations
 
 import pytest
 
-from jobs.scope import changes, check_scope, covers, same_dtype, same_pair
+from workers.results.scope import changes, check_scope, covers, same_dtype, same_pair
 
 CHOICE = {"policy": "kl_judge", "params": {"threshold": 0.3}, "draft_len": 5, "pair": "qwen2.5-coder-0.5b+1.5b",
           "dtype": "fp32", "engine": "cpu", "benchmark": "gsm8k", "certified": True,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from jobs.attempts import KNOWN, AttemptLedger, LedgerRefusal, Plan
+from workers.results.ledger import KNOWN, AttemptLedger, LedgerRefusal, Plan
 
 POOL = [f"gsm8k/test/{i:04d}" for i in range(300)]
 
@@ -71,7 +71,7 @@ def test_ledgers_are_per_benchmark_and_pair_identity_and_survive_a_torn_line(tmp
 
 
 def test_the_ledger_lives_outside_any_runs_root(tmp_path, monkeypatch):
-    from jobs.attempts import ledger_root
+    from workers.results.ledger import ledger_root
 
     monkeypatch.delenv("SPECTUNE_LEDGER")
     monkeypatch.setenv("SPECTUNE_CACHE", str(tmp_path / "cache"))

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobs.records import reference_dir, slug
 from workers.evaluation import DecodeSpec
+from workers.results.store import reference_dir, slug
 
 
 def test_plain_names_stay_as_they_are():

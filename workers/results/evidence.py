@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jobs.flips import answer_of, divergence, reason_of
 from workers.certify.decide import DropBound, drop_bound, first_prune
 from workers.evaluation import Record
 from workers.metrics import score_of
+from workers.results.flips import answer_of, divergence, reason_of
+from workers.results.store import write_text
 
 
 def paired(reference: dict[str, Record], trial: dict[str, Record]) -> tuple[list[float], list[float]]:
@@ -104,7 +105,4 @@ def write_evidence(path: Path, rows: list[dict[str, Any]]) -> None:
     writer.writeheader()
     writer.writerows({**dict.fromkeys(fields, ""), **r, "divergence": "" if r["divergence"] is None else r["divergence"]}
                      for r in rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".csv.tmp")
-    tmp.write_text(buf.getvalue())
-    tmp.replace(path)
+    write_text(path, buf.getvalue())

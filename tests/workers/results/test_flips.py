@@ -7,8 +7,9 @@ import math
 
 import polars as pl
 
-from jobs.flips import COLUMNS, flip_rows, flips_page, write_flips
+from dashboards.flips import flips_page
 from tests.workers.test_metrics import rec
+from workers.results.flips import COLUMNS, flip_rows, write_flips
 
 
 def _with(r, text, answer, reason):

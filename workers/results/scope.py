@@ -8,7 +8,7 @@ from before it was recorded say nothing of theirs). An override that changes one
 certificate behind: the rule is then refused unless the caller passes ``--allow-uncertified``, and where
 it is allowed it is reported ``certified: false`` with the changes named (``outside_certificate``). A
 request at another temperature cannot be refused ahead of time; each response says whether it ran inside
-the certificate (:func:`cluster.openai_api.in_certificate`).
+the certificate (:func:`ran_inside`, which the Serve endpoint asks per request).
 """
 
 from __future__ import annotations
@@ -115,6 +115,18 @@ def check_scope(choice: dict[str, Any], what: str, found: list[str], allow_uncer
                          "its certificate does not cover that. Use the certified settings, certify these with a "
                          "sweep, or pass --allow-uncertified")
     return {"certified": False, "outside_certificate": found}
+
+
+def ran_inside(source: dict[str, Any], same_rule: bool, temperature: float) -> bool:
+    """Whether a request ran inside the served rule's certificate: the served rule is certified and served
+    within what its certificate covers (``source``, from ``jobs.serve``), the request ran that rule
+    (``same_rule``), and at the temperature the certificate was made at (unknown: not inside). Its prompts are
+    another matter: a certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
+    if source.get("certified") is not True or not same_rule:
+        return False
+    certified_at = (source.get("covers") or {}).get("temperature")
+    known = isinstance(certified_at, (int, float)) and not isinstance(certified_at, bool)  # a hand-edited file's
+    return known and abs(temperature - float(certified_at)) <= 1e-6
 
 
 def _conditions(choice: dict[str, Any]) -> str:

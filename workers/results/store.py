@@ -1,7 +1,8 @@
 """Where records live: an append-only JSONL per run (resumable: a rerun skips items already
-there; a torn last line from a crash is ignored) and a parquet copy for analysis, written via a
-temporary file and renamed so a reader never sees half a file. Plus the reference-run cache
-layout: target-only and lossless runs keyed by (pair, dtype, benchmark, decoding settings).
+there; a torn last line from a crash is ignored) and a parquet copy for analysis. Every whole-file write
+of a run's results goes through :func:`atomic_path` (a temporary file, then a rename: a reader never sees
+half a file). Plus the reference-run cache layout: target-only and lossless runs keyed by (pair, dtype,
+benchmark, decoding settings).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import polars as pl
@@ -22,6 +24,31 @@ from workers.evaluation import DecodeSpec, Record
 RAY_WORKING_DIR_MARK = "runtime_resources/working_dir_files"
 # The runs root of a Ray job that names none: per user and persistent, like Ray Tune's ~/ray_results.
 RAY_JOB_DEFAULT = "~/spectune_runs"
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A temporary path beside ``path`` to write the whole file to; renamed onto ``path`` when the block ends
+    without an error (a reader sees the old file or the new one, never half of one; a failed write leaves no
+    temporary behind)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: str | os.PathLike[str], text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def write_json(path: str | os.PathLike[str], data: object) -> None:
+    """``data`` as indented JSON (``default=str``), whole or not at all."""
+    write_text(path, json.dumps(data, indent=1, default=str))
 
 
 def in_ray_working_dir(path: str | os.PathLike[str]) -> bool:
@@ -103,10 +130,8 @@ class RecordStore:
 
     def write_parquet(self, records: Iterable[Record] | None = None) -> Path:
         rows = [r.to_row() for r in (records if records is not None else self.load().values())]
-        frame = records_frame(rows)
-        tmp = self.parquet.with_suffix(".parquet.tmp")
-        frame.write_parquet(tmp)
-        tmp.replace(self.parquet)
+        with atomic_path(self.parquet) as tmp:
+            records_frame(rows).write_parquet(tmp)
         return self.parquet
 
 
