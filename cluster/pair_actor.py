@@ -174,6 +174,11 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
     return workers
 
 
+def profile_of(worker: Any) -> dict[str, Any]:
+    """The pair's calibration as the actor's engine measured it (c, verify pass timings, machine, load)."""
+    return ray.get(worker.profile.remote())
+
+
 def release(workers: list[Any], timeout_s: float = 60) -> None:
     """End the actors now (rather than whenever their handles are collected), each after its engine
     stopped its own processes (a dead or stuck actor is killed all the same)."""

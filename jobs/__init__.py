@@ -1,4 +1,3 @@
-"""The commands: what users run (``sweep``, ``evaluate``, ``plan``, ``serve``, ``tracking``) and what a sweep
-is made of (``sweep_args``, ``search_space``, ``confirm``, ``records``, ``progress``). Measurement scripts
-live in ``jobs.bench``. The only floor that imports Optuna (``sweep``, ``search_space``, ``sweep_args``)
-and MLflow (``tracking``)."""
+"""The commands: what users run (``sweep``, ``evaluate``, ``plan``, ``serve``, ``results``, ``export_rule``,
+``gpu_check``, ``tracking``), each a parse, one library call and a print; measurement scripts in
+``jobs.bench`` and the GPU checks' parts in ``jobs.gpu``. The sweep itself is the ``sweep`` package."""

@@ -23,7 +23,7 @@ from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.cli import parse_params  # noqa: F401  (re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
-from workers.metrics import NoiseFloor, TrialMetrics, aggregate, noise_floor
+from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
 from workers.models.calibrate import CostProfile, get_profile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
 

@@ -154,7 +154,7 @@ def export(run_dir: Path, out: Path) -> Path:
         raise ValueError(f"{run_dir} has no report/certification.json: the sweep has not confirmed yet")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(report / "certification.json", out / "certification.json")
-    for name in ("frontier.json", "frontier.md"):  # what limits the speed (jobs.frontier), where the sweep wrote it
+    for name in ("frontier.json", "frontier.md"):  # what limits the speed (workers.metrics.frontier), where the sweep wrote it
         if (report / name).is_file():
             shutil.copy2(report / name, out / name)
     for path in sorted(report.glob("chosen-budget-*.json")):

@@ -45,7 +45,7 @@ def parse_budget(text: str | float) -> float:
 
 def find_sweep_store(run_id: str, runs_root: str | None = None) -> str:
     """The tracking URI of the sweep whose parent MLflow run is ``run_id`` (searched under runs/sweeps)."""
-    from jobs.tracking import tracking_uri
+    from sweep.tracking import tracking_uri
     from workers.results.store import runs_root as root_of
 
     for meta in sorted((root_of(runs_root) / "sweeps").glob("*/sweep.json")):
@@ -59,7 +59,7 @@ def find_sweep_store(run_id: str, runs_root: str | None = None) -> str:
 
 
 def choice_from_sweep(run_id: str, budget: float, tracking_uri: str | None, runs_root: str | None) -> dict[str, Any]:
-    from jobs.tracking import load_chosen
+    from sweep.tracking import load_chosen
 
     uri = tracking_uri or find_sweep_store(run_id, runs_root)
     try:
@@ -280,7 +280,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
                          "--speculative-method are vLLM settings: add --engine vllm")
     uri = args.tracking_uri
     if args.run_dir:
-        from jobs.tracking import tracking_uri
+        from sweep.tracking import tracking_uri
 
         if not (Path(args.run_dir) / "mlflow.db").is_file():
             raise ValueError(f"--run-dir {args.run_dir} holds no mlflow.db (is it a sweep's run directory?)")

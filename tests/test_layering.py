@@ -1,8 +1,9 @@
 """The project's floors, checked from its own imports (every import statement, inside functions too).
 
-From the bottom up: ``policies`` (tensor maths) and ``dashboards`` (frames and plots); ``workers`` (a
-pair on one machine: engines, benchmarks, certification; no Ray); ``cluster`` (Ray actors and Serve);
-``jobs`` (the commands; the only floor with Optuna and MLflow). Inside ``workers``: ``certify`` is pure
+From the bottom up: ``policies`` (tensor maths) and ``dashboards`` (frames, plots, pages); ``workers`` (a
+pair on one machine: engines, benchmarks, certification, metrics, results; no Ray); ``cluster`` (Ray actors,
+the pool and Serve: every Ray call); ``sweep`` (the sweep library: with the commands, the only floor with
+Optuna and MLflow); ``jobs`` (the commands). Inside ``workers``: ``certify`` is pure
 statistics, ``models`` knows no engine, only ``workers/vllm`` imports vLLM and only inside functions,
 and no two of its packages import each other in a circle.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("policies", "dashboards", "workers", "cluster", "jobs")
+FLOORS = ("policies", "dashboards", "workers", "cluster", "sweep", "jobs")
 
 
 def modules(top: str) -> dict[str, Path]:
@@ -71,23 +72,67 @@ def under(*prefixes):
 
 def test_the_tree_is_read():
     # a rename that left the walk reading nothing would pass every rule below
-    assert len(ALL) > 80 and {"workers.vllm.plugin", "workers.certify.decide", "jobs.sweep"} <= set(ALL)
+    assert len(ALL) > 80 and {"workers.vllm.plugin", "workers.certify.decide", "jobs.sweep", "sweep.state"} <= set(ALL)
     assert sum(len(edges) for edges in EDGES.values()) > 500
 
 
 @pytest.mark.parametrize("floor, forbidden", [
-    ("policies", ("workers", "cluster", "jobs", "dashboards", "ray", "optuna", "mlflow", "vllm", "transformers")),
-    ("dashboards", ("policies", "workers", "cluster", "jobs", "ray", "optuna", "mlflow", "vllm", "torch")),
-    ("workers", ("cluster", "jobs", "dashboards", "ray", "optuna", "mlflow")),
-    ("cluster", ("jobs", "dashboards", "optuna", "mlflow")),
+    ("policies", ("workers", "cluster", "sweep", "jobs", "dashboards", "ray", "optuna", "mlflow", "vllm", "transformers")),
+    ("dashboards", ("policies", "workers", "cluster", "sweep", "jobs", "ray", "optuna", "mlflow", "vllm", "torch")),
+    ("workers", ("cluster", "sweep", "jobs", "dashboards", "ray", "optuna", "mlflow")),
+    ("cluster", ("sweep", "jobs", "dashboards", "optuna", "mlflow")),
+    ("sweep", ("jobs",)),
 ])
 def test_no_import_runs_back_up(floor, forbidden):
     assert offenders(under(floor), under(*forbidden)) == []
 
 
-def test_optuna_and_mlflow_live_in_jobs_alone():
-    assert offenders(lambda n: not n.startswith("jobs."), under("optuna", "mlflow")) == []
-    assert offenders(lambda n: n != "jobs.tracking", under("mlflow")) == []  # one module owns MLflow
+def test_optuna_and_mlflow_live_in_the_sweep_and_the_commands_alone():
+    assert offenders(lambda n: not under("sweep", "jobs")(n), under("optuna", "mlflow")) == []
+    assert offenders(lambda n: n != "sweep.tracking", under("mlflow")) == []  # one module owns MLflow
+
+
+RAY_CALL = re.compile(r"\bray\.(get|wait|put|kill)\(|\.remote\(")
+
+
+def test_ray_is_called_in_cluster_alone():
+    # a pool of its own in a phase module once lost a chunk with its actor; every Ray call lives in cluster/
+    bad = [f"{path.relative_to(ROOT)}:{n}" for name, path in ALL.items() if not under("cluster")(name)
+           for n, line in enumerate(path.read_text().splitlines(), 1) if RAY_CALL.search(line.split("#")[0])]
+    assert bad == []
+
+
+def test_no_parameter_is_typed_any_for_the_sweeps_state():
+    # the state is a typed SweepState; a phase handed an untyped driver is how attributes got written from outside
+    bad = []
+    for name, path in ALL.items():
+        if not under("sweep", "jobs")(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg in ("sweep", "state") and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg})")
+    assert bad == []
+
+
+def test_no_sweep_function_sets_an_attribute_on_what_it_was_handed():
+    # each phase takes the state and returns values: ``param.x = ...`` on a parameter is refused (self aside)
+    bad = []
+    for name, path in ALL.items():
+        if not under("sweep", "jobs")(name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            params = {a.arg for a in node.args.args + node.args.kwonlyargs} - {"self", "cls", "namespace"}
+            for sub in ast.walk(node):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                    sub, ast.AugAssign | ast.AnnAssign) else []
+                for t in targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in params:
+                        bad.append(f"{path.relative_to(ROOT)}:{sub.lineno} {node.name} sets {t.value.id}.{t.attr}")
+    assert bad == []
 
 
 def test_only_workers_vllm_imports_vllm_and_only_inside_functions():
@@ -188,7 +233,7 @@ def module_circle(prefix: str) -> list[str] | None:
     return None
 
 
-@pytest.mark.parametrize("package", ["policies"])
+@pytest.mark.parametrize("package", ["policies", "workers.metrics", "workers.results", "sweep"])
 def test_no_circle_between_the_modules_of_a_package(package):
     # policies counts as one room above, so policies.fused <-> policies.randomness once went unseen
     assert any(name.startswith(package + ".") for name in ALL), f"{package} has no modules: is it read?"

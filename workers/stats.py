@@ -1,9 +1,5 @@
-"""Per-generation statistics (vLLM's names) and the modelled cost / speedup built from them.
-
-Knows counts and seconds, nothing about models. Modelled cost of a run, in target-forward units
-with prefill excluded: ``target_forwards + c * draft_forwards`` where c is the pair's measured
-draft/target forward-time ratio. Target-only decoding costs one unit per token.
-"""
+"""Per-generation statistics (vLLM's names): counts and seconds, nothing about models. What a run costs in
+target-step units is the cost model's (``workers.metrics.cost``), from these counts."""
 
 from __future__ import annotations
 
@@ -54,16 +50,6 @@ class GenerationStats:
     def tokens_per_s(self) -> float:
         """Decode throughput (prefill excluded, as the papers report)."""
         return self.num_generated / self.decode_time_s if self.decode_time_s > 0 else 0.0
-
-    def modelled_cost(self, cost_ratio: float, verify_factor: float = 1.0) -> float:
-        """Decode cost in target-step units; ``verify_factor`` prices a verify pass over L+1
-        tokens against a 1-token target step (1.0 = the DESIGN's plain count)."""
-        factor = verify_factor if self.draft_len else 1.0
-        return factor * self.target_forwards + cost_ratio * self.draft_forwards
-
-    def modelled_speedup_vs_ar(self, cost_ratio: float, verify_factor: float = 1.0) -> float:
-        cost = self.modelled_cost(cost_ratio, verify_factor)
-        return self.num_generated / cost if cost > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

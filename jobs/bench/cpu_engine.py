@@ -24,6 +24,7 @@ from pathlib import Path
 from policies import make_policy
 from workers.cli import one_line_errors
 from workers.cpu_engine import SpecDecoder
+from workers.metrics.cost import speedup_vs_target_only
 from workers.models.calibrate import get_profile
 from workers.models.pair import load_pair
 from workers.prompts import encode_chat
@@ -81,8 +82,7 @@ def run(args: argparse.Namespace) -> dict:
                 "tokens_per_s": s.tokens_per_s, "decode_s": s.decode_time_s, "draft_s": s.draft_time_s,
                 "verify_s": s.verify_time_s, "policy_s": s.policy_time_s, "other_s": s.other_time_s,
                 "mean_acceptance_length": s.mean_acceptance_length,
-                "modelled_speedup_vs_ar": s.modelled_speedup_vs_ar(
-                    cost_ratio, profile.verify_factor(cfg.draft_len) if cfg.draft_len else 1.0),
+                "modelled_speedup_vs_ar": speedup_vs_target_only(s.num_generated, s, cost_ratio, profile.verify_factor),
                 "same_as_target_only": gen.token_ids == ref_tokens, "load_1m": os.getloadavg()[0],
             })
         done = i + 1

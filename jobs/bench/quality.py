@@ -26,7 +26,7 @@ from workers.benchmarks import get_benchmark
 from workers.cli import one_line_errors, parse_rule
 from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
-from workers.metrics import aggregate, noise_floor
+from workers.metrics.trial import aggregate, noise_floor
 from workers.models.calibrate import get_profile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
 

@@ -28,6 +28,7 @@ import sys
 import time
 
 from workers.cli import one_line_errors, parse_params
+from workers.metrics.cost import modelled_cost
 
 FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "target_forwards",
           "draft_forwards", "num_generated")
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
                     st, rs = full.stats, ref.stats
                     speed["tok"] += st.num_generated
                     speed["s"] += st.decode_time_s
-                    speed["cost"] += st.modelled_cost(profile.cost_ratio, profile.verify_factor(draft_len))
+                    speed["cost"] += modelled_cost(st, profile.cost_ratio, profile.verify_factor)
                     speed["ref_tok"] += rs.num_generated
                     speed["ref_s"] += rs.decode_time_s
-                    speed["ref_cost"] += rs.modelled_cost(profile.cost_ratio)
+                    speed["ref_cost"] += modelled_cost(rs, profile.cost_ratio)
                 decoded = got.seconds.get("decode_s", 0.0)
                 t["decode"] += decoded
                 t["simulate"] += (t5 - t4) - decoded

@@ -86,8 +86,10 @@ def test_rayjob_entrypoint_is_a_real_script_with_flags_the_sweep_accepts(variant
     # the GPU job's c is the figure its calibration step measured (a shell variable): any number parses
     argv = ["0.5" if a == "$c" else a for a in argv]
     args = sweep_job.build_parser().parse_args(argv[2:])  # an unknown flag exits here
-    settings = sweep_job.parse_settings(args)  # pair, budgets, policies, draft lengths validate
-    assert args.items == 0 and args.shots == 8 and settings["budgets"] == [0.01, 0.02, 0.05]
+    from sweep.settings import parse_settings
+
+    settings = parse_settings(args)  # pair, budgets, policies, draft lengths validate
+    assert args.items == 0 and args.shots == 8 and settings.budgets == [0.01, 0.02, 0.05]
     # each worker pod must hold at least one pair actor of the size the sweep plans
     (cluster,) = [d for d in docs(f"raycluster{variant}.yaml") if d["kind"] == "RayCluster"]
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
@@ -102,7 +104,7 @@ def test_rayjob_entrypoint_is_a_real_script_with_flags_the_sweep_accepts(variant
         assert gpus(resources) >= args.gpus_per_actor
     if variant:
         assert args.engine == "vllm" and args.gpus_per_actor >= args.tensor_parallel_size > 1
-        assert settings["draft_len"][0] == settings["draft_len"][1], "vLLM runs one draft length"
+        assert settings.draft_len[0] == settings.draft_len[1], "vLLM runs one draft length"
         head = cluster["spec"]["headGroupSpec"]
         assert head["rayStartParams"]["num-gpus"] == "0", "no GPU work on the head"
     else:

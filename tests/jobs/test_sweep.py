@@ -99,11 +99,12 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id)}
     assert {"report", "chosen", "config.yaml"} <= artifacts
     # the effective config (flags and files merged, as resolved): --config it again and it is the same study
-    from jobs.sweep_args import parse_args, parse_settings, study_name
+    from jobs.sweep_args import parse_args
+    from sweep.settings import parse_settings, study_name
 
     again = parse_args(["--config", str(run_dir / "config.yaml")])
     assert (again.trials, again.run_dir, again.policies) == (3, str(run_dir), "kl_judge,top_k")
-    assert study_name(again, parse_settings(again)) == meta["study"]
+    assert study_name(parse_settings(again)) == meta["study"]
     evidence = [a.path for a in mlflow.MlflowClient().list_artifacts(parent.info.run_id, "report/evidence")]
     assert evidence and all(p.endswith(".csv") for p in evidence), "per-item evidence is in MLflow too"
     assert parent.data.params["split.pool"] == str(1319 + 7465 - 6)
@@ -190,7 +191,7 @@ def test_a_resumed_study_does_not_replay_its_first_suggestions():
     suggestions repeat trials the study already holds."""
     import optuna
 
-    from jobs.sweep import make_sampler
+    from sweep.settings import make_sampler
 
     def first_suggestions(existing: int, n: int = 3) -> list[float]:
         study = optuna.create_study(sampler=make_sampler(0, existing, 10))
@@ -203,7 +204,7 @@ def test_a_resumed_study_does_not_replay_its_first_suggestions():
 def test_enqueue_names_the_study_parameters_and_validates():
     """--enqueue warm-starts a study with known settings (e.g. the Table 6 winners); knobs not given
     take the rule's defaults, so the trial is exactly make_policy(name, **given)."""
-    from jobs.sweep import enqueued_params
+    from sweep.settings import enqueued_params
 
     got = enqueued_params("kl_judge:threshold=0.5", ["dropmatch", "kl_judge"], (3, 8))
     assert got == {"family": "kl_judge", "kl_judge.threshold": 0.5, "kl_judge.confidence": 0.9, "draft_len": 3}
@@ -242,11 +243,12 @@ def test_the_vllm_actors_python_is_found_and_checked(tmp_path, monkeypatch):
 
 def test_joint_is_part_of_the_study_identity():
     from jobs import sweep as sweep_job
+    from sweep.settings import parse_settings, study_name
 
     names = []
     for extra in ([], ["--joint"], ["--looks", "3"], ["--search-only"], ["--skip-noise-floor"]):
         args = sweep_job.build_parser().parse_args([*BASE, *extra])
-        names.append(sweep_job.study_name(args, sweep_job.parse_settings(args)))
+        names.append(study_name(parse_settings(args)))
     assert len({names[0], names[1], names[2]}) == 3, "--joint and --looks change what is certified"
     assert names[3] == names[4] == names[0], "stopping after the search or skipping the noise floor does not"
 
@@ -272,23 +274,24 @@ def test_search_only_then_a_group_sequential_confirmation(tmp_path):
 
 
 def test_a_config_file_sets_the_flags_and_the_command_line_wins(tmp_path):
-    from jobs.sweep_args import parse_args, parse_settings, study_name
+    from jobs.sweep_args import parse_args
+    from sweep.settings import parse_settings, study_name
 
     args = parse_args(["--config", str(ROOT / "examples" / "sweep.yaml"), "--trials", "5", "--pair", "tiny-random"])
     assert (args.trials, args.budgets, args.looks, args.confirm_items) == (5, "0.02,0.05,0.1", 4, 2000)
     assert args.enqueue == ["kl_judge:threshold=0.5,confidence=0.9"] and args.pair == "tiny-random"
     s = parse_settings(args)
-    assert (s["ranges"]["kl_judge"]["threshold"].low, s["ranges"]["kl_judge"]["threshold"].log) == (0.02, True)
-    assert s["ranges"]["dropmatch"]["criterion"].choices == ("js",)
+    assert (s.ranges["kl_judge"]["threshold"].low, s.ranges["kl_judge"]["threshold"].log) == (0.02, True)
+    assert s.ranges["dropmatch"]["criterion"].choices == ("js",)
     plain = parse_args(["--config", str(ROOT / "examples" / "sweep.yaml"), "--pair", "tiny-random"])
     plain.search_space = None
-    assert study_name(args, s) != study_name(plain, parse_settings(plain)), "the ranges are part of the identity"
+    assert study_name(s) != study_name(parse_settings(plain)), "the ranges are part of the identity"
 
 
 def test_search_ranges_from_the_config_are_what_optuna_samples():
     import optuna
 
-    from jobs.search_space import search_ranges, suggest
+    from sweep.space import search_ranges, suggest
 
     ranges = search_ranges(["kl_judge"], {"kl_judge": {"threshold": [0.2, 0.3], "confidence": [0.6, 0.61]}})
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))

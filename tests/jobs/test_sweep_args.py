@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.sweep_args import effective_config, parse_args, parse_settings
+from jobs.sweep_args import effective_config, parse_args
+from sweep.settings import parse_settings
 
 BASE = ["--pair", "tiny-random", "--dtype", "fp32", "--policies", "kl_judge,top_k"]
 
@@ -68,17 +69,17 @@ def test_a_bad_flag_is_a_value_error_too():
 def test_search_space_narrows_the_rules_ranges_within_their_bounds(tmp_path):
     block = "  kl_judge:\n    threshold: {low: 0.1, high: 0.5, log: true}\n    confidence: [0.6, 0.8]\n"
     s = parse_settings(parse_args([*BASE, "--config", config(tmp_path, "search_space:\n" + block)]))
-    threshold, confidence = s["ranges"]["kl_judge"]["threshold"], s["ranges"]["kl_judge"]["confidence"]
+    threshold, confidence = s.ranges["kl_judge"]["threshold"], s.ranges["kl_judge"]["confidence"]
     assert (threshold.low, threshold.high, threshold.log, confidence.low, confidence.high) == (0.1, 0.5, True, 0.6, 0.8)
-    assert s["ranges"]["top_k"] == parse_settings(parse_args(BASE))["ranges"]["top_k"], "other rules keep theirs"
-    assert parse_args(["--config", config(tmp_path, "search:\n" + block)]).search_space == s["search_overrides"], \
+    assert s.ranges["top_k"] == parse_settings(parse_args(BASE)).ranges["top_k"], "other rules keep theirs"
+    assert parse_args(["--config", config(tmp_path, "search:\n" + block)]).search_space == s.search_overrides, \
         "search: is the same key"
     for both in ("search:\n" + block + "search_space:\n" + block, "confirm-items: 3\nconfirm_items: 4\n"):
         with pytest.raises(ValueError, match="are the same option; give it once"):
             parse_args(["--config", config(tmp_path, both)])  # jsonargparse would keep the last one, silently
     flag = parse_args([*BASE, "--search-space", "{kl_judge: {confidence: [0.6, 0.8]}, top_k: {k: [1, 128]}}"])
     assert flag.search_space == {"kl_judge": {"confidence": [0.6, 0.8]}, "top_k": {"k": [1, 128]}}
-    k = parse_settings(flag)["ranges"]["top_k"]["k"]
+    k = parse_settings(flag).ranges["top_k"]["k"]
     assert (k.low, k.high, k.integer) == (1, 128, True), "wider than the rule's own range, within what it accepts"
     for bad, message in (("confidence: [0.5, 1.5]", "search_space: kl_judge.confidence: 1.5 is not a value kl_judge accepts"),
                          ("threshold: {low: -1.0, high: 0.5, log: false}", "search_space: kl_judge.threshold: -1.0 is not a value kl_judge"),

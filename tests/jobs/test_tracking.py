@@ -1,6 +1,5 @@
-"""MLflow as users expect: the sweeps experiment opens in the runs (model training) view, and
-`python -m jobs.tracking ui` becomes the MLflow server, so a SIGTERM to the pid it prints stops
-the server with nothing left behind."""
+"""`python -m jobs.tracking ui` opens the runs view and becomes the MLflow server, so a SIGTERM to the pid it
+prints stops the server with nothing left behind."""
 
 from __future__ import annotations
 
@@ -17,31 +16,9 @@ import psutil
 import pytest
 
 from jobs import tracking
+from sweep.tracking import SweepTracker
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def kind(run_dir: Path) -> str | None:
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking.tracking_uri(run_dir))
-    return mlflow.get_experiment_by_name(tracking.EXPERIMENT).tags.get(tracking.KIND_TAG)
-
-
-def test_the_experiment_is_a_model_development_one_new_or_resumed(tmp_path):
-    import mlflow
-
-    fresh = tmp_path / "fresh"
-    tracking.SweepTracker(fresh)
-    assert kind(fresh) == "custom_model_development"
-
-    old = tmp_path / "old"  # a store written before the tag existed: tagged when a sweep reopens it
-    old.mkdir()
-    mlflow.set_tracking_uri(tracking.tracking_uri(old))
-    mlflow.create_experiment(tracking.EXPERIMENT, artifact_location=(old / "mlartifacts").as_uri())
-    assert kind(old) is None
-    tracking.SweepTracker(old)
-    assert kind(old) == "custom_model_development"
 
 
 def test_ui_link_opens_the_runs_view():
@@ -64,7 +41,7 @@ def port_open(port: int) -> bool:
 @pytest.mark.slow
 def test_ui_hands_its_process_to_the_server_and_sigterm_stops_it(tmp_path):
     run_dir = tmp_path / "sweep"
-    tracker = tracking.SweepTracker(run_dir)
+    tracker = SweepTracker(run_dir)
     exp_id = tracker.mlflow.get_experiment_by_name(tracking.EXPERIMENT).experiment_id
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "jobs.tracking", "ui", "--run-dir", str(run_dir), "--port", str(port)],

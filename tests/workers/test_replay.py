@@ -10,6 +10,7 @@ import torch
 
 from policies import POLICIES, get_spec, make_policy
 from workers.cpu_engine import SpecDecoder
+from workers.metrics.cost import modelled_cost
 from workers.models.pair import load_pair
 from workers.replay import NotReplayable, decisions, forced_pass, replay
 
@@ -53,7 +54,7 @@ def test_replay_equals_full_speculative_decoding_for_every_rule(engine, name, pa
             assert got.generation.finish_reason == full.finish_reason, where
             for f in FIELDS:
                 assert getattr(got.generation.stats, f) == getattr(full.stats, f), (where, f)
-            assert got.generation.stats.modelled_cost(0.4) == full.stats.modelled_cost(0.4), where
+            assert modelled_cost(got.generation.stats, 0.4) == modelled_cost(full.stats, 0.4), where
             outcomes.append(got.reason)
     assert "near-tie" not in outcomes, "fp32 on the tiny pair: the pass agrees with incremental decoding"
 

@@ -8,6 +8,6 @@
 - ``bounds``: betting bounds for scores in [0, 1] and the planner's arithmetic.
 
 Pure Python, torch, numpy and scipy over per-item scores in [0, 1]: nothing here knows models, engines, Ray,
-Optuna, MLflow or where records are stored. ``jobs.confirm`` runs the confirmation with it; the
+Optuna, MLflow or where records are stored. ``sweep.confirm`` runs the confirmation with it; the
 report, the planner and Serve read its decisions.
 """

@@ -1,7 +1,7 @@
 """The paired per-item evidence a confirmation is decided on: a reference and a candidate arm over the fixed
 confirmation item set, nothing flipping sides (a failed reference item counts as right, a failed or missing
 candidate item as wrong), a futility stop keeping the items up to its look, and the CSV anyone can recompute
-a certificate from. :mod:`jobs.confirm` runs the evaluations and decides with these."""
+a certificate from. :mod:`sweep.confirm` runs the evaluations and decides with these."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from workers.certify.decide import DropBound, drop_bound, first_prune
 from workers.evaluation import Record
-from workers.metrics import score_of
+from workers.metrics.trial import score_of
 from workers.results.flips import answer_of, divergence, reason_of
 from workers.results.store import write_text
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.evaluation import Record
-from workers.metrics import score_of
+from workers.metrics.trial import score_of
 from workers.results.store import atomic_path
 
 COLUMNS = ("item_id", "reference_score", "candidate_score", "flip", "diverged", "divergence", "reference_answer",

@@ -8,7 +8,7 @@ import math
 import polars as pl
 
 from dashboards.flips import flips_page
-from tests.workers.test_metrics import rec
+from tests.workers.metrics.test_trial import rec
 from workers.results.flips import COLUMNS, flip_rows, write_flips
 
 

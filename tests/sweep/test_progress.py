@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from types import SimpleNamespace
 
-from jobs.progress import Progress
+from sweep.progress import Progress
 
 
 class Tty(io.StringIO):

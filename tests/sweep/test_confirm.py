@@ -7,10 +7,12 @@ import math
 
 import pytest
 
-from jobs.confirm import Confirmation, noise_floor_row, speed_figures
-from tests.workers.test_metrics import rec
+from sweep.certificates import noise_floor_row
+from sweep.confirm import Confirmation
+from tests.workers.metrics.test_trial import rec
 from workers.certify.decide import Candidate, drop_bound, first_prune
 from workers.certify.exact import certify_paired
+from workers.metrics.speed import speed_figures
 from workers.results.evidence import confirmation_pairs, ordered_prefix, paired, write_evidence
 
 

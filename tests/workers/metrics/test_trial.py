@@ -7,7 +7,7 @@ import math
 import pytest
 
 from workers.evaluation import Record
-from workers.metrics import aggregate, bootstrap_ci, in_situ_cost_ratio, noise_floor
+from workers.metrics.trial import aggregate, bootstrap_ci, in_situ_cost_ratio, noise_floor
 
 
 def rec(item: str, score: float, *, tokens=10, draft_len=0, drafts=10, draft_fw=0, draft_s=0.0, verify_s=1.0,

@@ -3,24 +3,25 @@
 - ``speed_figures``: the confirmation records' speed against the target-only reference on the same items,
   as ratios of sums (modelled on every item; measured only on items both arms decoded in full).
 - ``over_lossless``: the candidate's modelled speedup over lossless at the best L of the search (the best
-  lossless, ``jobs.baseline``) and over target-only, on the items its certificate used; and, with
-  ``--speed-items`` N > 0, the measured figure from a timed run of N of those items in which target-only,
-  lossless at that L and the candidate decode each item in full, one after another on one actor (so at the
-  same concurrency: batch 1 on the CPU engine), the next item only after all three; each figure says its n, the
-  concurrency and the machine's load before and after.
+  lossless, ``workers.metrics.lossless``) and over target-only, on the items its certificate used; and, with
+  ``--speed-items`` N > 0, the measured figure from a timed run of N of those items (:class:`Timed`, run on
+  an actor by ``cluster.pool``) in which target-only, lossless at that L and the candidate decode each item in
+  full, one after another (so at the same concurrency: batch 1 on the CPU engine), the next item only after all
+  three; each figure says its n, the concurrency and the machine's load before and after.
 
-Knows records and the sweep's actors; nothing about certificates' statistics.
+Knows records and the cost model; nothing about actors or certificates' statistics.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from workers.evaluation import Record
+from workers.metrics.cost import CostModel, modelled_cost
 
 MODEL_TOLERANCE = 0.15  # the modelled speed must agree with the measured one within this, or the measured is stated
 
@@ -58,8 +59,7 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
         return out
 
     def cost(r: Record) -> float:
-        factor = verify_factor(r.draft_len) if r.draft_len else 1.0
-        return factor * r.target_forwards + cost_ratio * r.draft_forwards
+        return modelled_cost(r, cost_ratio, verify_factor)
 
     def seconds(r: Record) -> float:  # a failed item still took its time: a rule whose slow items fail
         return r.decode_time_s if r.decode_time_s > 0 else max(r.wall_time_s, 0.0)  # must not look faster
@@ -96,59 +96,56 @@ def _ratio(records: list[Record], base: list[Record], unit: Callable[[Record], f
     return (sum(r.tokens for r in records) / mine) / (sum(r.tokens for r in base) / theirs)
 
 
-def over_lossless(sweep: Any, row: dict[str, Any], records: dict[str, Record], reference: dict[str, Record],
-                  used: int) -> dict[str, Any]:
-    """The candidate of trial ``row`` (its confirmation ``records``, on the first ``used`` confirmation items)
-    against lossless at the search's best L and against target-only: modelled on those items, measured in a
-    like-for-like timed run of the first ``--speed-items`` of them."""
-    from workers.evaluation import TARGET_ONLY, DecodeSpec
+@dataclass(frozen=True)
+class Timed:
+    """A like-for-like timed run: ``arms`` (target-only, lossless, candidate: each one record per timed item, the
+    same items in the same order, decoded one after another per item at ``concurrency``) and the 1-minute load
+    before and after; or ``error`` when the run was lost (a lost actor loses the timing, never the certificate)."""
 
-    spec = sweep.spec_of(row)
-    best = row.get("best_lossless_draft_len")
-    draft_len = int(best) if best is not None and math.isfinite(float(best)) else spec.draft_len
-    lossless = sweep.lossless(draft_len, "confirm", used)
-    keys = [k for k in records if k in lossless and k in reference
+    arms: tuple[list[Record], list[Record], list[Record]] | None
+    load_1m: tuple[float, float] = (math.nan, math.nan)
+    concurrency: int = 1
+    error: str | None = None
+
+
+def comparable(records: dict[str, Record], lossless: dict[str, Record], reference: dict[str, Record]) -> list[str]:
+    """The items all three arms hold unfailed (what the modelled figures use, and the timed items come from)."""
+    return [k for k in records if k in lossless and k in reference
             and not (records[k].failed or lossless[k].failed or reference[k].failed)]
 
-    def cost(r: Record) -> float:
-        factor = sweep.verify_factor(r.draft_len) if r.draft_len else 1.0
-        return factor * r.target_forwards + sweep.cost_ratio * r.draft_forwards
 
+def over_lossless(records: dict[str, Record], lossless: dict[str, Record], reference: dict[str, Record],
+                  draft_len: int, cost: CostModel, timed: Timed | None = None) -> dict[str, Any]:
+    """A candidate's confirmation ``records`` against ``lossless`` (at the search's best L, ``draft_len``) and
+    against target-only (``reference``): modelled on the items all three hold, measured from ``timed`` (the
+    like-for-like run of the first ``--speed-items`` of them, :class:`Timed`), and the figure a certificate
+    states (:func:`stated_figure`)."""
+    keys = comparable(records, lossless, reference)
     mine, ll, ar = ([d[k] for k in keys] for d in (records, lossless, reference))
     out: dict[str, Any] = {
-        "vs_lossless": {"draft_len": draft_len, "modelled": _ratio(mine, ll, cost) if keys else math.nan,
+        "vs_lossless": {"draft_len": draft_len, "modelled": _ratio(mine, ll, cost.cost) if keys else math.nan,
                         "measured": math.nan, "items": len(keys)},
-        "vs_target_only": {"modelled": _ratio(mine, ar, cost) if keys else math.nan, "measured": math.nan,
+        "vs_target_only": {"modelled": _ratio(mine, ar, cost.cost) if keys else math.nan, "measured": math.nan,
                            "items": len(keys)},
     }
-    n = min(int(getattr(sweep.args, "speed_items", 0) or 0), len(keys))
-    if n > 0:
-        import ray
-
-        shared = set(keys)
-        order = [it for it in sweep.confirm_items if it.id in shared][:n]
-        specs = [DecodeSpec.make(TARGET_ONLY, **sweep.s["decode"]),
-                 DecodeSpec.make("lossless", {}, draft_len, **sweep.s["decode"]), spec]
-        load_before = os.getloadavg()[0]
-        try:
-            timed = ray.get(sweep.workers[0].time_items.remote(sweep.bench.ref, specs, order))
-        except ray.exceptions.RayError as err:  # a lost actor loses the timing, never the certificate
-            error = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
-            for side in ("vs_lossless", "vs_target_only"):
-                out[side]["timed"] = {"error": error}
-            return out
-        ok = [i for i in range(n) if not any(arm[i].failed for arm in timed)]
-        ar_t, ll_t, mine_t = ([arm[i] for i in ok] for arm in timed)
+    if timed is not None and timed.error is not None:
+        for side in ("vs_lossless", "vs_target_only"):
+            out[side]["timed"] = {"error": timed.error}
+        return out
+    if timed is not None and timed.arms is not None:
+        n = len(timed.arms[0])
+        ok = [i for i in range(n) if not any(arm[i].failed for arm in timed.arms)]
+        ar_t, ll_t, mine_t = ([arm[i] for i in ok] for arm in timed.arms)
 
         def seconds(r: Record) -> float:
             return r.decode_time_s
 
-        like = {"items": len(ok), "concurrency": 1, "interleaved": "target-only, lossless, candidate per item",
-                "load_1m": [load_before, os.getloadavg()[0]]}
-        out["vs_lossless"].update(measured=_ratio(mine_t, ll_t, seconds), modelled_timed=_ratio(mine_t, ll_t, cost),
+        like = {"items": len(ok), "concurrency": timed.concurrency,
+                "interleaved": "target-only, lossless, candidate per item", "load_1m": list(timed.load_1m)}
+        out["vs_lossless"].update(measured=_ratio(mine_t, ll_t, seconds), modelled_timed=_ratio(mine_t, ll_t, cost.cost),
                                   timed=like)
-        out["vs_target_only"].update(measured=_ratio(mine_t, ar_t, seconds), modelled_timed=_ratio(mine_t, ar_t, cost),
-                                     timed=like)
+        out["vs_target_only"].update(measured=_ratio(mine_t, ar_t, seconds),
+                                     modelled_timed=_ratio(mine_t, ar_t, cost.cost), timed=like)
     for side in ("vs_lossless", "vs_target_only"):
         out[side].update(stated_figure(out[side]))
     return out

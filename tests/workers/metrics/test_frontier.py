@@ -1,4 +1,4 @@
-"""The frontier's arithmetic (jobs.frontier) and the stated speed figure (jobs.speed.stated_figure), on
+"""The frontier's arithmetic (workers.metrics.frontier) and the stated speed figure (workers.metrics.speed.stated_figure), on
 hand-made records whose answers are known."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import math
 import polars as pl
 import pytest
 
-from jobs.frontier import ceiling_rows, lossless_rows, lost_items, pareto, render, summary, trial_rows
-from jobs.speed import stated_figure
+from dashboards.frontier import render
 from workers.evaluation import Record
+from workers.metrics.frontier import ceiling_rows, lossless_rows, lost_items, pareto, summary, trial_rows
+from workers.metrics.speed import stated_figure
 
 
 def rec(item: str, tokens: int, target_forwards: int, draft_forwards: int, accepted: int, drafted: int,

@@ -1,6 +1,6 @@
-"""The sweep's search space, built from the policy registry's field metadata (rules never see
-Optuna): one categorical ``family`` choice, each family's knobs as conditional parameters named
-``<family>.<knob>``, and the draft length."""
+"""The sweep's search space, built from the policy registry's field metadata (rules never see Optuna): one
+categorical ``family`` choice, each family's knobs as conditional parameters named ``<family>.<knob>``, and the
+draft length. ``search_ranges`` checks a config's ranges against what each rule accepts."""
 
 from __future__ import annotations
 

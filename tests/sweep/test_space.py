@@ -5,8 +5,8 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from jobs.search_space import decode_params, suggest
 from policies import make_policy
+from sweep.space import decode_params, suggest
 
 
 @pytest.mark.parametrize("draft_len", [(3, 3), (2, 6)])

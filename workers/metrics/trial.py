@@ -8,8 +8,8 @@ Pure Python over records: no models, no storage, no Ray/MLflow. Conventions (doc
 - accuracy_drop = reference accuracy - accuracy, paired on items both runs attempted, with a
   bootstrap interval of the paired differences (positive = worse than target-only);
 - measured speedup: per-item tokens/s ratio, then the mean (Spec-Bench's convention);
-- modelled speedup: tokens / cost, cost = verify_factor(L) * target_forwards + c * draft_forwards in
-  target-step units (prefill excluded); vs lossless: the ratio of the two runs' tokens per cost.
+- modelled speedup: tokens per modelled cost (``workers.metrics.cost``); vs lossless: the ratio of the
+  two runs' tokens per cost.
 - noise floor: how often (and by how much in accuracy) the lossless rule's output differs from
   target-only output on the same items; budgets tighter than it cannot be told from zero.
 """
@@ -19,10 +19,11 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from workers.evaluation import Record
+from workers.metrics.cost import VerifyFactor, tokens_per_cost, unit_verify
 
 
 def bootstrap_ci(values: Sequence[float], resamples: int = 2000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
@@ -77,23 +78,6 @@ class TrialMetrics:
         return out
 
 
-VerifyFactor = Callable[[int], float]
-
-
-def _unit(_: int) -> float:
-    return 1.0
-
-
-def modelled_cost(r: Record, cost_ratio: float, verify_factor: VerifyFactor = _unit) -> float:
-    factor = verify_factor(r.draft_len) if r.draft_len else 1.0
-    return factor * r.target_forwards + cost_ratio * r.draft_forwards
-
-
-def tokens_per_cost(records: Sequence[Record], cost_ratio: float, verify_factor: VerifyFactor = _unit) -> float:
-    cost = sum(modelled_cost(r, cost_ratio, verify_factor) for r in records)
-    return sum(r.tokens for r in records) / cost if cost > 0 else math.nan
-
-
 def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record]) -> float:
     """c as this run saw it: mean draft-forward time over mean target-only step time, on the same
     items and machine state. The calibrated c (short context, idle machine) can differ a lot
@@ -124,7 +108,7 @@ def _paired_speed(records: dict[str, Record], base: dict[str, Record]) -> float:
 
 
 def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless: Sequence[Record] | None = None,
-              cost_ratio: float = 0.4, verify_factor: VerifyFactor = _unit) -> TrialMetrics:
+              cost_ratio: float = 0.4, verify_factor: VerifyFactor = unit_verify) -> TrialMetrics:
     ok, ref = _by_item(records), _by_item(target_only)
     paired = [k for k in ok if k in ref]
     attempted = {r.item_id: r for r in records}

@@ -12,12 +12,13 @@ A certificate says a rule is safe at a budget; the frontier says what that safet
   search items (lost and won items, discordance), and the Pareto front of the two (descriptions: the search's
   figures decide nothing; the certificates do, on other items);
 - **the budgets**: each budget's certificate, its speed over the best lossless and over target-only, modelled
-  and measured like for like, and whether the model agreed with the measurement (``jobs.speed``);
+  and measured like for like, and whether the model agreed with the measurement (``workers.metrics.speed``);
 - **where the lost items are**: each confirmed candidate's lost items and where its run first left the
   target-only output.
 
-Written by the sweep beside its certificates (``report/frontier.json`` and ``frontier.md``) and exported with
-them (``jobs.results export``). Knows records, trial rows and the modelled cost; nothing about Optuna or Ray.
+The numbers are this module's; ``dashboards.frontier`` writes them beside the sweep's certificates
+(``report/frontier.json`` and ``frontier.md``), exported with them (``jobs.results export``). Knows records,
+trial rows and the cost model; nothing about Optuna or Ray.
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from workers.evaluation import Record
-from workers.metrics import tokens_per_cost
+from workers.metrics.cost import ceiling, tokens_per_cost
 
 
 def lossless_rows(lossless: Mapping[int, Mapping[str, Record]], cost_ratio: float,
@@ -58,7 +58,7 @@ def ceiling_rows(lengths: list[int], cost_ratio: float, verify_factor: Callable[
     """Per L: the tokens per cost of a rule that accepts every draft token, and that over the best lossless."""
     rows = []
     for n in lengths:
-        tpc = (n + 1) / (verify_factor(n) + cost_ratio * n)
+        tpc = ceiling(n, cost_ratio, verify_factor)
         rows.append({"draft_len": n, "acceptance_length": n + 1, "tokens_per_cost": tpc,
                      "vs_best_lossless": tpc / best if best and math.isfinite(best) else math.nan})
     return rows
@@ -143,82 +143,3 @@ def summary(*, lossless: Mapping[int, Mapping[str, Record]], cost_ratio: float, 
         "trials": trials, "pareto": pareto(trials), "budgets": budget_rows(chosen),
         "lost_items": lost_items(reference or {}, confirmed or {}),
     }
-
-
-def _x(v: Any) -> str:
-    return "—" if v is None or not isinstance(v, int | float) or not math.isfinite(v) else f"{v:.2f}x"
-
-
-def _f(v: Any, fmt: str = ".2f") -> str:
-    return "—" if v is None or not isinstance(v, int | float) or not math.isfinite(v) else format(v, fmt)
-
-
-def render(data: Mapping[str, Any], title: str = "") -> str:
-    cm = data["cost_model"]
-    out = [f"# The frontier{': ' + title if title else ''}", "",
-           f"Modelled costs in target-step units: a draft forward costs c = {_f(cm['cost_ratio'], '.3f')}, a verify "
-           f"pass over L + 1 positions v(L) target steps (calibrated at load {_f(cm.get('calibration_load_1m'))}). "
-           "Speeds are tokens per modelled cost over the best lossless's on the same items; the search's figures "
-           "are descriptions (the certificates below decide, on items the search never saw).", "",
-           "## Lossless at every L, and the ceiling", "",
-           "| L | lossless: acceptance length | accepted share | over target-only | over the best lossless | "
-           "ceiling (accept every draft): acceptance length | ceiling over the best lossless |",
-           "|---:|---:|---:|---:|---:|---:|---:|"]
-    for r, c in zip(data["lossless"], data["ceiling"], strict=True):
-        best = " **(best)**" if r["draft_len"] == data["best_lossless"]["draft_len"] else ""
-        out.append(f"| {r['draft_len']}{best} | {_f(r['acceptance_length'])} | {_f(r['accepted_share'], '.1%')} | "
-                   f"{_x(r['vs_target_only'])} | {_x(r['vs_best_lossless'])} | {c['acceptance_length']} | "
-                   f"{_x(c['vs_best_lossless'])} |")
-    n = data["lossless"][0]["items"] if data["lossless"] else 0
-    out += ["", f"n = {n} search items. No acceptance rule at any L can exceed **{_x(data['ceiling_best'])}** the best "
-            "lossless here: that is what a rule that accepted every draft token would buy at this cost ratio.", "",
-            "## The search (descriptive)", "",
-            "| trial | rule | L | state | n | lost / won | drop | discordance | acceptance length | over the best lossless "
-            "| over target-only | Pareto |", "|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
-    front = set(data["pareto"])
-    for r in data["trials"]:
-        out.append(f"| {r['trial']} | {r['rule']} | {r['draft_len']} | {r['state'].lower()} | {r['items']} | "
-                   f"{r['lost']} / {r['won']} | {_f(r['drop'] * 100 if math.isfinite(r['drop']) else None, '+.1f')}% | "
-                   f"{_f(r['discordance'], '.3f')} | {_f(r['acceptance_length'])} | {_x(r['vs_best_lossless'])} | "
-                   f"{_x(r['vs_target_only'])} | {'yes' if r['trial'] in front else ''} |")
-    out += ["", "## The budgets", "",
-            "| budget | certified | rule | p-value | bound | n | lost / won | over the best lossless (L): modelled / "
-            "measured (model error) | over target-only: modelled / measured |", "|---|---|---|---|---|---|---|---|---|"]
-    for b in data["budgets"]:
-        vl, va = b.get("vs_lossless") or {}, b.get("vs_target_only") or {}
-        rule = "—" if not b["rule"] else f"{b['rule']} ({', '.join(f'{k}={v}' for k, v in (b['params'] or {}).items())}, " \
-                                         f"L={b['draft_len']})"
-        err = vl.get("model_error")
-        timed = (vl.get("timed") or {}).get("items")
-        speed = (f"L {vl.get('draft_len')}: {_x(vl.get('modelled'))} / {_x(vl.get('measured'))}"
-                 + (f" ({_f(err * 100 if isinstance(err, float) else None, '+.0f')}%, timed n = {timed})" if timed else "")
-                 if vl else "—")
-        out.append(f"| {b['budget'] * 100:g}% | {'**yes**' if b['certified'] else 'no'} | {rule} | "
-                   f"{_f(b['p_value'], '.3g')} | {_f(b['bound'] * 100 if b['bound'] is not None else None)}% | "
-                   f"{b['n'] or '—'} | {b['lost']} / {b['won']} | {speed} | "
-                   f"{_x(va.get('modelled'))} / {_x(va.get('measured'))} |")
-    lost = data.get("lost_items") or {}
-    if lost:
-        out += ["", "## Where the lost items are (confirmation)", ""]
-        for label, items in lost.items():
-            where = ", ".join(f"{i['item']} ({i['how']})" for i in items) or "none"
-            out.append(f"- {label}: {len(items)} lost: {where}")
-    return "\n".join(out) + "\n"
-
-
-def write(data: Mapping[str, Any], out: Path, title: str = "") -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "frontier.json").write_text(json.dumps(data, indent=1, default=str, allow_nan=True) + "\n")
-    (out / "frontier.md").write_text(render(data, title))
-
-
-def from_sweep(sweep: Any, frame: Any, chosen: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """The frontier of a ``jobs.sweep.Sweep`` from what it holds: lossless at every L of its range (replayed on
-    the search items), its trials, its certificates and its confirmed candidates' records."""
-    from workers.evaluation import TARGET_ONLY
-
-    lo, hi = sweep.s["draft_len"][0], sweep.s["draft_len"][-1]
-    lossless = {n: sweep.refs[f"lossless-{n}"] for n in range(lo, hi + 1) if f"lossless-{n}" in sweep.refs}
-    return summary(lossless=lossless, cost_ratio=sweep.cost_ratio, verify_factor=sweep.verify_factor, frame=frame,
-                   chosen=chosen, profile=sweep.profile, reference=sweep.refs.get("confirm:" + TARGET_ONLY),
-                   confirmed=getattr(sweep, "confirmed", None))

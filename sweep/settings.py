@@ -1,0 +1,159 @@
+"""The sweep's settings: its arguments validated (before Ray starts), resolved and typed, and what makes two
+invocations the same study.
+
+``parse_settings`` turns ``jobs.sweep_args``' arguments into :class:`Settings` (one-line ValueErrors naming the
+flag or key): ``--dtype auto`` resolved to the dtype this machine runs, the vLLM actors' interpreter found, the
+budgets, families, knob ranges and draft lengths checked. Its ``args`` are a resolved copy (the caller's are
+never written). ``study_name`` is the study's identity (rerunning it resumes the study); ``make_sampler`` the
+TPE sampler a (resumed) study uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from sweep.progress import log
+from sweep.space import check_families, search_ranges
+from workers.benchmarks import get_benchmark
+from workers.cli import require_positive
+from workers.engines import check_engine
+from workers.results.store import slug
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A sweep's validated settings: ``args`` (resolved: ``dtype`` is the one chosen, ``vllm_python`` the
+    interpreter found) and what was derived from them."""
+
+    args: argparse.Namespace
+    bench: Any  # workers.benchmarks.base.Benchmark (or a task file's)
+    budgets: list[float]
+    families: list[str]
+    draft_len: tuple[int, int]  # the search range LO, HI
+    enqueue: list[dict[str, Any]]  # the study's parameters of each --enqueue
+    ranges: dict[str, dict[str, Any]]  # family -> knob -> its search range
+    search_overrides: dict[str, Any] | None  # --search-space as given (part of the study's identity)
+    decode: dict[str, Any]  # temperature, seed, shots, max_new_tokens
+
+    @property
+    def lengths(self) -> list[int]:
+        """Every draft length of the search range (lossless runs at each: the fastest lossless)."""
+        return list(range(self.draft_len[0], self.draft_len[1] + 1))
+
+
+def parse_settings(given: argparse.Namespace) -> Settings:
+    """``given`` (``jobs.sweep_args.parse_args``) validated and resolved; ValueError, one line, naming the flag."""
+    args = argparse.Namespace(**vars(given))  # resolved below; the caller's arguments stay as given
+    if args.judge_url:
+        os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url  # before Ray starts: the actors inherit it
+    bench = get_benchmark(args.benchmark)
+    from workers.models.pair import check_pair_name, native_dtype
+
+    if args.dtype == "auto":
+        args.dtype = native_dtype()  # resolved once: the dtype is part of the study's and references' identity
+        log(f"--dtype auto: {args.dtype} on this machine")
+
+    check_pair_name(args.pair)  # fail here, not inside every actor
+    try:
+        budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
+    if not budgets or any(not (0 < b < 1) for b in budgets):
+        raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
+    families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
+    ranges = search_ranges(families, getattr(args, "search_space", None))
+    bounds = [int(x) for x in args.draft_len.split(",")]
+    lo, hi = (bounds[0], bounds[-1])
+    if not (1 <= lo <= hi <= 16):
+        raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")
+    enqueued = [enqueued_params(text, families, (lo, hi)) for text in args.enqueue]
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
+                 vllm=vllm_options(args))
+    if args.engine == "vllm":
+        from workers.engines import vllm_python
+
+        args.vllm_python = vllm_python(args.vllm_python)
+    if args.engine == "vllm" and args.cost_ratio is None:
+        raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
+                         "(measure c through vLLM with `python -m workers.calibrate --engine vllm --pair ...`, or from your serving logs)")
+    require_positive(args, "trials", "min_items_to_prune", "confirm_candidates", "looks")
+    if args.items < 0:
+        raise ValueError("--items must be >= 0 (0 = all)")
+    if args.confirm_items is not None and args.confirm_items < 0:
+        raise ValueError("--confirm-items must be >= 0 (0 = all)")
+    if args.speed_items < 0:
+        raise ValueError("--speed-items must be >= 0 (0: no timed run)")
+    if not 0 < args.alpha < 0.5:
+        raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
+    return Settings(args=args, bench=bench, budgets=budgets, families=families, draft_len=(lo, hi), enqueue=enqueued,
+                    ranges=ranges, search_overrides=getattr(args, "search_space", None) or None,
+                    decode=dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
+                                max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens))
+
+
+def enqueued_params(text: str, families: list[str], draft_len: tuple[int, int]) -> dict[str, Any]:
+    """``--enqueue`` text -> the study's parameter names (``family``, ``<family>.<knob>``, ``draft_len``)."""
+    from policies import get_spec, make_policy
+    from workers.cli import parse_rule
+
+    name, params = parse_rule(text)
+    if name not in families:
+        raise ValueError(f"--enqueue {text!r}: {name!r} is not among the searched --policies {families}")
+    length = params.pop("draft_len", draft_len[0])
+    if not (isinstance(length, int) and draft_len[0] <= length <= draft_len[1]):
+        raise ValueError(f"--enqueue {text!r}: draft_len must be an integer in --draft-len {draft_len[0]},{draft_len[1]}")
+    config = make_policy(name, **params).config.to_dict()  # unknown knobs / bad values fail here
+    out: dict[str, Any] = {"family": name} if len(families) > 1 else {}
+    out.update({f"{name}.{knob}": config[knob] for knob in get_spec(name).config_cls.search_space()})
+    if draft_len[1] > draft_len[0]:
+        out["draft_len"] = length
+    return out
+
+
+def make_sampler(seed: int, existing_trials: int, trials: int) -> Any:
+    """TPE over the families' knobs. A resumed study gets its seed offset by the trials it holds: the
+    same seed would replay the first random suggestions (seen: two duplicate trials after a restart)."""
+    import optuna
+
+    return optuna.samplers.TPESampler(seed=seed + existing_trials, multivariate=True, group=True,
+                                      n_startup_trials=max(4, min(10, trials // 2)))
+
+
+def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The VLLMSettings fields given on the command line (the rest keep their defaults)."""
+    given = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
+             "enforce_eager": args.enforce_eager or None, "max_num_seqs": getattr(args, "max_num_seqs", None),
+             "kv_cache_memory_bytes": None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+# how the confirmation pool is made (see sweep.state): its order is fixed by a salted hash, never by a seed
+POOL = "held-apart: confirm split + unused search rows, in sha256('confirm/' + id) order; items per the ledger"
+
+
+def study_name(s: Settings) -> str:
+    """The study's name: the benchmark, pair, dtype and items, and a digest of everything that changes what is
+    certified."""
+    args = s.args
+    # everything that changes what is certified: rerunning with any of it changed is another study (its own
+    # run directory), never an overwrite of this one's certificates. --trials is not: a rerun with more trials
+    # extends the search; a second confirmation of a budget is then caught by workers.results.ledger
+    key = json.dumps({"families": s.families, "budgets": s.budgets, "draft_len": s.draft_len,
+                      "decode": s.decode, "objective": args.objective, "cost_ratio": args.cost_ratio,
+                      "subset_seed": args.subset_seed, "split": s.bench.split_info(), "pool": POOL,
+                      "confirm_items": args.confirm_items, "alpha": args.alpha, "joint": args.joint,
+                      "confirm_candidates": args.confirm_candidates,
+                      **({"looks": args.looks} if args.looks != 1 else {}),
+                      **({"search": s.search_overrides} if s.search_overrides else {}),
+                      **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
+    digest = hashlib.sha1(key.encode()).hexdigest()[:8]
+    return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
+
+

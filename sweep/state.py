@@ -1,0 +1,138 @@
+"""The sweep's state: what every phase reads, made once per command invocation by :func:`open_sweep`.
+
+A :class:`SweepState` is frozen: phases take it and return values (a trial's outcome, an attempt, the
+chosen rules); none sets anything on it. What changes during a sweep lives in the objects it holds, each
+the owner of its own: the Optuna study (trials), the tracker (MLflow runs), the references (cached records,
+``sweep.references``).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sweep.progress import log
+from sweep.settings import Settings, make_sampler, study_name, vllm_options
+from workers.metrics.cost import CostModel
+from workers.results.store import runs_root
+
+if TYPE_CHECKING:
+    import optuna
+
+    from sweep.references import References
+    from sweep.tracking import SweepTracker
+    from workers.benchmarks.base import Item
+
+
+@dataclass(frozen=True)
+class SweepState:
+    settings: Settings
+    name: str  # the study's (its identity: rerunning the same command resumes it)
+    root: Path  # the runs root (reference caches)
+    dir: Path  # this study's run directory
+    items: list[Item]  # the search sample (the search split's first --items in seeded order)
+    pool: list[Item]  # the confirmation pool: every item held apart from the search sample, in its fixed order
+    n_confirm: int  # the confirmation items planned (the ledger gives the attempt which, ``sweep.confirm``)
+    split: dict[str, Any]  # the split's description and the pool's composition
+    workers: list[Any]  # the pair actors
+    profile: dict[str, Any]  # the first actor's calibration (c, verify pass timings, machine, load)
+    cost: CostModel  # c (--cost-ratio, else the profile's) and v(L)
+    study: optuna.Study
+    tracker: SweepTracker
+    refs: References
+
+    @property
+    def args(self) -> Any:
+        return self.settings.args
+
+    @property
+    def bench(self) -> Any:
+        return self.settings.bench
+
+    @property
+    def confirm_planned(self) -> list[Item]:
+        """The pool's first ``n_confirm`` items: the attempt's items unless the ledger gives others."""
+        return self.pool[: self.n_confirm]
+
+
+def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
+    """The run directory, the search sample and the confirmation pool, a local (or given) Ray with the pair
+    actors, the Optuna study (resumed where it exists) and the MLflow parent run. ``config_yaml``: every option
+    as it runs (the command's parser dumps it), kept as the run directory's ``config.yaml``."""
+    import optuna
+
+    from cluster.pair_actor import make_workers, profile_of
+    from cluster.runtime import default_num_actors, init_ray
+    from sweep.references import References
+    from sweep.tracking import SweepTracker
+
+    args, bench = settings.args, settings.bench
+    root = runs_root(args.runs_root)
+    name = study_name(settings)
+    run_dir = Path(args.run_dir) if args.run_dir else root / "sweeps" / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    items = bench.items(limit=args.items or None, seed=args.subset_seed, split="search")
+    # the confirmation pool: every item held apart from the search sample (the confirm split and the search-split
+    # rows the sample did not use), in seeded order; --confirm-items takes its first N
+    pool, sources = bench.confirmation_pool(items)
+    wanted = args.items if args.confirm_items is None else args.confirm_items
+    n_confirm = min(wanted, len(pool)) if wanted else len(pool)
+    split = {**bench.split_info(), "pool": len(pool), "pool_sources": sources, "confirm_used": n_confirm,
+             "search_sample": len(items)}
+    log(f"search sample: {len(items)} items; confirmation pool: {len(pool)} held-apart items "
+        f"({', '.join(f'{k} {v}' for k, v in sources.items())}), {n_confirm} used")
+    init_ray(args.address)
+    n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
+    log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
+    workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
+                           gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
+                           engine=args.engine, draft_len=settings.draft_len[0], vllm=vllm_options(args),
+                           python=getattr(args, "vllm_python", None))
+    profile = profile_of(workers[0])
+    cost = CostModel.from_profile(profile, args.cost_ratio)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(study_name=name, storage=f"sqlite:///{run_dir / 'optuna.db'}", load_if_exists=True,
+                                directions=["maximize", "maximize"], sampler=make_sampler(args.seed, 0, args.trials))
+    if study.trials:
+        study.sampler = make_sampler(args.seed, len(study.trials), args.trials)
+    tracker = SweepTracker(run_dir)
+    meta = run_dir / "sweep.json"
+    before = json.loads(meta.read_text()) if meta.is_file() else {}
+    parent = tracker.start_parent(
+        name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(items),
+               "confirm_items": n_confirm, "alpha": args.alpha,
+               "split.search": split["search"], "split.confirm": split["confirm"],
+               "split.pool": split["pool"], "split.pool_sources": json.dumps(split["pool_sources"]),
+               "budgets": settings.budgets, "policies": settings.families, "draft_len_range": list(settings.draft_len),
+               **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n},
+        {"machine": platform.node(), "python": platform.python_version(), "study": name,
+         "run_dir": str(run_dir), **_versions()}, before.get("parent_run_id"))
+    meta.write_text(json.dumps({"parent_run_id": parent, "study": name, "args": vars(args)}, indent=1,
+                               default=str))  # default: the --config files' paths
+    _save_config(run_dir, name, config_yaml, tracker)
+    refs = References(settings, root, workers, items)
+    return SweepState(settings=settings, name=name, root=root, dir=run_dir, items=items, pool=pool,
+                      n_confirm=n_confirm, split=split, workers=workers, profile=profile, cost=cost, study=study,
+                      tracker=tracker, refs=refs)
+
+
+def _save_config(run_dir: Path, name: str, config_yaml: str, tracker: SweepTracker) -> None:
+    """The effective config (file and flags merged, as resolved) as ``config.yaml`` in the run directory and on
+    the parent MLflow run; a resumed sweep run with other options (more --trials, say) keeps the one before as
+    ``config.prev.yaml``."""
+    text = (f"# study {name}, every option as it ran: `python jobs/sweep.py --config <this file>` "
+            f"resumes it\n{config_yaml}")
+    path = run_dir / "config.yaml"
+    if path.is_file() and path.read_text() != text:
+        path.replace(run_dir / "config.prev.yaml")
+    path.write_text(text)
+    tracker.log_artifact(path)
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {f"version.{p}": md.version(p) for p in ("torch", "transformers", "ray", "optuna", "mlflow")}
