@@ -188,6 +188,9 @@ def build_parser() -> SweepParser:
                     help="auto: at T = 0 on the CPU engine, replay each rule from the target-only output (exact; decodes "
                          "only from the round that leaves it); off: decode every item in full")
     ap.add_argument("--cost-ratio", type=float | None, default=None, help="deployment c for modelled speedup (default: measured)")
+    ap.add_argument("--verify-factor", type=float | None, default=None,
+                    help="deployment v: a verify pass over L + 1 positions costs v target steps at every L (default: "
+                         "v(L) as the pair's calibration measured it; 1 where nothing was timed, e.g. vLLM)")
     ap.add_argument("--actors", type=int | None, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
     ap.add_argument("--cpus-per-actor", type=float, default=1)
     ap.add_argument("--gpus-per-actor", type=float, default=0)

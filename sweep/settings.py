@@ -90,6 +90,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         raise ValueError("--confirm-items must be >= 0 (0 = all)")
     if args.speed_items < 0:
         raise ValueError("--speed-items must be >= 0 (0: no timed run)")
+    if getattr(args, "verify_factor", None) is not None and not args.verify_factor > 0:
+        raise ValueError(f"--verify-factor must be > 0, got {args.verify_factor}")
     if not 0 < args.alpha < 0.5:
         raise ValueError(f"--alpha must be in (0, 0.5), got {args.alpha}")
     return Settings(args=args, bench=bench, budgets=budgets, families=families, draft_len=(lo, hi), enqueue=enqueued,
@@ -151,6 +153,7 @@ def study_name(s: Settings) -> str:
                       "confirm_items": args.confirm_items, "alpha": args.alpha, "joint": args.joint,
                       "confirm_candidates": args.confirm_candidates,
                       **({"looks": args.looks} if args.looks != 1 else {}),
+                      **({"verify_factor": args.verify_factor} if getattr(args, "verify_factor", None) else {}),
                       **({"search": s.search_overrides} if s.search_overrides else {}),
                       **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]

@@ -39,7 +39,7 @@ class SweepState:
     split: dict[str, Any]  # the split's description and the pool's composition
     workers: list[Any]  # the pair actors
     profile: dict[str, Any]  # the first actor's calibration (c, verify pass timings, machine, load)
-    cost: CostModel  # c (--cost-ratio, else the profile's) and v(L)
+    cost: CostModel  # c (--cost-ratio, else the profile's) and v(L) (--verify-factor, else the profile's)
     study: optuna.Study
     tracker: SweepTracker
     refs: References
@@ -92,7 +92,7 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                            engine=args.engine, draft_len=settings.draft_len[0], vllm=vllm_options(args),
                            python=getattr(args, "vllm_python", None))
     profile = profile_of(workers[0])
-    cost = CostModel.from_profile(profile, args.cost_ratio)
+    cost = CostModel.from_profile(profile, args.cost_ratio, getattr(args, "verify_factor", None))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=name, storage=f"sqlite:///{run_dir / 'optuna.db'}", load_if_exists=True,
                                 directions=["maximize", "maximize"], sampler=make_sampler(args.seed, 0, args.trials))

@@ -180,8 +180,16 @@ def test_image_pins_torch_as_the_cpu_environment_does():
     assert "pip install -c constraints/cpu.txt torch --index-url https://download.pytorch.org/whl/cpu" in dockerfile
     assert "pip install -c constraints/cpu.txt ." in dockerfile
     assert dockerfile.index("COPY constraints ./constraints") < dockerfile.index("pip install")
-    for package in ("policies", "workers", "cluster", "jobs", "dashboards"):
-        assert f"COPY {package} ./{package}" in dockerfile
+    for package in installed_packages():  # every package pyproject installs is in the image
+        assert f"COPY {package} ./{package}" in dockerfile, package
+
+
+def installed_packages() -> list[str]:
+    """The top-level packages pyproject.toml's ``packages.find`` includes (a new floor must reach the images)."""
+    found = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.M)
+    names = [n.strip().strip('"').rstrip("*") for n in found.group(1).split(",")]
+    assert "sweep" in names and "workers" in names
+    return names
 
 
 def test_gpu_image_installs_vllm_as_the_gpu_constraints_pin_and_declares_the_plugin():
@@ -192,8 +200,8 @@ def test_gpu_image_installs_vllm_as_the_gpu_constraints_pin_and_declares_the_plu
     assert dockerfile.index("pip install -c constraints/gpu.txt vllm") < dockerfile.index("pip install -c constraints/gpu.txt .")
     assert "--no-deps" not in dockerfile, "the project's ranges admit vLLM's torch and transformers: no need"
     assert "spectune_rules" in dockerfile and 'spectune_rules = "workers.vllm.plugin:register"' in pyproject
-    for package in ("policies", "workers", "cluster", "jobs", "dashboards"):
-        assert f"COPY {package} ./{package}" in dockerfile
+    for package in installed_packages():  # every package pyproject installs is in the image
+        assert f"COPY {package} ./{package}" in dockerfile, package
 
 
 def gpu_manifests() -> list[Path]:

@@ -100,3 +100,12 @@ def test_the_effective_config_parses_back_the_same(tmp_path):
     again = parse_args(["--config", str(dumped)])
     assert {**vars(again), "config": None} == {**vars(args), "config": None}
     assert again.subset_seed is None and again.max_new_tokens == 64 and again.cost_ratio is None
+
+
+def test_a_verify_factor_is_positive_and_part_of_the_study_identity():
+    from sweep.settings import study_name
+
+    with pytest.raises(ValueError, match="--verify-factor must be > 0"):
+        parse_settings(parse_args([*BASE, "--verify-factor", "0"]))
+    plain, fixed = (study_name(parse_settings(parse_args([*BASE, *extra]))) for extra in ([], ["--verify-factor", "1.2"]))
+    assert plain != fixed, "a fixed v changes every modelled speed: another study"

@@ -1,8 +1,9 @@
 """What a tiny-pair sweep leaves in ``report/``, with what legitimately differs between two runs taken out.
 
-A refactor of the sweep must leave its outputs field for field the same. Two runs of one command differ only
-in times (seconds, timed speeds, the calibrated verify cost and everything a modelled speed derives from it),
-run ids, attempt ids, dates and the temporary paths; ``normalized`` masks exactly those and keeps every other
+A refactor of the sweep must leave its outputs field for field the same. :data:`ARGS` fix c and v
+(``--cost-ratio``, ``--verify-factor``): with a calibrated v(L), the modelled speeds, and with them which of two
+equally safe candidates is confirmed first, follow the machine's load. Two runs of one command then differ only
+in times (seconds, timed speeds), run ids, attempt ids, dates and the temporary paths; ``normalized`` masks exactly those and keeps every other
 field: the decisions, p-values, bounds, n, lost / won, the per-item evidence, the trials' knobs and search
 figures that do not depend on timing, and the set of files written.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 ARGS = ["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "6", "--max-new-tokens", "8",
         "--actors", "2", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k", "--draft-len", "2,4",
-        "--cost-ratio", "0.4", "--min-items-to-prune", "4", "--trials", "3", "--speed-items", "1"]
+        "--cost-ratio", "0.4", "--verify-factor", "1.2", "--min-items-to-prune", "4", "--trials", "3", "--speed-items", "1"]
 GOLDEN = Path(__file__).with_name("golden") / "tiny-sweep.json"
 MASK = "<varies>"
 

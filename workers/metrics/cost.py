@@ -74,9 +74,14 @@ class CostModel:
     verify: VerifyFactor = field(default=unit_verify, compare=False)
 
     @classmethod
-    def from_profile(cls, profile: Mapping[str, Any], cost_ratio: float | None = None) -> CostModel:
-        """From an actor's ``profile()`` (a calibration's figures); ``cost_ratio`` overrides its c (``--cost-ratio``)."""
+    def from_profile(cls, profile: Mapping[str, Any], cost_ratio: float | None = None,
+                     verify_factor: float | None = None) -> CostModel:
+        """From an actor's ``profile()`` (a calibration's figures); ``cost_ratio`` overrides its c (``--cost-ratio``),
+        ``verify_factor`` its v(L) with one v at every L (``--verify-factor``)."""
         c = float(profile["cost_ratio"] if cost_ratio is None else cost_ratio)
+        if verify_factor is not None:
+            v = float(verify_factor)
+            return cls(c, lambda _: v)
         if not profile.get("verify_s"):
             return cls(c)  # no timed verify passes (vLLM engine): the plain count
         from workers.models.calibrate import CostProfile
