@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweep.search import spec_of, trial_dir, trials_frame
 from workers.metrics.trial import noise_floor, score_of
+from workers.results.store import write_text
 
 if TYPE_CHECKING:
     from sweep.confirm import Certification
@@ -63,11 +64,11 @@ def write_flips_page(state: SweepState, frame: Any, out: Path, confirmed: list[t
         spec = spec_of(state.settings, row)
         sections.append((f"trial {row['trial']}: {spec.label()} (search split)",
                          trial_dir(state.dir, spec) / "flips.parquet"))
-    (out / "flips.md").write_text(flips_page(sections, state.name, per_section=10))
+    write_text(out / "flips.md", flips_page(sections, state.name, per_section=10))
     page = out / "report.md"
     if page.is_file() and "flips.md" not in page.read_text():
-        page.write_text(page.read_text().rstrip("\n") + "\n\nFlipped items, both outputs side by side, per "
-                        "confirmed candidate and per trial: [flips.md](flips.md)\n")
+        write_text(page, page.read_text().rstrip("\n") + "\n\nFlipped items, both outputs side by side, per "
+                   "confirmed candidate and per trial: [flips.md](flips.md)\n")
 
 
 def acceptance(state: SweepState, row: dict[str, Any]) -> tuple[int, list[int]]:

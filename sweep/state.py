@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from sweep.progress import log
 from sweep.settings import Settings, make_sampler, study_name, vllm_options
 from workers.metrics.cost import CostModel
-from workers.results.store import runs_root
+from workers.results.store import runs_root, write_text
 
 if TYPE_CHECKING:
     import optuna
@@ -110,8 +110,8 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n},
         {"machine": platform.node(), "python": platform.python_version(), "study": name,
          "run_dir": str(run_dir), **_versions()}, before.get("parent_run_id"))
-    meta.write_text(json.dumps({"parent_run_id": parent, "study": name, "args": vars(args)}, indent=1,
-                               default=str))  # default: the --config files' paths
+    write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args)}, indent=1,
+                                default=str))  # default: the --config files' paths
     _save_config(run_dir, name, config_yaml, tracker)
     refs = References(settings, root, workers, items)
     return SweepState(settings=settings, name=name, root=root, dir=run_dir, items=items, pool=pool,
@@ -128,7 +128,7 @@ def _save_config(run_dir: Path, name: str, config_yaml: str, tracker: SweepTrack
     path = run_dir / "config.yaml"
     if path.is_file() and path.read_text() != text:
         path.replace(run_dir / "config.prev.yaml")
-    path.write_text(text)
+    write_text(path, text)
     tracker.log_artifact(path)
 
 
