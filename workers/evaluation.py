@@ -130,18 +130,6 @@ class Record:
         return Record(**{k: row[k] for k in Record.__dataclass_fields__ if k in row})
 
 
-def _sum_stats(total: GenerationStats, part: GenerationStats) -> None:
-    for name in ("num_generated", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
-                 "draft_forwards", "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s",
-                 "lossless_fallback_steps"):
-        setattr(total, name, getattr(total, name) + getattr(part, name))
-    if part.accepted_per_position:
-        if not total.accepted_per_position:
-            total.accepted_per_position = [0] * len(part.accepted_per_position)
-        total.accepted_per_position = [a + b for a, b in zip(total.accepted_per_position, part.accepted_per_position,
-                                                             strict=True)]
-
-
 def _replayable(engine: Any, spec: DecodeSpec, reference: dict[str, Any] | None) -> bool:
     return (reference is not None and spec.policy != TARGET_ONLY and spec.temperature == 0.0
             and hasattr(engine, "target") and hasattr(engine, "draft") and bool(reference.get("tokens")))
@@ -223,7 +211,7 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                 gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
                 if how:
                     how.append("full")
-            _sum_stats(total, gen.stats)
+            total = total.plus(gen.stats)
             outputs.append(gen.text or "")
             finishes.append(gen.finish_reason)
             token_ids.append(gen.token_ids)

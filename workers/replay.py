@@ -32,7 +32,7 @@ Ray or MLflow.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -215,18 +215,6 @@ class Replayed:
     seconds: dict[str, float] = field(default_factory=dict)
 
 
-def _merged(before: GenerationStats, after: GenerationStats, total_generated: int) -> GenerationStats:
-    out = GenerationStats(draft_len=before.draft_len,
-                          accepted_per_position=[a + b for a, b in zip(before.accepted_per_position,
-                                                                       after.accepted_per_position, strict=True)])
-    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards", "draft_forwards",
-                 "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s"):
-        setattr(out, name, getattr(before, name) + getattr(after, name))
-    out.prompt_tokens, out.cached_prompt_tokens = after.prompt_tokens, after.cached_prompt_tokens
-    out.num_generated = total_generated
-    return out
-
-
 def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy | str, draft_len: int,
            max_new_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Any = None,
            forced: Forced | None = None, accepted: tuple[Tensor, Tensor] | None = None) -> Replayed:
@@ -257,6 +245,6 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
     live = engine.generate(prompt, policy, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=0.0,
                            seed=seed, stop=stop, generated_prefix=forced.generated[:g])
     seconds["decode_s"] = time.perf_counter() - t2
-    stats = _merged(sim.stats, live.stats, len(live.token_ids))
+    stats = replace(sim.stats.plus(live.stats), num_generated=len(live.token_ids))
     return Replayed(Generation(live.token_ids, live.text, live.finish_reason, stats), reason, g, sim.diverged_at,
                     seconds)

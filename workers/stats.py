@@ -51,11 +51,29 @@ class GenerationStats:
         """Decode throughput (prefill excluded, as the papers report)."""
         return self.num_generated / self.decode_time_s if self.decode_time_s > 0 else 0.0
 
+    def plus(self, later: GenerationStats) -> GenerationStats:
+        """This run's counts and seconds with a ``later`` run's added (the turns of an item; a replayed prefix
+        and the live decode after it): one merge for both. Per-position acceptance adds up position by
+        position; the prompt fields are the later run's."""
+        summed = {name: getattr(self, name) + getattr(later, name) for name in _SUMMED}
+        if self.accepted_per_position and later.accepted_per_position:
+            positions = [a + b for a, b in zip(self.accepted_per_position, later.accepted_per_position, strict=True)]
+        else:
+            positions = list(self.accepted_per_position or later.accepted_per_position)
+        return GenerationStats(draft_len=self.draft_len, accepted_per_position=positions,
+                               prompt_tokens=later.prompt_tokens, cached_prompt_tokens=later.cached_prompt_tokens,
+                               **summed)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for name in ("mean_acceptance_length", "draft_acceptance_rate", "other_time_s", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
+
+
+_SUMMED = ("num_generated", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "target_forwards",
+           "draft_forwards", "prefill_time_s", "draft_time_s", "verify_time_s", "policy_time_s", "wall_time_s",
+           "lossless_fallback_steps")
 
 
 @dataclass
