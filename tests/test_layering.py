@@ -102,112 +102,35 @@ def test_ray_is_called_in_cluster_alone():
     assert bad == []
 
 
+def functions(*floors: str):
+    """(path, function node, its parameter names) for every function defined under ``floors``."""
+    for name, path in ALL.items():
+        if under(*floors)(name):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    yield path, node, node.args.args + node.args.kwonlyargs
+
+
 def test_no_parameter_is_typed_any_for_the_sweeps_state():
     # the state is a typed SweepState; a phase handed an untyped driver is how attributes got written from outside
-    bad = []
-    for name, path in ALL.items():
-        if not under("sweep", "jobs")(name):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                for arg in node.args.args + node.args.kwonlyargs:
-                    if arg.arg in ("sweep", "state") and (arg.annotation is None or ast.unparse(arg.annotation) == "Any"):
-                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg})")
+    bad = [f"{path.relative_to(ROOT)}:{node.lineno} {node.name}({arg.arg})" for path, node, args in functions("sweep", "jobs")
+           for arg in args if arg.arg in ("sweep", "state")
+           and (arg.annotation is None or ast.unparse(arg.annotation) == "Any")]
     assert bad == []
 
 
 def test_no_sweep_function_sets_an_attribute_on_what_it_was_handed():
     # each phase takes the state and returns values: ``param.x = ...`` on a parameter is refused (self aside)
     bad = []
-    for name, path in ALL.items():
-        if not under("sweep", "jobs")(name):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            params = {a.arg for a in node.args.args + node.args.kwonlyargs} - {"self", "cls", "namespace"}
-            for sub in ast.walk(node):
-                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
-                    sub, ast.AugAssign | ast.AnnAssign) else []
-                for t in targets:
-                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in params:
-                        bad.append(f"{path.relative_to(ROOT)}:{sub.lineno} {node.name} sets {t.value.id}.{t.attr}")
+    for path, node, args in functions("sweep", "jobs"):
+        params = {a.arg for a in args} - {"self", "cls", "namespace"}
+        for sub in ast.walk(node):
+            targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] if isinstance(
+                sub, ast.AugAssign | ast.AnnAssign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in params:
+                    bad.append(f"{path.relative_to(ROOT)}:{sub.lineno} {node.name} sets {t.value.id}.{t.attr}")
     assert bad == []
-
-
-def test_only_workers_vllm_imports_vllm_and_only_inside_functions():
-    assert offenders(lambda n: not n.startswith("workers.vllm"), under("vllm")) == []
-    at_module_level = [f"{ALL[name].relative_to(ROOT)}:{line}" for name, edges in EDGES.items()
-                       for target, line, top in edges if top and under("vllm")(target)]
-    assert at_module_level == [], "every module must import where vLLM is not installed"
-
-
-def test_certification_is_pure_statistics():
-    allowed = under("workers.certify", "torch", "numpy", "scipy", "math", "functools", "statistics", "collections", "dataclasses",
-                    "typing", "hashlib", "__future__", "random")
-    assert offenders(under("workers.certify"), lambda t: not allowed(t)) == []
-
-
-def test_models_know_no_engine_and_no_rule():
-    assert offenders(under("workers.models"), under("policies", "workers.cpu_engine", "workers.vllm",
-                                                    "workers.engines", "workers.evaluation",
-                                                    "workers.benchmarks", "workers.certify")) == []
-
-
-def test_benchmarks_know_no_engine_and_no_rule():
-    # they share the asset cache (workers.models.assets) and the splits (workers.certify), nothing above
-    assert offenders(under("workers.benchmarks"), under("policies", "workers.models.pair", "workers.cpu_engine",
-                                                        "workers.vllm", "workers.engines", "workers.evaluation",
-                                                        "workers.metrics")) == []
-
-
-def test_the_rest_of_workers_reaches_vllm_only_through_the_engine_choice():
-    assert offenders(lambda n: n.startswith("workers.") and not n.startswith("workers.vllm")
-                     and n != "workers.engines", under("workers.vllm")) == []
-
-
-def unit(name: str) -> str:
-    """The room a module belongs to: a package of workers/ (workers.vllm) or a top-level module of it."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "workers" else parts[0]
-
-
-def test_no_circle_between_rooms():
-    graph: dict[str, set[str]] = {}
-    for name, edges in EDGES.items():
-        for target, _, _ in edges:
-            head = ".".join(target.split(".")[:2])
-            candidates = [m for m in (target, head, target.split(".")[0]) if m in ALL]
-            if candidates and unit(candidates[0]) != unit(name):
-                graph.setdefault(unit(name), set()).add(unit(candidates[0]))
-    seen: dict[str, int] = {}
-
-    def visit(node, stack):
-        seen[node] = 1
-        for nxt in graph.get(node, ()):
-            if seen.get(nxt) == 1:
-                raise AssertionError("circle: " + " -> ".join(stack[stack.index(nxt):] + [node, nxt]))
-            if nxt not in seen:
-                visit(nxt, stack + [node])
-        seen[node] = 2
-
-    for node in sorted(graph):
-        if node not in seen:
-            visit(node, [])
-    assert "workers.vllm" in graph and "workers.certify" in {u for us in graph.values() for u in us}
-
-
-def test_the_main_environment_and_the_vllm_environment_share_out_every_test_module():
-    """A test module the main run ignores must be one the Makefile's vLLM run names: else it never runs."""
-    from tests.conftest import VLLM_ONLY
-
-    makefile = (ROOT / "Makefile").read_text()
-    vllm_run = next(line for line in makefile.splitlines() if ".vllm-venv/bin/python -m pytest" in line)
-    listed = sorted(p.removeprefix("tests/") for p in re.findall(r"tests/\S+\.py", vllm_run))
-    assert listed == sorted(VLLM_ONLY)
-    for rel in VLLM_ONLY:
-        assert (ROOT / "tests" / rel).is_file(), rel
-        assert "pytest.mark.vllm" in (ROOT / "tests" / rel).read_text(), rel
 
 
 def module_circle(prefix: str) -> list[str] | None:
