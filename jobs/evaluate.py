@@ -72,7 +72,7 @@ def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | 
     lo, hi = metrics.accuracy_ci
     dlo, dhi = metrics.accuracy_drop_ci
     lines = [
-        f"benchmark {args.benchmark}, pair {args.pair} ({args.dtype}), policy {args.policy} "
+        f"benchmark {args.benchmark}, pair {args.pair} ({profile.dtype}), policy {args.policy} "
         f"{json.dumps(parse_params(args.param))} L={args.draft_len}, T={args.temperature}, items {metrics.items} "
         f"(failures {metrics.failures})",
         f"  accuracy            {fmt(metrics.accuracy, True)}  95% CI [{fmt(lo, True)}, {fmt(hi, True)}]"
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--judge-url", default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT+TARGET: local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
-    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--dtype", default="bf16", help="bf16, fp32, int8 (the fast CPU path) or auto (int8 on an x86 CPU)")
     ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
     ap.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
     ap.add_argument("--draft-len", type=int, default=5, help="draft length L")
@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     from workers.models.assets import AssetError
-    from workers.models.pair import load_pair
+    from workers.models.pair import auto_dtype, load_pair
 
+    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     if args.judge_url:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url
     bench = get_benchmark(args.benchmark)
@@ -141,7 +142,7 @@ def _main(args: argparse.Namespace) -> int:
     spec = DecodeSpec.make(args.policy, parse_params(args.param), args.draft_len, **settings)
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
     try:
-        pair = load_pair(args.pair, dtype=args.dtype)
+        pair = load_pair(args.pair, dtype=dtype)
     except AssetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -152,19 +153,19 @@ def _main(args: argparse.Namespace) -> int:
 
     ar_spec = DecodeSpec.make(TARGET_ONLY, **settings)
     ar = run_items(engine, bench, items, ar_spec,
-                   RecordStore(reference_dir(root, args.pair, args.dtype, bench.key, ar_spec)), TARGET_ONLY)
+                   RecordStore(reference_dir(root, args.pair, dtype, bench.key, ar_spec)), TARGET_ONLY)
     lossless = None
     if spec.policy != TARGET_ONLY and not args.no_lossless_ref:
         ll_spec = DecodeSpec.make("lossless", {}, args.draft_len, **settings)
         lossless = run_items(engine, bench, items, ll_spec,
-                             RecordStore(reference_dir(root, args.pair, args.dtype, bench.key, ll_spec)),
+                             RecordStore(reference_dir(root, args.pair, dtype, bench.key, ll_spec)),
                              f"lossless L={args.draft_len}", references=ar)
     if spec.policy == TARGET_ONLY:
         records = ar
     elif spec.policy == "lossless" and lossless is not None and not spec.params:
         records = lossless
     else:
-        run_dir = root / "eval" / slug(f"{bench.key}-{args.pair}-{args.dtype}") / f"{slug(spec.label())}-{spec.key()}"
+        run_dir = root / "eval" / slug(f"{bench.key}-{args.pair}-{dtype}") / f"{slug(spec.label())}-{spec.key()}"
         records = run_items(engine, bench, items, spec, RecordStore(run_dir), spec.label(), references=ar)
     metrics = aggregate(list(records.values()), list(ar.values()), list(lossless.values()) if lossless else None,
                         cost_ratio=cost_ratio, verify_factor=profile.verify_factor)

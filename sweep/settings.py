@@ -52,11 +52,15 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     if args.judge_url:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url  # before Ray starts: the actors inherit it
     bench = get_benchmark(args.benchmark)
-    from workers.models.pair import check_pair_name, native_dtype
+    from workers.models.pair import auto_dtype, check_pair_name, native_dtype
 
     if args.dtype == "auto":
-        args.dtype = native_dtype()  # resolved once: the dtype is part of the study's and references' identity
+        # resolved once: the dtype is part of the study's and references' identity. The CPU engine's fastest
+        # dtype is int8 (the fast CPU path) on x86; vLLM runs a float dtype.
+        args.dtype = auto_dtype() if args.engine == "cpu" else native_dtype()
         log(f"--dtype auto: {args.dtype} on this machine")
+    if args.dtype in ("int8",) and args.engine != "cpu":
+        raise ValueError(f"--dtype int8 is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 or fp32")
 
     check_pair_name(args.pair)  # fail here, not inside every actor
     try:

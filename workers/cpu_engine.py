@@ -34,6 +34,7 @@ from torch import Tensor
 
 from policies import Policy, VerifyBatch, make_policy, verify
 from policies.randomness import PositionStreams
+from workers.models.fast import new_cache
 from workers.models.pair import ModelPair
 from workers.stats import Generation, GenerationStats
 
@@ -47,6 +48,7 @@ class _LM:
         """``width``: pad the head's logits with -inf up to this many ids (a draft narrower than
         its target). ``real``: set logits from this id on to -inf (the target of such a pair: those
         ids are no tokens and the draft cannot score them, so neither model may put mass there)."""
+        self.model = model
         self.decoder = model.get_decoder()
         self._head = model.get_output_embeddings()
         self.width, self.real = width, real
@@ -62,9 +64,7 @@ class _LM:
         return logits
 
     def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self.cache = DynamicCache()
+        self.cache = new_cache(self.model)
         self.ids = []
 
     @property
@@ -281,13 +281,20 @@ class SpecDecoder:
         stop: list[str] | tuple[str, ...] | None = None,
         trace: bool = False,
         on_tokens: OnTokens | None = None,
+        generated_prefix: list[int] | None = None,
     ) -> Generation:
-        """Target-only decoding: the reference every speculative run is compared with."""
+        """Target-only decoding: the reference every speculative run is compared with. ``generated_prefix``:
+        tokens already generated (they follow the prompt, count against ``max_new_tokens`` and stop strings, and
+        lead the returned ``token_ids``; the stats count only the steps run here)."""
         prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop)
+        generated: list[int] = [int(t) for t in generated_prefix or []]
+        if len(generated) >= max_new_tokens:
+            raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
+                             f"{max_new_tokens}")
+        prompt = prompt + generated
         stats = GenerationStats()
         t_start = time.perf_counter()
         tokens = self._prefill(prompt, stats, draft=False)
-        generated: list[int] = []
         rounds: list[tuple[int, Tensor]] | None = [] if trace else None
         finish = None
         while finish is None:

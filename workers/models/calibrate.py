@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from workers.cli import one_line_errors
-from workers.models.pair import ModelPair, load_pair
+from workers.models.fast import new_cache
+from workers.models.pair import ModelPair, dtype_tag, load_pair
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def device_key(count: int = 1) -> str:
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, str(dtype))
+    return dtype_tag(dtype)
 
 
 def profile_path(pair: ModelPair) -> Path | None:
@@ -118,14 +119,12 @@ def _timed(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9)) -> CostProfile:
-    from transformers import DynamicCache
-
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
 
     def step_fn(model: torch.nn.Module, n: int, all_positions: bool):
         decoder, head = model.get_decoder(), model.get_output_embeddings()
-        cache = DynamicCache()
+        cache = new_cache(model)
         decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
         ids = torch.randint(0, min(pair.vocab_size, 1000), (1, n), generator=g)
 
@@ -222,7 +221,7 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure and store a pair's draft/target cost ratio on this machine.")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
-    ap.add_argument("--dtype", default="bf16", help="bf16 or fp32")
+    ap.add_argument("--dtype", default="bf16", help="bf16, fp32 or int8 (the fast CPU path)")
     ap.add_argument("--cache-dir", default=None, help="asset cache (default: $SPECTUNE_CACHE or ~/.cache/spectune)")
     ap.add_argument("--context", type=int, default=128, help="KV-cache length the steps run against")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")

@@ -34,8 +34,13 @@ LOCAL_FORM = ("DRAFT+TARGET or DRAFT,TARGET, each a local Hugging Face model dir
               "(org/name or org/name@revision, read from the local Hugging Face cache)")
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A-Za-z0-9_./-]+)?")
 
+# torch.int8 names the fast CPU path (``workers.models.fast``): int8 linear weights per output channel, activations
+# quantized per token on the fly, everything else fp32. It is a pair dtype, not a tensor dtype.
+INT8 = torch.int8
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32}
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32,
+           "int8": INT8}
+DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", INT8: "int8"}
 
 
 @dataclass
@@ -46,7 +51,7 @@ class ModelPair:
     draft: torch.nn.Module  # transformers causal LM, eval mode, requires_grad off
     target: torch.nn.Module
     tokenizer: Any  # HF tokenizer: encode / decode / apply_chat_template / eos_token_id
-    dtype: torch.dtype
+    dtype: torch.dtype  # torch.int8: the fast CPU path (workers.models.fast), both models
     vocab_size: int  # the target's logits width (may exceed len(tokenizer), as for Qwen)
     eos_token_ids: tuple[int, ...]  # any of these ends a generation
     cache_dir: Path | None  # pair-level metadata (e.g. measured cost ratio); None for tiny-random
@@ -59,6 +64,34 @@ class ModelPair:
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+INT8_CPU_FLAGS = ("avx2", "avx512f")  # fbgemm's int8 GEMMs need one of these (x86)
+
+
+def _cpu_flags(cpuinfo: str | None) -> set[str] | None:
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    return set(cpuinfo.split())
+
+
+def auto_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
+    """What ``--dtype auto`` means for the CPU engine: ``"int8"`` (the fast CPU path) on an x86 CPU that runs
+    fbgemm's int8 GEMMs, measured faster than both float dtypes on both of our VM kinds (docs/measurements.md);
+    on a GPU, or a CPU without them, the :func:`native_dtype`."""
+    if torch.cuda.is_available() if cuda is None else cuda:
+        return "bf16"
+    flags = _cpu_flags(cpuinfo)
+    if flags is not None and any(f in flags for f in INT8_CPU_FLAGS) and "fbgemm" in torch.backends.quantized.supported_engines:
+        return "int8"
+    return native_dtype(cpuinfo, cuda=False)
+
+
+def dtype_tag(dtype: torch.dtype | str) -> str:
+    """The short name of a pair dtype (``bf16``, ``fp32``, ``fp16``, ``int8``)."""
+    resolved = resolve_dtype(dtype)
+    return DTYPE_TAGS.get(resolved, str(resolved).removeprefix("torch."))
 
 
 def native_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
@@ -67,12 +100,9 @@ def native_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
     took 13 s per 100 tokens in bf16 against 3.2 s in fp32 on an AVX2-only EPYC (2 threads)."""
     if torch.cuda.is_available() if cuda is None else cuda:
         return "bf16"
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return "bf16"  # not Linux: trust the default
-    flags = set(cpuinfo.split())
+    flags = _cpu_flags(cpuinfo)
+    if flags is None:
+        return "bf16"  # not Linux: trust the default
     return "bf16" if any(f in flags for f in BF16_CPU_FLAGS) else "fp32"
 
 
@@ -103,9 +133,28 @@ def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
     """
     torch_dtype = resolve_dtype(dtype)
     if name == TINY_PAIR:
-        return tiny_random_pair(torch_dtype, seed=seed)
-    draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
-    return _load_dirs(name, draft_dir, target_dir, torch_dtype, pair_cache)
+        pair = tiny_random_pair(torch.float32 if torch_dtype == INT8 else torch_dtype, seed=seed)
+    else:
+        draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
+        pair = _load_dirs(name, draft_dir, target_dir, torch.float32 if torch_dtype == INT8 else torch_dtype,
+                          pair_cache)
+    return to_int8(pair) if torch_dtype == INT8 else pair
+
+
+def to_int8(pair: ModelPair) -> ModelPair:
+    """``pair`` (loaded in fp32) on the fast CPU path: both models rebuilt by ``workers.models.fast.quantize``,
+    smoothed with activation maxima over its fixed calibration text; the fp32 models are let go."""
+    from workers.models import fast
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("dtype int8 needs PyTorch's fbgemm int8 kernels (an x86 CPU build); this build has "
+                         f"{torch.backends.quantized.supported_engines}: use bf16 or fp32")
+    calibration = fast.calibration_ids(pair.tokenizer)
+    draft = fast.quantize(pair.draft, calibration)
+    target = fast.quantize(pair.target, calibration)
+    return ModelPair(name=pair.name, draft=draft, target=target, tokenizer=pair.tokenizer, dtype=INT8,
+                     vocab_size=pair.vocab_size, eos_token_ids=pair.eos_token_ids, cache_dir=pair.cache_dir,
+                     draft_width=pair.draft_width)
 
 
 def pair_dirs(name: str, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Path, Path, Path]:
@@ -253,7 +302,7 @@ def check_same_specials(draft: dict[str, Any], target: dict[str, Any], draft_src
 
 def _finish(name: str, draft: Any, target: Any, tokenizer: Any, dtype: torch.dtype,
             pair_cache: Path | None, sources: tuple[Any, Any]) -> ModelPair:
-    widths = [int(m.get_output_embeddings().weight.shape[0]) for m in (draft, target)]
+    widths = [int(m.get_output_embeddings().weight.shape[0]) for m in (draft, target)]  # float models here
     rows = int(draft.get_input_embeddings().weight.shape[0])
     if widths[0] > widths[1]:
         raise ValueError(f"draft {sources[0]} scores {widths[0]} ids but target {sources[1]} only {widths[1]}: the "

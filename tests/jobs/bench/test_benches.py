@@ -129,3 +129,30 @@ def test_certify_level_prints_the_old_decision_above_alpha_and_the_exact_test_wi
     assert float(plan[3]) < 0.8 <= float(plan[5]) and "load(1m)" in out
     assert certify_level.main(["--plans", "0.1-0.02"]) == 2
     assert "--plans must be discordance:budget pairs" in capsys.readouterr().err
+
+
+def test_bench_engine_prints_the_fast_path_lines_beside_its_tables(tmp_path, capsys):
+    """Two dtypes in one interleaved run: a table each, then the four lines the fast path is judged by."""
+    assert bench_engine.main(["--pair", "tiny-random", "--dtypes", "fp32,int8", "--items", "2",
+                              "--max-new-tokens", "6", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "**fp32**" in out and "**int8**" in out
+    lines = out.split("\n\n")[-2].splitlines()
+    assert [line.split(":")[0] for line in lines] == [
+        "target-only speed, int8 over fp32", "lossless at its best L over target-only, int8",
+        "cost ratio c, int8", "verify factor v(5), int8"]
+    assert "(L=" in lines[1]
+
+
+def test_fast_quality_pairs_the_fast_path_with_its_reference_and_resumes(tmp_path, capsys):
+    from jobs.bench import fast_quality
+
+    argv = ["--pair", "tiny-random", "--items", "3", "--shots", "0", "--max-new-tokens", "8",
+            "--runs-root", str(tmp_path / "runs"), "--out", str(tmp_path / "out")]
+    assert fast_quality.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "| outputs identical token for token |" in out and "n = 3" in out
+    assert "[int8 target-only] 3/3" in err and "[fp32 from int8]" in err
+    assert (tmp_path / "out" / "evidence.csv").read_text().count("\n") == 4
+    assert fast_quality.main(argv) == 0  # everything held: nothing decoded again
+    assert "target-only]" not in capsys.readouterr().err

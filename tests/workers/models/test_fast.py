@@ -1,0 +1,119 @@
+"""The fast CPU path (dtype int8): close to fp32, a row's result independent of the rows beside it, lossless
+speculative decoding token-for-token equal to target-only decoding, the KV cache's crop and growth."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.cpu_engine import SpecDecoder
+from workers.models import fast
+from workers.models.pair import INT8, auto_dtype, dtype_tag, load_pair, tiny_random_pair
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return tiny_random_pair(torch.float32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def int8():
+    return load_pair("tiny-random", dtype="int8")
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_int8_pair_is_named_int8_and_keeps_the_pair_contract(int8):
+    assert int8.dtype is INT8 and dtype_tag(int8.dtype) == "int8" and dtype_tag("int8") == "int8"
+    assert isinstance(int8.target, fast.Int8CausalLM) and isinstance(int8.draft, fast.Int8CausalLM)
+    assert int8.vocab_size == 320
+    assert int8.target.get_output_embeddings().weight.shape == (320, 64), "the dequantized head DropMatch reads"
+
+
+@torch.inference_mode()
+def test_logits_stay_close_to_fp32(fp32, int8):
+    ids = _ids(48)
+    ref = fp32.target(ids).logits[0].float()
+    got = int8.target(ids).logits[0]
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    rel = ((ref - got).abs().median() / ref.abs().median()).item()
+    assert agree >= 0.9, f"int8 argmax agrees with fp32 on only {agree:.0%} of 48 positions"
+    assert rel < 0.05, f"median |int8 - fp32| is {rel:.1%} of the median |logit|"
+
+
+@torch.inference_mode()
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(int8):
+    """Per-token activation quantization and one attention call per query row: a pass over n tokens gives,
+    bit for bit, what n one-token steps give (what makes lossless output equal target-only output)."""
+    model = int8.target
+    ids = _ids(30, seed=1)
+    cache = model.new_cache()
+    full = model.lm_head(model.get_decoder()(ids, past_key_values=cache).last_hidden_state)[0]
+    cache = model.new_cache()
+    model.get_decoder()(ids[:, :7], past_key_values=cache)
+    rows = [model.lm_head(model.get_decoder()(ids[:, j:j + 1], past_key_values=cache).last_hidden_state)[0, 0]
+            for j in range(7, 30)]
+    assert torch.equal(full[7:], torch.stack(rows)), "a verify pass's rows must equal one-token steps exactly"
+    lin = model.get_decoder().layers[0].gate_up
+    x = torch.randn(5, lin.in_features)
+    x[0, 3] = 500.0  # a massive activation in one row must not change the others
+    assert torch.equal(lin(x)[1:], torch.cat([lin(x[i:i + 1]) for i in range(1, 5)]))
+
+
+@pytest.mark.parametrize("draft_len", [1, 2, 4, 7])
+def test_lossless_equals_target_only_token_for_token(int8, draft_len):
+    engine = SpecDecoder(int8)
+    for seed in range(3):
+        prompt = _ids(12, seed=10 + seed)[0].tolist()
+        ar = engine.autoregressive(prompt, max_new_tokens=40)
+        sd = engine.generate(prompt, "lossless", draft_len=draft_len, max_new_tokens=40)
+        assert sd.token_ids == ar.token_ids, f"lossless at L={draft_len} left target-only output (seed {seed})"
+        assert sd.stats.num_drafts < ar.stats.num_drafts or draft_len == 1 or sd.stats.num_accepted_tokens == 0
+
+
+def test_kv_cache_grows_and_crops(int8):
+    model = int8.draft
+    cache = fast.KVCache(1, 2, 16, capacity=4)
+    model2 = int8.target
+    assert cache.capacity == 4
+    cache.reserve(9)
+    assert cache.capacity == 9 and len(cache.keys) == 1
+    cache = model.new_cache()
+    model.get_decoder()(_ids(10), past_key_values=cache)
+    assert cache.get_seq_length() == 10
+    cache.crop(-3)
+    assert cache.get_seq_length() == 7
+    cache.crop(5)
+    assert cache.get_seq_length() == 5
+    with pytest.raises(TypeError, match="own KV cache"):
+        model2.get_decoder()(_ids(2), past_key_values=object())
+    with pytest.raises(ValueError, match="one sequence"):
+        model2.get_decoder()(torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_unsupported_models_are_refused_by_name(fp32):
+    class Config:
+        model_type = "gpt2"
+
+    class Model:
+        config = Config()
+
+    assert fast.supported(fp32.target) is None
+    assert "gpt2" in fast.supported(Model())
+    with pytest.raises(ValueError, match="dtype int8 .* cannot run this model: model_type 'gpt2'"):
+        fast.quantize(Model(), fast.calibration_ids(fp32.tokenizer))
+
+
+def test_calibration_is_fixed_text_not_benchmark_items(fp32):
+    ids = fast.calibration_ids(fp32.tokenizer)
+    assert ids.shape[0] == 1 and 100 < ids.shape[1] <= 512
+    assert torch.equal(ids, fast.calibration_ids(fp32.tokenizer))
+
+
+def test_auto_dtype_prefers_int8_on_x86_cpus():
+    assert auto_dtype("flags : fpu sse avx2 fma", cuda=False) == "int8"
+    assert auto_dtype("flags : fpu sse avx2 avx512f avx512_bf16", cuda=False) == "int8"
+    assert auto_dtype("flags : fpu sse", cuda=False) == "fp32", "no fbgemm kernels without AVX2: the float dtype"
+    assert auto_dtype("flags : fpu sse avx2", cuda=True) == "bf16"

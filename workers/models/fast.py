@@ -1,0 +1,387 @@
+"""The fast CPU path: a lean decoder with int8 linear layers for Llama/Qwen2-family causal LMs.
+
+Speculative decoding pays only where a verify pass over L + 1 positions costs about one target step and a
+draft step a fraction of one. Hugging Face's eager CPU path breaks both on our 2-core VMs: fp32 weights make
+every step bound by reading 4 bytes a weight (an AVX2-only VM: a 6-token verify = 3.15 steps), and the
+draft's step is mostly per-op dispatch over its modules. This module rebuilds the same network from a loaded
+Hugging Face model as a short list of tensor ops per layer:
+
+- every linear (q/k/v fused into one, gate/up fused into one, o, down, the LM head) holds int8 weights with
+  one scale per output channel and quantizes its input per call (fbgemm's dynamic int8 GEMM, which uses
+  VNNI on avx512 CPUs and AVX2 elsewhere): a quarter of fp32's weight bytes, and a 6-row GEMM costs about
+  what a 1-row one does;
+- norms, rotary embeddings and attention run in fp32 on the few rows a step has; the KV cache is one
+  preallocated tensor per layer that grows by doubling, and cropping it is moving its length back.
+
+Numerics differ from the fp32 model (activation quantization); that difference is measured against fp32,
+never assumed (``jobs.bench.quality``). What it exposes is what the CPU engine, replay and calibration use of
+a transformers model: ``get_decoder()`` (called with ``input_ids``/``past_key_values``), ``get_output_embeddings()``,
+``get_input_embeddings()``, ``config``, ``generation_config`` and :meth:`Int8CausalLM.new_cache`. It knows
+nothing about decoding, rules or Ray.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SUPPORTED = ("llama", "qwen2")  # model_type values whose layer this module reproduces
+_REDUCE_RANGE = True
+_SPAN = torch.tensor([[-1.0, 1.0]])
+ALPHA = 0.5  # SmoothQuant's migration strength  # 7-bit activations: no int16 saturation in AVX2's vpmaddubsw (fbgemm's own default)
+
+
+def supported(model: Any) -> str | None:
+    """None when ``model`` can run on this path, else why not (one line naming the field)."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED:
+        return f"model_type {kind!r} is not one of {', '.join(SUPPORTED)}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if (rope.get("rope_type") or rope.get("type") or "default") != "default":
+        return f"rope type {rope.get('rope_type') or rope.get('type')!r} (only the default rotary embedding)"
+    if getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None):
+        return "a sliding attention window"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (only silu)"
+    if getattr(config, "mlp_bias", False):
+        return "an MLP bias"
+    return None
+
+
+class QLinear(torch.nn.Module):
+    """y = x W^T (+ b) with W int8 per output channel and x quantized per call (fbgemm dynamic int8)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        super().__init__()
+        weight = weight.detach().float()
+        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+        weight = torch.cat((weight, weight.new_zeros(weight.shape[0], 2)), dim=1)  # the span columns (forward)
+        with warnings.catch_warnings():  # quantized tensor creation is deprecated upstream; torch is pinned (2.13)
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+            qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
+                                                 torch.qint8)
+        # No bias in the packed GEMM: rows are scaled before it and back after it (see forward), the bias added after.
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._bias = None if bias is None else bias.detach().float()
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()
+        # fbgemm quantizes its whole input with one (scale, zero point) from the input's min and max. Each row is
+        # divided by its own largest |value| and two columns holding -1 and +1 (zero weights) are appended, so
+        # every input spans exactly [-1, 1]: the quantization grid is every row's own (per-token quantization: a
+        # row with a massive activation, the first token's attention sink, does not flatten the others) and the
+        # same whatever rows stand beside it. The GEMM accumulates integers, so a row's result is bit-identical
+        # in a verify pass, a prefill and a one-token step.
+        rows = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        x = torch.cat((x / rows, _SPAN.expand(x.shape[0], 2)), dim=1)
+        out = torch.ops.quantized.linear_dynamic(x, self._packed, _REDUCE_RANGE) * rows
+        if self._bias is not None:
+            out = out + self._bias
+        return out.reshape(*shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out, in] in fp32 (what a rule that reads the LM head, DropMatch, uses)."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return qweight.dequantize()[:, :self.in_features]
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self._bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+class KVCache:
+    """Keys and values of every layer in preallocated tensors [kv_heads, capacity, head_dim]; ``length`` positions
+    are valid. Grows by doubling; cropping moves the length back (what the engine's caches need of
+    ``transformers.DynamicCache``: ``get_seq_length`` and ``crop``)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int = 1024) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.capacity = capacity
+        self.keys = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.values = [torch.empty(kv_heads, capacity, head_dim) for _ in range(layers)]
+        self.length = 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def crop(self, count: int) -> None:
+        """Keep ``count`` positions (``count`` < 0: drop that many from the end), as ``DynamicCache.crop``."""
+        keep = self.length + count if count < 0 else count
+        self.length = max(0, min(self.length, keep))
+
+    def reserve(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        capacity = max(length, 2 * self.capacity)
+        for store in (self.keys, self.values):
+            for i, old in enumerate(store):
+                new = torch.empty(self.kv_heads, capacity, self.head_dim)
+                new[:, :self.length] = old[:, :self.length]
+                store[i] = new
+        self.capacity = capacity
+
+
+@dataclass
+class _Out:
+    last_hidden_state: Tensor  # [B, n, d]
+    past_key_values: KVCache
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, layer: Any, config: Any, absmax: dict[str, Tensor], alpha: float) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        q_w, k_w, v_w = (p.weight.detach().float() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        biases = [None if p.bias is None else p.bias.detach().float() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        gate_w, up_w = mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()
+        o_w, down_w = attn.o_proj.weight.detach().float(), mlp.down_proj.weight.detach().float()
+        norm1 = layer.input_layernorm.weight.detach().float().clone()
+        norm2 = layer.post_attention_layernorm.weight.detach().float().clone()
+        # SmoothQuant: divide each input channel of a linear by s (folded, exactly, into the op that makes that
+        # input) and multiply the weight's column by s, so activation outliers move into the weights.
+        s_qkv = _smoothing(absmax["qkv"], torch.cat([q_w, k_w, v_w]), alpha)
+        norm1 /= s_qkv
+        q_w, k_w, v_w = q_w * s_qkv, k_w * s_qkv, v_w * s_qkv
+        s_mlp = _smoothing(absmax["gate_up"], torch.cat([gate_w, up_w]), alpha)
+        norm2 /= s_mlp
+        gate_w, up_w = gate_w * s_mlp, up_w * s_mlp
+        group = self.heads // self.kv_heads  # o's input channel (head h, dim j) reads v's row (h // group, j)
+        s_o = _smoothing(absmax["o"], o_w, alpha).view(self.kv_heads, group, self.head_dim).amax(1)  # [Hkv, D]
+        o_w = o_w * s_o.unsqueeze(1).expand(self.kv_heads, group, self.head_dim).reshape(-1)
+        v_w = v_w / s_o.reshape(-1, 1)
+        if biases[2] is not None:
+            biases[2] = biases[2] / s_o.reshape(-1)
+        s_down = _smoothing(absmax["down"], down_w, alpha)
+        up_w, down_w = up_w / s_down.unsqueeze(1), down_w * s_down
+        bias = None if all(b is None for b in biases) else torch.cat([
+            b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, (q_w, k_w, v_w), strict=True)])
+        self.qkv = QLinear(torch.cat([q_w, k_w, v_w]), bias)
+        self.o = QLinear(o_w, None if attn.o_proj.bias is None else attn.o_proj.bias)
+        self.gate_up = QLinear(torch.cat([gate_w, up_w]))
+        self.down = QLinear(down_w)
+        self.intermediate = int(gate_w.shape[0])
+        self.norm1, self.norm2 = norm1, norm2
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
+        n = x.shape[0]  # x: [n, d], one sequence
+        h = F.rms_norm(x, (x.shape[-1],), self.norm1, self.eps)
+        qkv = self.qkv(h)
+        q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
+        q = qkv[:, :q_end].view(n, self.heads, self.head_dim).transpose(0, 1)  # [H, n, D]
+        k = qkv[:, q_end:k_end].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        v = qkv[:, k_end:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys[:, start:start + n] = k
+        values[:, start:start + n] = v
+        gqa = self.kv_heads != self.heads
+        # One query row per call, over exactly the keys it sees: the call a one-token step makes, so a row's
+        # attention is bit-identical in a verify pass, a prefill and a step (a multi-row call reduces in another
+        # order, and a float difference that flips one int8 level downstream grows into a different logit).
+        attn = torch.cat([F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), keys[:, :start + i + 1].unsqueeze(0),
+                                                         values[:, :start + i + 1].unsqueeze(0), enable_gqa=gqa)[0]
+                          for i in range(n)], dim=1) if n > 1 else \
+            F.scaled_dot_product_attention(q.unsqueeze(0), keys[:, :start + 1].unsqueeze(0),
+                                           values[:, :start + 1].unsqueeze(0), enable_gqa=gqa)[0]
+        x = x + self.o(attn.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        h = F.rms_norm(x, (x.shape[-1],), self.norm2, self.eps)
+        gate_up = self.gate_up(h)
+        return x + self.down(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+
+
+def _smoothing(absmax: Tensor, weight: Tensor, alpha: float) -> Tensor:
+    """SmoothQuant's per-input-channel factor s = max|x|^alpha / max|w|^(1 - alpha), 1 where either is zero."""
+    w_max = weight.abs().amax(dim=0)
+    s = absmax.float().clamp_min(1e-5) ** alpha / w_max.clamp_min(1e-5) ** (1.0 - alpha)
+    return torch.where((absmax > 0) & (w_max > 0), s, torch.ones_like(s)).clamp(1e-3, 1e3)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary embedding in Hugging Face's half-split layout: x cos + rotate_half(x) sin. x [H, n, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self, model: Any, absmax: list[dict[str, Tensor]], alpha: float) -> None:
+        super().__init__()
+        config = model.config
+        inner = model.get_decoder()
+        self.embed = inner.embed_tokens.weight.detach().float().clone()
+        self.layers = torch.nn.ModuleList(_Layer(layer, config, absmax[i], alpha)
+                                           for i, layer in enumerate(inner.layers))
+        self.norm = inner.norm.weight.detach().float().clone()
+        self.eps = float(config.rms_norm_eps)
+        first = self.layers[0]
+        self.head_dim, self.kv_heads = first.head_dim, first.kv_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        self._cos = self._sin = torch.empty(0, self.head_dim)
+
+    def new_cache(self) -> KVCache:
+        return KVCache(len(self.layers), self.kv_heads, self.head_dim)
+
+    def _rope(self, start: int, n: int) -> tuple[Tensor, Tensor]:
+        if start + n > self._cos.shape[0]:
+            size = max(start + n, 2 * self._cos.shape[0], 1024)
+            freqs = torch.outer(torch.arange(size, dtype=torch.float64), self.inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().float(), emb.sin().float()
+        return self._cos[start:start + n], self._sin[start:start + n]
+
+    def forward(self, input_ids: Tensor, past_key_values: KVCache | None = None, use_cache: bool = True,
+                **_: Any) -> _Out:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"the int8 CPU path decodes one sequence at a time: input_ids [1, n], got "
+                             f"{tuple(input_ids.shape)}")
+        cache = past_key_values if past_key_values is not None else self.new_cache()
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"the int8 CPU path keeps its own KV cache (model.new_cache()), got {type(cache).__name__}")
+        ids = input_ids[0]
+        n, start = int(ids.shape[0]), cache.length
+        cache.reserve(start + n)
+        cos, sin = self._rope(start, n)
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, cache.keys[i], cache.values[i], start)
+        cache.length = start + n
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
+        return _Out(last_hidden_state=x.unsqueeze(0), past_key_values=cache)
+
+
+class Int8CausalLM(torch.nn.Module):
+    """A Llama/Qwen2-family causal LM rebuilt on int8 linears (see the module docstring)."""
+
+    def __init__(self, model: Any, calibration: Tensor, alpha: float = ALPHA) -> None:
+        super().__init__()
+        why = supported(model)
+        if why is not None:
+            raise ValueError(f"dtype int8 (the fast CPU path) cannot run this model: {why}; use bf16 or fp32")
+        self.config = model.config
+        self.generation_config = getattr(model, "generation_config", None)
+        self.decoder = _Decoder(model, activation_absmax(model, calibration), alpha)
+        head = model.get_output_embeddings()
+        self.lm_head = QLinear(head.weight, getattr(head, "bias", None))
+        self._embedding = torch.nn.Embedding.from_pretrained(self.decoder.embed, freeze=True)
+
+    def get_decoder(self) -> _Decoder:
+        return self.decoder
+
+    def get_output_embeddings(self) -> QLinear:
+        return self.lm_head
+
+    def get_input_embeddings(self) -> torch.nn.Embedding:
+        return self._embedding
+
+    def new_cache(self) -> KVCache:
+        return self.decoder.new_cache()
+
+    def forward(self, input_ids: Tensor, **_: Any) -> Any:
+        """Logits over every position of ``input_ids`` [1, n] from an empty cache (``.logits`` [1, n, V])."""
+        hidden = self.decoder(input_ids).last_hidden_state
+        return _Logits(self.lm_head(hidden), hidden)
+
+
+@dataclass
+class _Logits:
+    logits: Tensor
+    last_hidden_state: Tensor
+
+
+CALIBRATION_TEXT = (
+    "You are a careful assistant. Answer the question step by step, then give the final answer.\n\n"
+    "A bakery sells muffins for $3 each and cookies for $1.50 each. On Monday it sold 40 muffins and twice as "
+    "many cookies. On Tuesday it sold 25 muffins and 60 cookies. How much money did the bakery make over the "
+    "two days? On Monday: 40 * 3 = 120 dollars from muffins and 80 * 1.5 = 120 dollars from cookies, so 240. "
+    "On Tuesday: 25 * 3 = 75 and 60 * 1.5 = 90, so 165. Altogether 240 + 165 = 405. The answer is 405.\n\n"
+    "def merge_intervals(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:\n"
+    "    \"\"\"Merge overlapping closed intervals and return them sorted.\"\"\"\n"
+    "    merged = []\n    for start, end in sorted(intervals):\n"
+    "        if merged and start <= merged[-1][1]:\n            merged[-1] = (merged[-1][0], max(merged[-1][1], end))\n"
+    "        else:\n            merged.append((start, end))\n    return merged\n\n"
+    "The river rose through the night, and by morning the village had moved its boats to higher ground. "
+    "Nobody could remember a spring like it: the snow had melted all at once, the fields were lakes, and the "
+    "old bridge, which had stood for two hundred years, groaned under the weight of the water. Write a short "
+    "summary of this passage in one sentence, then list three questions a reader might ask about it.\n"
+)
+
+
+def calibration_ids(tokenizer: Any, limit: int = 512) -> Tensor:
+    """The fixed calibration sequence [1, n]: ``CALIBRATION_TEXT`` as a chat turn (plain text for a tokenizer
+    without a chat template), so activation maxima come from prose, arithmetic and code, from no benchmark's
+    items, and are the same on every machine."""
+    messages = [{"role": "user", "content": CALIBRATION_TEXT}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except (ValueError, AttributeError, TypeError):
+        text = CALIBRATION_TEXT
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:limit]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def activation_absmax(model: Any, calibration: Tensor) -> list[dict[str, Tensor]]:
+    """Per layer, the largest |input| each input channel of its linears reaches over ``calibration`` ids [1, n]
+    (one fp32 forward of ``model`` with hooks): ``qkv``, ``o``, ``gate_up``, ``down``."""
+    found: list[dict[str, Tensor]] = [{} for _ in model.get_decoder().layers]
+    hooks = []
+
+    def keep(i: int, name: str):
+        def hook(_module: Any, args: tuple[Tensor, ...]) -> None:
+            x = args[0].detach().float().reshape(-1, args[0].shape[-1]).abs().amax(dim=0)
+            found[i][name] = torch.maximum(found[i][name], x) if name in found[i] else x
+        return hook
+
+    for i, layer in enumerate(model.get_decoder().layers):
+        for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
+                             ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):
+            hooks.append(module.register_forward_pre_hook(keep(i, name)))
+    try:
+        model(input_ids=calibration)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def quantize(model: Any, calibration: Tensor, alpha: float = ALPHA) -> Int8CausalLM:
+    """``model`` (a transformers causal LM, any float dtype) on the int8 path, smoothed with activation maxima
+    over ``calibration`` ids [1, n]; ValueError naming what it lacks."""
+    with torch.inference_mode(False), torch.no_grad():
+        fast = Int8CausalLM(model, calibration, alpha)
+    fast.eval()
+    fast.requires_grad_(False)
+    return fast
+
+
+def new_cache(model: Any) -> Any:
+    """An empty KV cache for ``model``: its own (this path) or a ``transformers.DynamicCache``."""
+    if hasattr(model, "new_cache"):
+        return model.new_cache()
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def head_width(model: Any) -> int:
+    """How many ids ``model``'s LM head scores."""
+    head = model.get_output_embeddings()
+    width = getattr(head, "out_features", None)
+    return int(width) if width is not None else int(head.weight.shape[0])
+
