@@ -31,7 +31,8 @@ def render(data: Mapping[str, Any], title: str = "") -> str:
            "|---:|---:|---:|---:|---:|---:|---:|"]
     for r, c in zip(data["lossless"], data["ceiling"], strict=True):
         best = " **(best)**" if r["draft_len"] == data["best_lossless"]["draft_len"] else ""
-        out.append(f"| {r['draft_len']}{best} | {_f(r['acceptance_length'])} | {_f(r['accepted_share'], '.1%')} | "
+        name = "0 (target-only)" if r["draft_len"] == 0 else r["draft_len"]
+        out.append(f"| {name}{best} | {_f(r['acceptance_length'])} | {_f(r['accepted_share'], '.1%')} | "
                    f"{_x(r['vs_target_only'])} | {_x(r['vs_best_lossless'])} | {c['acceptance_length']} | "
                    f"{_x(c['vs_best_lossless'])} |")
     n = data["lossless"][0]["items"] if data["lossless"] else 0

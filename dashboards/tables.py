@@ -198,7 +198,8 @@ def _over_lossless(choice: dict[str, Any]) -> str:
         return f"{v:.2f}x" if isinstance(v, float) and math.isfinite(v) else "—"
 
     timed = (vl.get("timed") or {}).get("items")
-    return f"L {vl['draft_len']}: {x(vl.get('modelled'))} / {x(vl.get('measured'))}" + (f" (timed {timed})" if timed else "")
+    name = "L 0 (target-only)" if vl["draft_len"] == 0 else f"L {vl['draft_len']}"
+    return f"{name}: {x(vl.get('modelled'))} / {x(vl.get('measured'))}" + (f" (timed {timed})" if timed else "")
 
 
 def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[str, Any]] | None = None) -> str:

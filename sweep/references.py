@@ -102,14 +102,20 @@ class References:
         return {it.id: held[it.id] for it in order if it.id in held}
 
     def lossless(self, draft_len: int) -> dict[str, Record]:
-        """Lossless at ``draft_len`` on the search sample."""
+        """Lossless at ``draft_len`` on the search sample; at L = 0, target-only decoding (the fastest lossless
+        decoding may draft nothing: where a verify pass or a draft step is dear, target-only wins)."""
+        if draft_len == 0:
+            return self.target_only()
         key = RefKey.lossless(draft_len)
         if key not in self._cache:
             self._cache[key] = self.reference(self.lossless_spec(draft_len), f"lossless L={draft_len} reference (search)")
         return self._cache[key]
 
     def confirm_lossless(self, draft_len: int, items: list[Item]) -> dict[str, Record]:
-        """Lossless at ``draft_len`` on the confirmation ``items`` (the first n of the attempt's)."""
+        """Lossless at ``draft_len`` on the confirmation ``items`` (the first n of the attempt's); at L = 0,
+        target-only decoding on them."""
+        if draft_len == 0:
+            return self.confirm_target_only(items, items)
         key = RefKey.lossless(draft_len, CONFIRM, len(items))
         if key not in self._cache:
             self._cache[key] = self.reference(self.lossless_spec(draft_len),
@@ -117,12 +123,13 @@ class References:
         return self._cache[key]
 
     def lossless_range(self) -> dict[int, dict[str, Record]]:
-        """Lossless at every L of the search range on the search sample (one teacher-forced pass per item for all
-        of them where replay runs, :meth:`_lossless_bundle`)."""
+        """The lossless decodings a user could run instead, on the search sample: target-only (L = 0) and lossless
+        at every L of the search range (one teacher-forced pass per item for all of them where replay runs,
+        :meth:`_lossless_bundle`). The fastest of them is the baseline every speed is stated against."""
         lengths = self.settings.lengths
         if any(RefKey.lossless(n) not in self._cache for n in lengths):
             self._lossless_bundle(lengths)
-        return {n: self.lossless(n) for n in lengths}
+        return {0: self.target_only(), **{n: self.lossless(n) for n in lengths}}
 
     def reference(self, spec: DecodeSpec, label: str, items: list[Item] | None = None) -> dict[str, Record]:
         """``spec`` on ``items`` (default: the search sample) into its reference store, failed items retried."""

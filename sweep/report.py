@@ -85,12 +85,15 @@ def acceptance(state: SweepState, row: dict[str, Any]) -> tuple[int, list[int]]:
 
 def frontier_of(state: SweepState, frame: Any, chosen: Mapping[str, Mapping[str, Any]],
                 confirmed: Mapping[str, Mapping[str, Record]] | None) -> dict[str, Any]:
-    """The frontier from what the sweep holds: lossless at every L of its range (replayed on the search items),
+    """The frontier from what the sweep holds: target-only (L 0) and lossless at every L of its range (replayed on
+    the search items),
     its trials, its certificates and its confirmed candidates' records (``workers.metrics.frontier``)."""
     from sweep.references import CONFIRM, RefKey
     from workers.metrics.frontier import summary
 
     held = {n: state.refs.get(RefKey.lossless(n)) for n in state.settings.lengths if state.refs.has(RefKey.lossless(n))}
+    if held and state.refs.has(RefKey.target_only()):
+        held = {0: state.refs.get(RefKey.target_only()), **held}  # L 0: target-only, a lossless decoding too
     confirm_reference = state.refs.get(RefKey.target_only(CONFIRM))
     return summary(lossless=held, cost_ratio=state.cost.cost_ratio,
                    verify_factor=state.cost.verify, frame=frame, chosen=chosen, profile=state.profile,

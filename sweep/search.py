@@ -209,9 +209,10 @@ def trial_line(outcome: TrialOutcome, attrs: dict[str, Any], done: int, total: i
     in_situ = (f", modelled with the c seen in this trial {m.cost_ratio_in_situ:.2f}: "
                f"{m.speedup_vs_ar_modelled_in_situ:.2f}x" if m.cost_ratio_in_situ > 0 else "")  # vLLM: not timed
     from sweep.progress import log
+    from workers.metrics.lossless import baseline_name
 
     log(f"trial {outcome.number} [{done}/{total}] {outcome.state} {spec.label()}: acc {m.accuracy:.3f} drop "
-        f"{m.accuracy_drop:+.3f} speedup over the best lossless (L {attrs.get('best_lossless_draft_len')}) "
+        f"{m.accuracy_drop:+.3f} speedup over the best lossless ({baseline_name(attrs.get('best_lossless_draft_len'))}) "
         f"{attrs.get('speedup_vs_best_lossless_modelled', math.nan):.2f}x modelled, over target-only "
         f"{m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x{in_situ}) MAL "
         f"{m.mean_acceptance_length:.2f} | replayed {attrs.get('replayed_exact', 0)} items with nothing decoded, "
