@@ -22,8 +22,16 @@ nothing about decoding, rules or Ray.
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,19 +65,40 @@ def supported(model: Any) -> str | None:
 class QLinear(torch.nn.Module):
     """y = x W^T (+ b) with W int8 per output channel and x quantized per call (fbgemm dynamic int8)."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+    def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> None:
+        """``qweight`` [out, in] int8 and ``scale`` [out] (the weight is ``qweight * scale[:, None]``)."""
         super().__init__()
-        weight = weight.detach().float()
-        self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
-        weight = torch.cat((weight, weight.new_zeros(weight.shape[0], 2)), dim=1)  # the span columns (forward)
+        self.out_features, self.in_features = int(qweight.shape[0]), int(qweight.shape[1])
+        padded = torch.cat((qweight, qweight.new_zeros(qweight.shape[0], 2)), dim=1)  # the span columns (forward)
+        scale = scale.double()
         with warnings.catch_warnings():  # quantized tensor creation is deprecated upstream; torch is pinned (2.13)
             warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-            qweight = torch.quantize_per_channel(weight, scale, torch.zeros_like(scale, dtype=torch.long), 0,
-                                                 torch.qint8)
+            quantized = torch._make_per_channel_quantized_tensor(padded, scale, torch.zeros_like(scale, dtype=torch.long),
+                                                                 0)
         # No bias in the packed GEMM: rows are scaled before it and back after it (see forward), the bias added after.
-        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self._bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def quantized(cls, weight: Tensor, bias: Tensor | None = None) -> QLinear:
+        """From a float weight [out, in]: symmetric int8, one scale per output channel (its largest |w| / 127)."""
+        weight = weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        qweight = (weight / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        return cls(qweight, scale, bias)
+
+    def state(self) -> dict[str, Tensor]:
+        """The int8 weight [out, in], its scales [out] and the bias, as stored on disk (:func:`save`)."""
+        qweight, _ = torch.ops.quantized.linear_unpack(self._packed)
+        out = {"q": qweight.int_repr()[:, :self.in_features].contiguous(),
+               "scale": qweight.q_per_channel_scales().float()}
+        if self._bias is not None:
+            out["bias"] = self._bias
+        return out
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, Tensor], prefix: str) -> QLinear:
+        return cls(tensors[f"{prefix}.q"], tensors[f"{prefix}.scale"], tensors.get(f"{prefix}.bias"))
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
@@ -140,13 +169,24 @@ class _Out:
 
 
 class _Layer(torch.nn.Module):
-    def __init__(self, layer: Any, config: Any, absmax: dict[str, Tensor], alpha: float) -> None:
+    NAMES = ("qkv", "o", "gate_up", "down")
+
+    def __init__(self, config: Any, linears: dict[str, QLinear], norm1: Tensor, norm2: Tensor) -> None:
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
         self.eps = float(config.rms_norm_eps)
+        self.qkv, self.o, self.gate_up, self.down = (linears[n] for n in self.NAMES)
+        self.intermediate = self.gate_up.out_features // 2
+        self.norm1, self.norm2 = norm1, norm2
+
+    @classmethod
+    def from_hf(cls, layer: Any, config: Any, absmax: dict[str, Tensor], alpha: float) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         q_w, k_w, v_w = (p.weight.detach().float() for p in (attn.q_proj, attn.k_proj, attn.v_proj))
         biases = [None if p.bias is None else p.bias.detach().float() for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
         gate_w, up_w = mlp.gate_proj.weight.detach().float(), mlp.up_proj.weight.detach().float()
@@ -161,9 +201,9 @@ class _Layer(torch.nn.Module):
         s_mlp = _smoothing(absmax["gate_up"], torch.cat([gate_w, up_w]), alpha)
         norm2 /= s_mlp
         gate_w, up_w = gate_w * s_mlp, up_w * s_mlp
-        group = self.heads // self.kv_heads  # o's input channel (head h, dim j) reads v's row (h // group, j)
-        s_o = _smoothing(absmax["o"], o_w, alpha).view(self.kv_heads, group, self.head_dim).amax(1)  # [Hkv, D]
-        o_w = o_w * s_o.unsqueeze(1).expand(self.kv_heads, group, self.head_dim).reshape(-1)
+        group = heads // kv_heads  # o's input channel (head h, dim j) reads v's row (h // group, j)
+        s_o = _smoothing(absmax["o"], o_w, alpha).view(kv_heads, group, head_dim).amax(1)  # [Hkv, D]
+        o_w = o_w * s_o.unsqueeze(1).expand(kv_heads, group, head_dim).reshape(-1)
         v_w = v_w / s_o.reshape(-1, 1)
         if biases[2] is not None:
             biases[2] = biases[2] / s_o.reshape(-1)
@@ -171,12 +211,11 @@ class _Layer(torch.nn.Module):
         up_w, down_w = up_w / s_down.unsqueeze(1), down_w * s_down
         bias = None if all(b is None for b in biases) else torch.cat([
             b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, (q_w, k_w, v_w), strict=True)])
-        self.qkv = QLinear(torch.cat([q_w, k_w, v_w]), bias)
-        self.o = QLinear(o_w, None if attn.o_proj.bias is None else attn.o_proj.bias)
-        self.gate_up = QLinear(torch.cat([gate_w, up_w]))
-        self.down = QLinear(down_w)
-        self.intermediate = int(gate_w.shape[0])
-        self.norm1, self.norm2 = norm1, norm2
+        linears = {"qkv": QLinear.quantized(torch.cat([q_w, k_w, v_w]), bias),
+                   "o": QLinear.quantized(o_w, attn.o_proj.bias),
+                   "gate_up": QLinear.quantized(torch.cat([gate_w, up_w])),
+                   "down": QLinear.quantized(down_w)}
+        return cls(config, linears, norm1, norm2)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
         n = x.shape[0]  # x: [n, d], one sequence
@@ -219,14 +258,11 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class _Decoder(torch.nn.Module):
-    def __init__(self, model: Any, absmax: list[dict[str, Tensor]], alpha: float) -> None:
+    def __init__(self, config: Any, embed: Tensor, layers: list[_Layer], norm: Tensor) -> None:
         super().__init__()
-        config = model.config
-        inner = model.get_decoder()
-        self.embed = inner.embed_tokens.weight.detach().float().clone()
-        self.layers = torch.nn.ModuleList(_Layer(layer, config, absmax[i], alpha)
-                                           for i, layer in enumerate(inner.layers))
-        self.norm = inner.norm.weight.detach().float().clone()
+        self.embed = embed
+        self.layers = torch.nn.ModuleList(layers)
+        self.norm = norm
         self.eps = float(config.rms_norm_eps)
         first = self.layers[0]
         self.head_dim, self.kv_heads = first.head_dim, first.kv_heads
@@ -269,17 +305,35 @@ class _Decoder(torch.nn.Module):
 class Int8CausalLM(torch.nn.Module):
     """A Llama/Qwen2-family causal LM rebuilt on int8 linears (see the module docstring)."""
 
-    def __init__(self, model: Any, calibration: Tensor, alpha: float = ALPHA) -> None:
+    def __init__(self, config: Any, generation_config: Any, decoder: _Decoder, lm_head: QLinear) -> None:
         super().__init__()
+        self.config = config
+        self.generation_config = generation_config
+        self.decoder = decoder
+        self.lm_head = lm_head
+        self._embedding = torch.nn.Embedding.from_pretrained(decoder.embed, freeze=True)
+
+    @classmethod
+    def from_hf(cls, model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False) -> Int8CausalLM:
+        """``model`` rebuilt; ``consume``: free each of its layers' weights once rebuilt (a model loaded only to be
+        converted: the peak stays near one float copy of it)."""
         why = supported(model)
         if why is not None:
             raise ValueError(f"dtype int8 (the fast CPU path) cannot run this model: {why}; use bf16 or fp32")
-        self.config = model.config
-        self.generation_config = getattr(model, "generation_config", None)
-        self.decoder = _Decoder(model, activation_absmax(model, calibration), alpha)
+        config = model.config
+        absmax = activation_absmax(model, calibration)
+        inner = model.get_decoder()
+        layers = []
+        for i, layer in enumerate(inner.layers):
+            layers.append(_Layer.from_hf(layer, config, absmax[i], alpha))
+            if consume:
+                for param in layer.parameters():
+                    param.data = param.data.new_empty(0)
+        decoder = _Decoder(config, inner.embed_tokens.weight.detach().float().clone(), layers,
+                           inner.norm.weight.detach().float().clone())
         head = model.get_output_embeddings()
-        self.lm_head = QLinear(head.weight, getattr(head, "bias", None))
-        self._embedding = torch.nn.Embedding.from_pretrained(self.decoder.embed, freeze=True)
+        return cls(config, getattr(model, "generation_config", None), decoder,
+                   QLinear.quantized(head.weight, getattr(head, "bias", None)))
 
     def get_decoder(self) -> _Decoder:
         return self.decoder
@@ -360,11 +414,11 @@ def activation_absmax(model: Any, calibration: Tensor) -> list[dict[str, Tensor]
     return found
 
 
-def quantize(model: Any, calibration: Tensor, alpha: float = ALPHA) -> Int8CausalLM:
+def quantize(model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False) -> Int8CausalLM:
     """``model`` (a transformers causal LM, any float dtype) on the int8 path, smoothed with activation maxima
-    over ``calibration`` ids [1, n]; ValueError naming what it lacks."""
+    over ``calibration`` ids [1, n]; ValueError naming what it lacks. ``consume``: see ``Int8CausalLM.from_hf``."""
     with torch.inference_mode(False), torch.no_grad():
-        fast = Int8CausalLM(model, calibration, alpha)
+        fast = Int8CausalLM.from_hf(model, calibration, alpha, consume)
     fast.eval()
     fast.requires_grad_(False)
     return fast
@@ -385,3 +439,98 @@ def head_width(model: Any) -> int:
     width = getattr(head, "out_features", None)
     return int(width) if width is not None else int(head.weight.shape[0])
 
+
+
+# ---------------------------------------------------------------- stored on disk
+
+FORMAT = 1  # bump when what is stored, or how it is made, changes: older stores are converted again
+
+
+def save(model: Int8CausalLM, directory: str | os.PathLike[str], meta: dict[str, Any]) -> Path:
+    """Write ``model`` (its int8 weights and scales, norms, embedding, config) to ``directory``, atomically: a
+    reader sees the old store or the new one, never half of one. ``meta`` is what :func:`load_cached` matches."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    tensors: dict[str, Tensor] = {"embed": model.decoder.embed, "norm": model.decoder.norm}
+    tensors.update({f"lm_head.{k}": v for k, v in model.lm_head.state().items()})
+    for i, layer in enumerate(model.decoder.layers):
+        tensors[f"layers.{i}.norm1"], tensors[f"layers.{i}.norm2"] = layer.norm1, layer.norm2
+        for name in _Layer.NAMES:
+            tensors.update({f"layers.{i}.{name}.{k}": v for k, v in getattr(layer, name).state().items()})
+    tmp = directory.with_name(directory.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+    model.config.save_pretrained(tmp)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    shutil.rmtree(directory, ignore_errors=True)
+    tmp.rename(directory)
+    return directory
+
+
+def load(directory: str | os.PathLike[str]) -> Int8CausalLM:
+    """A model :func:`save` wrote."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, GenerationConfig
+
+    directory = Path(directory)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    generation = None
+    if (directory / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+    tensors = load_file(str(directory / "model.safetensors"))
+    layers = [_Layer(config, {name: QLinear.from_state(tensors, f"layers.{i}.{name}") for name in _Layer.NAMES},
+                     tensors[f"layers.{i}.norm1"], tensors[f"layers.{i}.norm2"])
+              for i in range(int(config.num_hidden_layers))]
+    decoder = _Decoder(config, tensors["embed"], layers, tensors["norm"])
+    model = Int8CausalLM(config, generation, decoder, QLinear.from_state(tensors, "lm_head"))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _source(model_dir: Path) -> list[list[Any]]:
+    """What identifies a model directory's weights here: each weight and config file's name, size and mtime."""
+    keep = (".safetensors", ".bin", ".json")
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(model_dir.iterdir())
+            if p.is_file() and p.name.endswith(keep)]
+
+
+def load_cached(model_dir: str | os.PathLike[str], store: str | os.PathLike[str], calibration: Tensor,
+                load_float: Callable[[], Any]) -> Int8CausalLM:
+    """The int8 model of ``model_dir``: read from ``store`` when it holds this very conversion (same weights, format,
+    calibration, alpha), else converted from ``load_float()`` (the float model, loaded only then and consumed layer
+    by layer) and stored. One process converts at a time (a file lock beside the store): pair actors starting
+    together load the fp32 model once, not once each. A store that cannot be written (a read-only asset volume)
+    leaves the conversion in memory, said on stderr."""
+    model_dir, store = Path(model_dir), Path(store)
+    meta = {"format": FORMAT, "alpha": ALPHA, "source": _source(model_dir),
+            "calibration": hashlib.sha256(json.dumps(calibration.flatten().tolist()).encode()).hexdigest()[:16]}
+
+    def held() -> bool:
+        try:
+            return json.loads((store / "meta.json").read_text()) == json.loads(json.dumps(meta))
+        except (OSError, json.JSONDecodeError):
+            return False
+
+    if held():
+        return load(store)
+    try:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(store.with_name(store.name + ".lock"), "w")  # noqa: SIM115 - held until the store is written
+    except OSError as err:
+        print(f"fast path: {store} cannot be written ({err}); converting in memory", file=sys.stderr)
+        return quantize(load_float(), calibration, consume=True)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if held():  # another process converted it while this one waited
+            return load(store)
+        model = quantize(load_float(), calibration, consume=True)
+        try:
+            save(model, store, meta)
+        except OSError as err:
+            print(f"fast path: converted {model_dir.name}, not stored ({err})", file=sys.stderr)
+        return model

@@ -132,23 +132,28 @@ def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
     ``ValueError`` for an unknown name or two models that do not share a vocabulary.
     """
     torch_dtype = resolve_dtype(dtype)
+    if torch_dtype == INT8:
+        _check_int8()
     if name == TINY_PAIR:
         pair = tiny_random_pair(torch.float32 if torch_dtype == INT8 else torch_dtype, seed=seed)
-    else:
-        draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
-        pair = _load_dirs(name, draft_dir, target_dir, torch.float32 if torch_dtype == INT8 else torch_dtype,
-                          pair_cache)
-    return to_int8(pair) if torch_dtype == INT8 else pair
+        return to_int8(pair) if torch_dtype == INT8 else pair
+    draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
+    return _load_dirs(name, draft_dir, target_dir, torch_dtype, pair_cache)
 
 
-def to_int8(pair: ModelPair) -> ModelPair:
-    """``pair`` (loaded in fp32) on the fast CPU path: both models rebuilt by ``workers.models.fast.quantize``,
-    smoothed with activation maxima over its fixed calibration text; the fp32 models are let go."""
-    from workers.models import fast
-
+def _check_int8() -> None:
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         raise ValueError("dtype int8 needs PyTorch's fbgemm int8 kernels (an x86 CPU build); this build has "
                          f"{torch.backends.quantized.supported_engines}: use bf16 or fp32")
+
+
+def to_int8(pair: ModelPair) -> ModelPair:
+    """``pair`` (loaded in fp32, in memory) on the fast CPU path: both models rebuilt by
+    ``workers.models.fast.quantize``, smoothed with activation maxima over its fixed calibration text. Pairs
+    loaded from directories convert once and keep the result with the pair (``fast.load_cached``)."""
+    from workers.models import fast
+
+    _check_int8()
     calibration = fast.calibration_ids(pair.tokenizer)
     draft = fast.quantize(pair.draft, calibration)
     target = fast.quantize(pair.target, calibration)
@@ -229,8 +234,19 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
         draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
         check_same_vocab(draft_tok.get_vocab(), tokenizer.get_vocab(), draft_dir, target_dir)
         check_same_specials(special_tokens(draft_tok), special_tokens(tokenizer), draft_dir, target_dir)
-    draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dtype, local_files_only=True)
-    target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
+    if dtype == INT8:  # the fast CPU path: converted once per pair and kept beside it
+        from workers.models import fast
+
+        calibration = fast.calibration_ids(tokenizer)
+
+        def int8(model_dir: Path, role: str) -> Any:
+            return fast.load_cached(model_dir, pair_cache / "int8" / role, calibration, lambda: AutoModelForCausalLM.
+                                    from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True))
+
+        draft, target = int8(draft_dir, "draft"), int8(target_dir, "target")
+    else:
+        draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dtype, local_files_only=True)
+        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
     return _finish(name, draft, target, tokenizer, dtype, pair_cache, (draft_dir, target_dir))
 
 
@@ -302,7 +318,9 @@ def check_same_specials(draft: dict[str, Any], target: dict[str, Any], draft_src
 
 def _finish(name: str, draft: Any, target: Any, tokenizer: Any, dtype: torch.dtype,
             pair_cache: Path | None, sources: tuple[Any, Any]) -> ModelPair:
-    widths = [int(m.get_output_embeddings().weight.shape[0]) for m in (draft, target)]  # float models here
+    from workers.models.fast import head_width
+
+    widths = [head_width(m) for m in (draft, target)]
     rows = int(draft.get_input_embeddings().weight.shape[0])
     if widths[0] > widths[1]:
         raise ValueError(f"draft {sources[0]} scores {widths[0]} ids but target {sources[1]} only {widths[1]}: the "

@@ -117,3 +117,30 @@ def test_auto_dtype_prefers_int8_on_x86_cpus():
     assert auto_dtype("flags : fpu sse avx2 avx512f avx512_bf16", cuda=False) == "int8"
     assert auto_dtype("flags : fpu sse", cuda=False) == "fp32", "no fbgemm kernels without AVX2: the float dtype"
     assert auto_dtype("flags : fpu sse avx2", cuda=True) == "bf16"
+
+
+def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_path):
+    """The pair cache keeps one conversion per model directory: loading it gives the same logits bit for bit, a
+    second load reads it back without the float model, and other weights convert again."""
+    from workers.models.pair import save_tiny_pair
+
+    draft_dir, _ = save_tiny_pair(tmp_path / "pair", head_dim=16)
+    calibration = fast.calibration_ids(fp32.tokenizer)
+    loads = []
+
+    def load_float():
+        from transformers import AutoModelForCausalLM
+
+        loads.append(1)
+        return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
+
+    store = tmp_path / "cache" / "int8" / "draft"
+    first = fast.load_cached(draft_dir, store, calibration, load_float)
+    again = fast.load_cached(draft_dir, store, calibration, load_float)
+    assert len(loads) == 1, "the second load must read the store, not convert again"
+    ids = _ids(20, seed=3)
+    with torch.inference_mode():
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    (draft_dir / "config.json").touch()  # the weights' directory changed: its store is stale
+    fast.load_cached(draft_dir, store, calibration, load_float)
+    assert len(loads) == 2
