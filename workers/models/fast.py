@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,9 +40,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUPPORTED = ("llama", "qwen2")  # model_type values whose layer this module reproduces
-_REDUCE_RANGE = True
+_REDUCE_RANGE = True  # 7-bit activations: no int16 saturation in AVX2's vpmaddubsw (fbgemm's own default)
 _SPAN = torch.tensor([[-1.0, 1.0]])
-ALPHA = 0.5  # SmoothQuant's migration strength  # 7-bit activations: no int16 saturation in AVX2's vpmaddubsw (fbgemm's own default)
+_SCRATCH_ROWS = 64  # inputs of up to this many rows are scaled into a reused buffer (steps, verify passes)
+ALPHA = 0.5  # SmoothQuant's migration strength
+_scratch = threading.local()  # per thread: {in_features: [rows, in_features + 2] buffer, its last 2 columns -1, +1}
+
+
+def _span_buffer(n: int, width: int) -> Tensor:
+    """Rows [n, width + 2] of a reused buffer whose last two columns hold -1 and +1 (the quantization span)."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(width)
+    if buf is None:
+        with torch.inference_mode(False):  # a normal tensor: written in and out of inference mode alike
+            buf = buffers[width] = torch.empty(_SCRATCH_ROWS, width + 2)
+            buf[:, width:] = _SPAN
+    return buf[:n]
 
 
 def supported(model: Any) -> str | None:
@@ -102,19 +118,27 @@ class QLinear(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1]).float()
+        x = x.reshape(-1, shape[-1])
+        if x.dtype != torch.float32:
+            x = x.float()
+        n = x.shape[0]
         # fbgemm quantizes its whole input with one (scale, zero point) from the input's min and max. Each row is
         # divided by its own largest |value| and two columns holding -1 and +1 (zero weights) are appended, so
         # every input spans exactly [-1, 1]: the quantization grid is every row's own (per-token quantization: a
         # row with a massive activation, the first token's attention sink, does not flatten the others) and the
         # same whatever rows stand beside it. The GEMM accumulates integers, so a row's result is bit-identical
-        # in a verify pass, a prefill and a one-token step.
-        rows = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
-        x = torch.cat((x / rows, _SPAN.expand(x.shape[0], 2)), dim=1)
-        out = torch.ops.quantized.linear_dynamic(x, self._packed, _REDUCE_RANGE) * rows
+        # in a verify pass, a prefill and a one-token step. A step's few rows are divided straight into a reused
+        # buffer that holds the span columns already (the same values as the concatenation, fewer ops).
+        rows = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_min_(1e-30)
+        if n <= _SCRATCH_ROWS:
+            scaled = _span_buffer(n, self.in_features)
+            torch.div(x, rows, out=scaled[:, :self.in_features])
+        else:
+            scaled = torch.cat((x / rows, _SPAN.expand(n, 2)), dim=1)
+        out = torch.ops.quantized.linear_dynamic(scaled, self._packed, _REDUCE_RANGE).mul_(rows)
         if self._bias is not None:
-            out = out + self._bias
-        return out.reshape(*shape[:-1], self.out_features)
+            out.add_(self._bias)
+        return out.view(*shape[:-1], self.out_features)
 
     @property
     def weight(self) -> Tensor:
@@ -218,16 +242,16 @@ class _Layer(torch.nn.Module):
         return cls(config, linears, norm1, norm2)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
-        n = x.shape[0]  # x: [n, d], one sequence
+        """x [n, d], one sequence; ``sin`` is signed for :func:`_rotate`. Calls the linears' ``forward`` directly:
+        a module's ``__call__`` costs microseconds a step has hundreds of."""
+        n = x.shape[0]
         h = F.rms_norm(x, (x.shape[-1],), self.norm1, self.eps)
-        qkv = self.qkv(h)
+        qkv = self.qkv.forward(h)
         q_end, k_end = self.heads * self.head_dim, (self.heads + self.kv_heads) * self.head_dim
-        q = qkv[:, :q_end].view(n, self.heads, self.head_dim).transpose(0, 1)  # [H, n, D]
-        k = qkv[:, q_end:k_end].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = qkv[:, k_end:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys[:, start:start + n] = k
-        values[:, start:start + n] = v
+        qk = _rotate(qkv[:, :k_end].view(n, self.heads + self.kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+        q = qk[:self.heads]  # [H, n, D]
+        keys[:, start:start + n] = qk[self.heads:]
+        values[:, start:start + n] = qkv[:, k_end:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
         gqa = self.kv_heads != self.heads
         # One query row per call, over exactly the keys it sees: the call a one-token step makes, so a row's
         # attention is bit-identical in a verify pass, a prefill and a step (a multi-row call reduces in another
@@ -237,10 +261,11 @@ class _Layer(torch.nn.Module):
                           for i in range(n)], dim=1) if n > 1 else \
             F.scaled_dot_product_attention(q.unsqueeze(0), keys[:, :start + 1].unsqueeze(0),
                                            values[:, :start + 1].unsqueeze(0), enable_gqa=gqa)[0]
-        x = x + self.o(attn.transpose(0, 1).reshape(n, self.heads * self.head_dim))
+        x = self.o.forward(attn.transpose(0, 1).reshape(n, q_end)).add_(x)
         h = F.rms_norm(x, (x.shape[-1],), self.norm2, self.eps)
-        gate_up = self.gate_up(h)
-        return x + self.down(F.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+        gate_up = self.gate_up.forward(h)
+        act = F.silu(gate_up[:, :self.intermediate]).mul_(gate_up[:, self.intermediate:])
+        return self.down.forward(act).add_(x)
 
 
 def _smoothing(absmax: Tensor, weight: Tensor, alpha: float) -> Tensor:
@@ -251,10 +276,9 @@ def _smoothing(absmax: Tensor, weight: Tensor, alpha: float) -> Tensor:
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding in Hugging Face's half-split layout: x cos + rotate_half(x) sin. x [H, n, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotary embedding in Hugging Face's half-split layout, x cos + rotate_half(x) sin with rotate_half(x) =
+    (-x2, x1): here x cos + roll(x) (-sin1, sin2), the same products and sums (``sin`` comes signed). x [H, n, D]."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, -1) * sin
 
 
 class _Decoder(torch.nn.Module):
@@ -279,7 +303,9 @@ class _Decoder(torch.nn.Module):
             size = max(start + n, 2 * self._cos.shape[0], 1024)
             freqs = torch.outer(torch.arange(size, dtype=torch.float64), self.inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().float(), emb.sin().float()
+            half = self.head_dim // 2
+            sign = torch.cat((-torch.ones(half, dtype=torch.float64), torch.ones(half, dtype=torch.float64)))
+            self._cos, self._sin = emb.cos().float(), (emb.sin() * sign).float()  # sin signed for _rotate
         return self._cos[start:start + n], self._sin[start:start + n]
 
     def forward(self, input_ids: Tensor, past_key_values: KVCache | None = None, use_cache: bool = True,
@@ -296,7 +322,7 @@ class _Decoder(torch.nn.Module):
         cos, sin = self._rope(start, n)
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, cache.keys[i], cache.values[i], start)
+            x = layer.forward(x, cos, sin, cache.keys[i], cache.values[i], start)
         cache.length = start + n
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         return _Out(last_hidden_state=x.unsqueeze(0), past_key_values=cache)
