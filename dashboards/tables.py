@@ -31,6 +31,7 @@ _SYMBOLS: dict[str, dict[str, str]] = {
     "typical": {"epsilon": "ε", "delta": "δ"},
     "target_entropy": {"threshold": "H≥"},
     "draft_entropy": {"threshold": "H≤"},
+    "fly": {"window": "W", "entropy_threshold": "H≥", "top_k": "k"},
 }
 # Choice knobs whose value alone says it all ("js" rather than "criterion=js").
 _BARE = {"criterion", "mode"}

@@ -4,7 +4,7 @@
 package registers every rule; each family lives in its own module.
 """
 
-from policies import any_of, dropmatch, entropy, kl_judge, lossless, topk, typical  # noqa: F401  (registers)
+from policies import any_of, dropmatch, entropy, fly, kl_judge, lossless, topk, typical  # noqa: F401  (registers)
 from policies.core import (
     Decision,
     MissingInputError,
@@ -17,7 +17,16 @@ from policies.core import (
     VerifyBatch,
 )
 from policies.emission import verify
-from policies.registry import POLICIES, Leniency, PolicySpec, get_spec, make_policy, policy_from_dict
+from policies.registry import (
+    POLICIES,
+    Leniency,
+    PolicySpec,
+    decide_local,
+    get_spec,
+    lookahead,
+    make_policy,
+    policy_from_dict,
+)
 
 __all__ = [
     "POLICIES",
@@ -32,7 +41,9 @@ __all__ = [
     "Valid",
     "Verification",
     "VerifyBatch",
+    "decide_local",
     "get_spec",
+    "lookahead",
     "make_policy",
     "policy_from_dict",
     "verify",

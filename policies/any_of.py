@@ -11,7 +11,7 @@ import torch
 
 from policies.core import Decision, PolicyConfig, Rule, VerifyBatch
 from policies.lossless import lossless_accept, with_lossless
-from policies.registry import Leniency, make_policy, policy_from_dict, register
+from policies.registry import Leniency, decide_local, lookahead, make_policy, policy_from_dict, register
 
 
 def _member(spec: Any) -> Rule:
@@ -49,6 +49,8 @@ class AnyOfConfig(PolicyConfig):
     config=AnyOfConfig,
     off={"members": (("kl_judge", {"threshold": 0.0}),)},
     example={"members": (("kl_judge", {"threshold": 0.5}), ("top_k", {"k": 4}))},
+    lookahead=lambda config: max(lookahead(m) for m in config.members),
+    local=lambda batch, config: _union(batch, config, local=True),
     leniency=Leniency(
         "members",
         (
@@ -60,6 +62,12 @@ class AnyOfConfig(PolicyConfig):
 )
 def decide_any_of(batch: VerifyBatch, config: AnyOfConfig) -> Decision:
     """Accept a draft token that any member rule accepts."""
+    return _union(batch, config, local=False)[0]
+
+
+def _union(batch: VerifyBatch, config: AnyOfConfig, local: bool) -> tuple[Decision, torch.Tensor]:
+    """The union's decision and where it is still open (``local``: members decide from their own positions,
+    :func:`policies.registry.decide_local`; all False otherwise)."""
     # Every member starts from the same generator state, so all of them (and this rule) draw the
     # same lossless uniforms: the union relaxes one lossless decision instead of OR-ing several
     # independent ones (which would accept more than lossless even with every member "off").
@@ -74,12 +82,19 @@ def decide_any_of(batch: VerifyBatch, config: AnyOfConfig) -> Decision:
     lossless = lossless_accept(batch)
     votes = torch.zeros_like(batch.draft_token_ids, dtype=torch.float32)
     accepted = torch.zeros_like(lossless.accepted)
+    still_open = torch.zeros_like(lossless.accepted)
     for rule in config.members:
         if streams is None:
             generator.set_state(start)
         else:
             streams.draws = start
-        member = rule.decide(batch).accepted
+        if local:
+            member, member_open = decide_local(rule, batch)
+            if member_open is not None:
+                still_open |= member_open
+        else:
+            member = rule.decide(batch).accepted
         accepted |= member
         votes += member.float()
-    return with_lossless(lossless, accepted, votes)
+    decision = with_lossless(lossless, accepted, votes)
+    return decision, still_open & ~decision.accepted

@@ -63,6 +63,10 @@ class VerifyBatch:
     # draft's dtype (bf16 on a GPU: half the memory of a float32 distribution): q at T is softmax of them,
     # the distribution the drafts were drawn from, and the T = 1 view (``draft_f32``) is T times them.
     draft_scaled: bool = False
+    # [B, L] bool, False at positions that hold no draft of the row's own (a ragged batch's padding, vLLM's
+    # placeholders): None when every position does. Emission never reaches past the first of them; a rule
+    # that reads later positions (FLy's look-ahead) must not count them as accepted.
+    draft_valid: Tensor | None = None
 
     def __post_init__(self) -> None:
         ids, tl = self.draft_token_ids, self.target_logits
@@ -75,6 +79,8 @@ class VerifyBatch:
             raise ValueError(
                 f"draft_logits must be [B, L, V] = [{b}, {n}, {tl.shape[2]}], got {tuple(self.draft_logits.shape)}"
             )
+        if self.draft_valid is not None and tuple(self.draft_valid.shape) != (b, n):
+            raise ValueError(f"draft_valid must be [B, L] = [{b}, {n}], got {tuple(self.draft_valid.shape)}")
         if self.target_hidden is not None and tuple(self.target_hidden.shape[:2]) != (b, n + 1):
             raise ValueError(f"target_hidden must be [B, L+1, d], got {tuple(self.target_hidden.shape)}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):

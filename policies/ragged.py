@@ -167,6 +167,7 @@ def verify_flat(
             generator=generator,
             streams=None if streams is None else streams.rows(lo, hi),
             draft_scaled=draft_scaled,
+            draft_valid=valid & draft_ok[index],
         )
         decision = policy.decide(batch)
         accepted = decision.accepted & valid & draft_ok[index]

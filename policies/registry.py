@@ -6,7 +6,10 @@ suite and the search driver need, as data rather than code paths:
 - ``off``: the parameters that switch the rule's relaxation off (the rule then reproduces
   ``lossless`` exactly), and whether that holds when sampling (T > 0) or only greedily;
 - ``leniency``: one knob and a list of values ordered from strict to lenient, with fixed
-  companions, along which acceptance can only grow.
+  companions, along which acceptance can only grow;
+- ``lookahead`` / ``local``, for a rule whose decision at a position reads later positions of the same
+  block (FLy): how many, and the part of the decision a position's own inputs make (what replay can
+  use; :func:`lookahead` and :func:`decide_local`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class PolicySpec:
     leniency: Leniency | None
     example: Mapping[str, Any]  # params that build a typical instance (defaults where they exist)
     summary: str
+    # A decision at position i that reads positions up to i + lookahead(config) of its block (0: none), and
+    # local(batch, config) -> (the decision where the block is not read, [B, L] bool where it still could
+    # accept). None for rules whose decisions are their positions' own.
+    lookahead: Callable[[Any], int] | None = None
+    local: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
     @property
     def param_names(self) -> list[str]:
@@ -64,6 +72,8 @@ def register(
     leniency: Leniency | None = None,
     example: Mapping[str, Any] | None = None,
     summary: str = "",
+    lookahead: Callable[[Any], int] | None = None,
+    local: Callable[[Any, Any], tuple[Any, Any]] | None = None,
 ) -> Callable[[DecideFn], DecideFn]:
     if not (dataclasses.is_dataclass(config) and issubclass(config, PolicyConfig)):
         raise TypeError(f"config for {name!r} must be a PolicyConfig dataclass")
@@ -81,6 +91,8 @@ def register(
             leniency=leniency,
             example=dict(example or {}),
             summary=summary or (fn.__doc__ or "").strip().splitlines()[0],
+            lookahead=lookahead,
+            local=local,
         )
         return fn
 
@@ -111,3 +123,20 @@ def policy_from_dict(d: Mapping[str, Any]) -> Rule:
     if not isinstance(params, Mapping):
         raise ValueError(f"'params' must be an object, got {type(params).__name__}")
     return make_policy(str(d["policy"]), **dict(params))
+
+
+def lookahead(policy: Any) -> int:
+    """How many later positions of its block ``policy``'s decision at a position may read (0 for most rules)."""
+    spec = POLICIES.get(getattr(policy, "name", ""))
+    return int(spec.lookahead(policy.config)) if spec is not None and spec.lookahead is not None else 0
+
+
+def decide_local(policy: Any, batch: Any) -> tuple[Any, Any]:
+    """(accepted [B, L] bool, open [B, L] bool or None): ``policy``'s decision where it reads only its own
+    position, and where a rejection could still turn into an acceptance through the positions after it
+    (:func:`lookahead`). None: every decision is its position's own (``policy.decide``)."""
+    spec = POLICIES.get(getattr(policy, "name", ""))
+    if spec is None or spec.local is None:
+        return policy.decide(batch).accepted, None
+    decision, still_open = spec.local(batch, policy.config)
+    return decision.accepted, still_open

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from policies import POLICIES, get_spec
+from policies import POLICIES, get_spec, make_policy
 
-DEFAULT_FAMILIES = ("dropmatch", "kl_judge", "top_k", "relaxed_topk", "typical", "target_entropy", "draft_entropy")
+DEFAULT_FAMILIES = ("dropmatch", "kl_judge", "top_k", "relaxed_topk", "typical", "target_entropy", "draft_entropy",
+                    "fly")
 
 
 def check_families(families: list[str]) -> list[str]:
@@ -26,8 +27,6 @@ def search_ranges(families: list[str], overrides: dict[str, Any] | None = None) 
     ``--search-space``, a config file's ``search_space:`` block) in their place: ``{family: {knob: [low, high] | {low, high, log} | [choice, ...]}}``.
     ValueError naming the family, knob and problem (a range outside what the rule accepts, say)."""
     from dataclasses import replace
-
-    from policies import make_policy
 
     ranges = {f: dict(POLICIES[f].config_cls.search_space()) for f in families}
     for family, knobs in (overrides or {}).items():
@@ -70,7 +69,8 @@ def search_ranges(families: list[str], overrides: dict[str, Any] | None = None) 
 def suggest(trial: Any, families: list[str], draft_len: tuple[int, int],
             ranges: dict[str, dict[str, Any]] | None = None) -> tuple[str, dict[str, Any], int]:
     """Ask ``trial`` (an optuna Trial) for a family, its knobs (``ranges``: :func:`search_ranges`, default
-    the rules' own) and a draft length."""
+    the rules' own) and a draft length. A rule that looks W positions ahead in its block (FLy) relaxes nothing
+    at L <= W: its draft length is drawn from above W where the range reaches there."""
     family = trial.suggest_categorical("family", families) if len(families) > 1 else families[0]
     params: dict[str, Any] = {}
     space = (ranges or {}).get(family) or POLICIES[family].config_cls.search_space()
@@ -83,8 +83,11 @@ def suggest(trial: Any, families: list[str], draft_len: tuple[int, int],
         else:
             params[knob] = trial.suggest_float(name, float(rng.low), float(rng.high), log=rng.log)
     lo, hi = draft_len
-    length = trial.suggest_int("draft_len", lo, hi) if hi > lo else lo
-    return family, params, length
+    if hi == lo:
+        return family, params, lo
+    ahead = POLICIES[family].lookahead
+    low = lo if ahead is None else min(hi, max(lo, int(ahead(make_policy(family, **params).config)) + 1))
+    return family, params, trial.suggest_int("draft_len", low, hi)
 
 
 def decode_params(trial_params: dict[str, Any], families: list[str],

@@ -101,7 +101,7 @@ class Record:
     error: str | None = None
     lossless_fallback_steps: int = 0  # verify rounds decided by the lossless rule instead (vLLM engine)
     # "" when decoded in full; else how replay (workers.replay) made it, per turn: "exact" (the target-only
-    # output, nothing decoded), "diverged@t" / "resumed@g" / "near-tie@g" (decoded live from generated index g)
+    # output, nothing decoded), "diverged@t" / "past-the-pass@g" / "near-tie@g" / "look-ahead@g" (decoded live from generated index g)
     replay: str = ""
 
     @property

@@ -11,7 +11,8 @@ the modelled cost and the first divergence, or none.
 
 - :func:`forced_pass`: the teacher-forced statistics (target logits and hidden states, draft logits) at the
   T + 1 positions that predict y_1 .. y_T and the token after.
-- :func:`decisions`: a rule's decision at every position (one ``decide`` over all of them).
+- :func:`decisions`: a rule's decision at every position (one ``decide`` over all of them; a look-ahead rule,
+  FLy, its positions' own parts and where its block could still decide otherwise).
 - :func:`simulate`: the rounds a live run at draft length L makes on the target-only prefix, until its first
   accepted mismatch, or until it needs a position past the pass (the final round of an item that ended on
   EOS or a stop string may draft beyond the end): there it says where to resume.
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from policies import Policy, VerifyBatch, make_policy
+from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy
 from policies.randomness import PositionStreams
 from workers.stats import Generation, GenerationStats
 
@@ -131,11 +132,28 @@ def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Te
     return rows
 
 
+@dataclass
+class Decided:
+    """A rule's decisions over a pass: ``accepted`` [P] bool and the greedy ``drafts`` [P] long at every
+    position; for a rule that looks ahead in its block (FLy, ``policies.lookahead``), ``still_open`` [P] bool
+    marks the rejections that the next ``window`` positions of a live block could still turn into acceptances:
+    their rows in a live verify pass follow the draft's token, which the pass (on the target's) does not hold."""
+
+    accepted: Tensor
+    drafts: Tensor
+    still_open: Tensor | None = None
+    window: int = 0
+
+    def __iter__(self):  # (accepted, drafts), as callers unpack it
+        return iter((self.accepted, self.drafts))
+
+
 @torch.inference_mode()
-def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> tuple[Tensor, Tensor]:
-    """(accepted [P] bool, draft token [P] long): the rule's decision at every position of the pass for the
-    greedy draft token there, all in one ``decide`` (the positions as one block: a T = 0 decision depends on
-    its own position's inputs and its position-keyed randomness alone)."""
+def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> Decided:
+    """The rule's decision at every position of the pass for the greedy draft token there, all in one
+    ``decide`` (the positions as one block: a T = 0 decision depends on its own position's inputs and its
+    position-keyed randomness alone). A look-ahead rule decides each position from its own inputs
+    (``policies.decide_local``) and says where its block could still decide otherwise (:class:`Decided`)."""
     draft_tokens = forced.draft_logits.argmax(dim=-1)  # [P]
     target = torch.cat([forced.target_logits, forced.target_logits[-1:]])  # the bonus slot: never read
     hidden = torch.cat([forced.target_hidden, forced.target_hidden[-1:]])
@@ -144,7 +162,11 @@ def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> tuple[T
                         target_logits=target.unsqueeze(0), target_hidden=hidden.unsqueeze(0),
                         lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
                         generator=None, streams=PositionStreams(seed, positions))
-    return policy.decide(batch).accepted[0].bool(), draft_tokens
+    window = lookahead(policy)
+    if window == 0:
+        return Decided(policy.decide(batch).accepted[0].bool(), draft_tokens)
+    accepted, still_open = decide_local(policy, batch)
+    return Decided(accepted[0].bool(), draft_tokens, None if still_open is None else still_open[0].bool(), window)
 
 
 @dataclass
@@ -153,11 +175,12 @@ class Simulated:
 
     stats: GenerationStats
     resume_at: int | None  # None: the run is the target-only output, done; else decode live from here
-    reason: str  # "exact" | "diverged" (an accepted mismatch at ``diverged_at``) | "past the pass"
+    reason: str  # "exact" | "diverged" (an accepted mismatch at ``diverged_at``) | "past the pass" | "look-ahead"
     diverged_at: int | None = None  # the generated index of the first accepted mismatch
 
 
-def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: int, max_new_tokens: int) -> Simulated:
+def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: int, max_new_tokens: int,
+             still_open: Tensor | None = None, window: int = 0) -> Simulated:
     """Walk the live loop's rounds (``SpecDecoder.generate`` at T = 0) over the pass's decisions.
 
     Each round drafts n = min(L, budget left) tokens, keeps the leading accepted run and emits the target's
@@ -167,8 +190,11 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
     A round is not simulated, and the live run resumes at its start, when its accepted run holds a token that
     is not the prefix's (divergence), or when it needs a row past the pass (a decision after the EOS, or
     after the token that ended on a stop string) or at or past a row whose argmax disagrees with y (a
-    numerical near-tie between the pass and the reference)."""
+    numerical near-tie between the pass and the reference), or when a look-ahead rule rejects where its window
+    fits in the round and could still accept (``still_open``, ``window``: the rows after it in a live verify
+    pass follow the draft's token there, not the prefix's)."""
     acc, drafts = accepted.tolist(), draft_tokens.tolist()
+    open_ = still_open.tolist() if still_open is not None else None
     y, end = forced.generated, len(forced.generated)
     nxt = [int(forced.target_logits[end].argmax())] if forced.positions > end and not forced.after else []
     ext = y + (forced.after or nxt)  # the prefix every on-prefix round sees, and the target's tokens after it
@@ -186,6 +212,8 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
             if t >= min(trusted, len(ext)):
                 return Simulated(stats, g, "past the pass")
             if not acc[t]:
+                if open_ is not None and open_[t] and j + window < n_draft:
+                    return Simulated(stats, g, "look-ahead")
                 break
             if drafts[t] != ext[t]:
                 return Simulated(stats, g, "diverged" if t < end or forced.finish == "eos" else "past the pass",
@@ -209,7 +237,7 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
 @dataclass
 class Replayed:
     generation: Generation
-    reason: str  # "exact" (nothing decoded) | "diverged" | "past the pass" | "near-tie"
+    reason: str  # "exact" (nothing decoded) | "diverged" | "past the pass" | "near-tie" | "look-ahead"
     decoded_from: int | None  # the generated index live decoding resumed at (None: nothing decoded)
     diverged_at: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)
@@ -217,7 +245,7 @@ class Replayed:
 
 def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy | str, draft_len: int,
            max_new_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Any = None,
-           forced: Forced | None = None, accepted: tuple[Tensor, Tensor] | None = None) -> Replayed:
+           forced: Forced | None = None, accepted: Decided | None = None) -> Replayed:
     """``policy`` at ``draft_len`` on ``prompt`` as a live speculative decode would run it, from the
     target-only ``reference`` (the same prompt, max_new_tokens and stop strings): exact at T = 0
     (``NotReplayable`` otherwise). ``forced`` / ``accepted``: a pass and decisions already computed (the
@@ -230,9 +258,10 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
         policy = make_policy(policy)
     t0 = time.perf_counter()
     forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason, extend=draft_len)
-    acc, drafts = accepted or decisions(engine, forced, policy, seed)
+    decided = accepted or decisions(engine, forced, policy, seed)
     t1 = time.perf_counter()
-    sim = simulate(acc, drafts, forced, draft_len, max_new_tokens)
+    sim = simulate(decided.accepted, decided.drafts, forced, draft_len, max_new_tokens, decided.still_open,
+                   decided.window)
     seconds = {"forced_s": forced.seconds, "decide_s": t1 - t0}
     if sim.resume_at is None:
         text = reference.text

@@ -103,8 +103,10 @@ def test_every_rule_decides_alike_with_the_fused_kernel_and_without(name, temper
                 fresh = replace(batch, generator=torch.Generator().manual_seed(9))
                 results[mode] = (policy.decide(fresh), fresh.__dict__.get("fused") or fresh.__dict__.get("fused_at_t"))
         (eager, none), (fast, stats) = results["0"], results["1"]
-        # at T > 0 every rule reads log-partitions (the lossless part); at T = 0 the KL judge and DropMatch js (its draft atoms)
-        assert none is None and (stats is not None) == (temperature > 0 or name in ("kl_judge", "any_of", "dropmatch")), name
+        # at T > 0 every rule reads log-partitions (the lossless part); at T = 0 the KL judge, DropMatch js (its draft
+        # atoms) and FLy (the target's T = 1 log-partition under its top-k entropy)
+        assert none is None and (stats is not None) == (temperature > 0 or name in ("kl_judge", "any_of", "dropmatch",
+                                                                                    "fly")), name
         assert torch.equal(eager.accepted, fast.accepted), (name, temperature, scaled)
         if eager.score is not None:
             torch.testing.assert_close(fast.score, eager.score, rtol=1e-4, atol=1e-4)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -43,9 +45,10 @@ def test_flat_decisions_equal_padded_reference(name, temperature):
     got = verify_flat(policy, bonus_token_ids=BONUS, generator=torch.Generator().manual_seed(1234),
                       **flatten(full, NUM_DRAFT))
     # Same shape [B, L] and generator state as the padded batch: the rule draws the same randomness,
-    # so its decisions on the real positions must be identical and padding must never count.
+    # so its decisions on the real positions must be identical and padding must never count (a look-ahead
+    # rule, FLy, is told which positions are padding: it may not count them as accepted).
     _, valid = ragged_index(torch.tensor(NUM_DRAFT), 5)
-    want = policy.decide(reseeded(full, 1234)).accepted & valid
+    want = policy.decide(replace(reseeded(full, 1234), draft_valid=valid)).accepted & valid
     assert torch.equal(got.accepted, want)
     assert got.num_accepted.tolist() == leading_run(want).tolist()
     out = got.output_token_ids

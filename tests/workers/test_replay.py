@@ -18,7 +18,8 @@ PROMPTS = ["Hello world, this is a test", "Q: 12 + 30 = ?\nA:", "def add(a, b):\
            "x", "Natalia sold clips to 48 of her friends in April, and then half as many in May."]
 LENIENT = {"kl_judge": {"threshold": 3.0, "confidence": 1.0}, "top_k": {"k": 8}, "typical": {"epsilon": 0.05},
            "target_entropy": {"threshold": 3.0}, "draft_entropy": {"threshold": 3.0},
-           "relaxed_topk": {"n": 4, "delta": 0.5}, "dropmatch": {"k": 4, "p_drop": 0.5, "criterion": "naive"}}
+           "relaxed_topk": {"n": 4, "delta": 0.5}, "dropmatch": {"k": 4, "p_drop": 0.5, "criterion": "naive"},
+           "fly": {"window": 1, "entropy_threshold": 0.0, "top_k": 8}}
 FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "target_forwards",
           "draft_forwards", "num_generated")
 
@@ -148,3 +149,17 @@ def test_a_reference_that_ended_on_an_eos_the_pass_does_not_pick_is_decoded_from
     ok = Forced(4, [5, 6], "eos", eos, torch.zeros(3, 4), eos.clone(), agrees=2, near_ties=0)
     done = simulate(torch.tensor([True, True, False]), torch.tensor([5, 6, 9]), ok, 1, 16)
     assert done.resume_at is None and done.stats.num_drafts == 2 and done.stats.num_generated == 2
+
+
+def test_a_look_ahead_rule_decodes_from_the_round_whose_window_could_defer(engine):
+    """FLy's window reads rows a live verify pass conditions on the draft's token: where a rejection could be
+    deferred within the round, replay decodes from that round's start and says so; at L <= W it never could."""
+    policy = make_policy("fly", window=1, entropy_threshold=0.0, top_k=8)
+    reasons = {1: [], 4: []}
+    for text in PROMPTS:
+        ids = engine.pair.tokenizer.encode(text)
+        ref = engine.autoregressive(ids, max_new_tokens=40)
+        for draft_len in reasons:
+            reasons[draft_len].append(replay(engine, ids, ref, policy, draft_len, 40).reason)
+    assert "look-ahead" in reasons[4], reasons
+    assert "look-ahead" not in reasons[1], reasons

@@ -56,7 +56,7 @@ def test_greedy_lossless_equals_cpu_engine_and_target_only(engine, cpu_engine, p
     assert abs(st.num_accepted_tokens - cpu_spec.stats.num_accepted_tokens) <= L
 
 
-RULES = ["kl_judge", "top_k", "typical", "target_entropy", "draft_entropy", "relaxed_topk", "dropmatch"]
+RULES = ["kl_judge", "top_k", "typical", "target_entropy", "draft_entropy", "relaxed_topk", "dropmatch", "fly"]
 
 
 @pytest.mark.parametrize("name", RULES)
