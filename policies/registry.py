@@ -140,3 +140,30 @@ def decide_local(policy: Any, batch: Any) -> tuple[Any, Any]:
         return policy.decide(batch).accepted, None
     decision, still_open = spec.local(batch, policy.config)
     return decision.accepted, still_open
+
+
+_NEEDS_DRAFT: dict[str, bool] = {}
+
+
+def needs_draft_logits(policy: Any) -> bool:
+    """Whether ``policy`` reads the draft's distribution at T = 0 (lossless does not; the KL judge, draft entropy
+    and DropMatch's js do). Probed once per rule and config on a tiny batch without one: a rule that asks for it
+    (``MissingInputError``), or fails at all without it, needs it. At T > 0 every rule needs it (lossless's q)."""
+    import torch
+
+    from policies.core import VerifyBatch
+
+    key = f"{getattr(policy, 'name', type(policy).__name__)}:{getattr(policy, 'config', None)!r}"
+    hit = _NEEDS_DRAFT.get(key)
+    if hit is None:
+        g = torch.Generator().manual_seed(0)
+        batch = VerifyBatch(draft_token_ids=torch.tensor([[1, 2]]), draft_logits=None,
+                            target_logits=torch.randn(1, 3, 16, generator=g), target_hidden=torch.randn(1, 3, 8, generator=g),
+                            lm_head_weight=torch.randn(16, 8, generator=g), temperature=0.0, generator=g)
+        try:
+            policy.decide(batch)
+            hit = False
+        except Exception:  # noqa: BLE001 - MissingInputError(draft_logits), or anything else: keep the draft's logits
+            hit = True
+        _NEEDS_DRAFT[key] = hit
+    return hit

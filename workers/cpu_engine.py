@@ -34,8 +34,11 @@ from torch import Tensor
 
 from policies import Policy, VerifyBatch, make_policy, verify
 from policies.randomness import PositionStreams
-from workers.models.fast import new_cache
+from policies.registry import needs_draft_logits
+from workers.models.fast import head_width, new_cache
 from workers.models.pair import ModelPair
+from workers.models.proposal import SIZE as PROPOSAL_SIZE
+from workers.models.proposal import ProposalHead, proposal_ids
 from workers.stats import Generation, GenerationStats
 
 OnTokens = Callable[[list[int]], "bool | None"]
@@ -157,10 +160,12 @@ def _resets_on_error(method):
 class SpecDecoder:
     """Speculative decoding with any registered acceptance rule, plus target-only decoding."""
 
-    def __init__(self, pair: ModelPair, prefix_cache: bool = True) -> None:
+    def __init__(self, pair: ModelPair, prefix_cache: bool = True, proposal_size: int = PROPOSAL_SIZE) -> None:
         """``prefix_cache``: a new prompt reuses the KV entries of the longest prefix it shares
         with what each model's cache holds (a few-shot preamble, a system prompt, the same
-        prompt under another rule) instead of recomputing them. Off, every prefill starts empty."""
+        prompt under another rule) instead of recomputing them. Off, every prefill starts empty.
+        ``proposal_size``: greedy drafting scores the tokenizer's first this-many ids and its special ids
+        (``workers.models.proposal``; 0: the whole vocabulary)."""
         from policies import fused
         from workers.host_memory import keep_freed_memory
 
@@ -175,6 +180,8 @@ class SpecDecoder:
         real = pair.draft_width if pair.padded else 0
         self.target = _LM(pair.target, real=real)
         self.draft = _LM(pair.draft, width=pair.vocab_size)
+        ids = proposal_ids(pair.tokenizer, head_width(pair.draft), proposal_size)
+        self.proposal = None if ids is None else ProposalHead(pair.draft.get_output_embeddings(), ids)
         head = pair.target.get_output_embeddings()
         self.lm_head_weight = head.weight.detach()  # [V, d]
         self.lm_head_bias = None if head.bias is None else head.bias.detach()
@@ -221,13 +228,15 @@ class SpecDecoder:
                              f"{max_new_tokens}")
         prompt = prompt + [int(t) for t in generated]
         stats = GenerationStats(draft_len=draft_len, accepted_per_position=[0] * draft_len)
+        # the draft's whole distribution: always when sampling; at T = 0 only for a rule that reads it
+        full = temperature > 0.0 or self.proposal is None or needs_draft_logits(policy)
         t_start = time.perf_counter()
         tokens = self._prefill(prompt, stats, draft=True)
         rounds: list[tuple[int, Tensor]] | None = [] if trace else None
         finish = None
         while finish is None:
             n_draft = min(draft_len, max_new_tokens - len(generated))  # never draft past the budget
-            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats)
+            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats, full)
             committed = len(tokens)
             t0 = time.perf_counter()
             feed = torch.tensor([[tokens[-1], *draft_ids]])
@@ -342,28 +351,38 @@ class SpecDecoder:
         return list(prompt)
 
     def _propose(self, tokens: list[int], n: int, temperature: float, gen: torch.Generator,
-                 stats: GenerationStats) -> tuple[list[int], Tensor]:
-        """Draft n tokens; return them and the draft logits that proposed them ([1, n, V])."""
+                 stats: GenerationStats, full: bool = True) -> tuple[list[int], Tensor | None]:
+        """Draft n tokens; return them and the draft logits that proposed them ([1, n, V]; None at T = 0 when
+        ``full`` is False). At T = 0 with a proposal vocabulary each step scores only its ids
+        (``workers.models.proposal``), and the whole head runs once over the n rows when ``full``."""
         t0 = time.perf_counter()
         missing = tokens[self.draft.length:]
         assert missing, "the draft cache may not run ahead of the committed tokens"
         feed = torch.tensor([missing])
         proposals: list[int] = []
         rows: list[Tensor] = []
+        greedy_subset = temperature == 0.0 and self.proposal is not None
         for i in range(n):
             # clone: the last row of a 2-token forward keeps a row stride of 2*d; the bf16 linear
             # takes a ~35x slower path on such strides (measured 0.87 s vs 0.022 s per call).
             last = self.draft.forward(feed)[:, -1:].clone(memory_format=torch.contiguous_format)
-            logits = self.draft.head(last)  # [1, 1, V]
             stats.draft_forwards += 1
-            tok = self._pick(logits[0, 0], temperature, gen)
+            if greedy_subset:
+                tok = int(self.proposal.argmax(last[0, 0]))
+                rows.append(last)
+            else:
+                logits = self.draft.head(last)  # [1, 1, V]
+                tok = self._pick(logits[0, 0], temperature, gen)
+                rows.append(logits)
             proposals.append(tok)
-            rows.append(logits)
             if i < n - 1:
                 feed = torch.tensor([[tok]])
         assert self.draft.length == len(tokens) + n - 1
+        stacked = torch.cat(rows, dim=1)
+        if greedy_subset:
+            stacked = self.draft.head(stacked) if full else None  # hidden rows -> logits, one pass over the head
         stats.draft_time_s += time.perf_counter() - t0
-        return proposals, torch.cat(rows, dim=1)
+        return proposals, stacked
 
     @staticmethod
     def _pick(logits: Tensor, temperature: float, gen: torch.Generator) -> int:

@@ -60,6 +60,7 @@ class Forced:
     target_logits: Tensor  # [T + 1, V] float32
     target_hidden: Tensor  # [T + 1, d]
     draft_logits: Tensor  # [T + 1, V] float32
+    draft_tokens: Tensor  # [T + 1] long: the greedy draft's proposal at each row (its proposal vocabulary's argmax)
     agrees: int  # rows 0 .. agrees - 1: the pass's target argmax is the prefix's token (near-ties can break it)
     near_ties: int  # rows whose target or draft top-2 logits lie within NEAR_TIE of each other
     seconds: float = 0.0
@@ -102,17 +103,30 @@ def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: st
             more["hidden"].append(hidden[0])
             after.append(int(logits[-1].argmax()))
         if extend > 1:
-            draft = engine.draft.head(engine.draft.forward(torch.tensor([after[:-1]])))[0].float()
+            hidden = engine.draft.forward(torch.tensor([after[:-1]]))
+            draft, proposed, proposal_logits = _draft_rows(engine, hidden)
             rows = {"target": torch.cat([rows["target"], *more["target"]]),
-                    "hidden": torch.cat([rows["hidden"], *more["hidden"]]), "draft": torch.cat([rows["draft"], draft])}
+                    "hidden": torch.cat([rows["hidden"], *more["hidden"]]), "draft": torch.cat([rows["draft"], draft]),
+                    "proposed": torch.cat([rows["proposed"], proposed]),
+                    "proposal_logits": torch.cat([rows["proposal_logits"], proposal_logits])}
     target = rows["target"]
     ext = torch.tensor(generated + after, dtype=torch.long)
     argmax = target[: len(ext)].argmax(dim=-1)
     differ = torch.nonzero(argmax != ext)
     agrees = int(differ[0, 0]) if len(differ) else len(ext)
     tail_ok = finish != "eos" or int(target[len(generated)].argmax()) in set(engine.pair.eos_token_ids)
-    return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], agrees,
-                  _near_ties(target) + _near_ties(rows["draft"]), time.perf_counter() - t0, after, tail_ok)
+    return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], rows["proposed"], agrees,
+                  _near_ties(target) + _near_ties(rows["proposal_logits"]), time.perf_counter() - t0, after, tail_ok)
+
+
+def _draft_rows(engine: Any, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """From the draft's hidden states [1, n, d]: its full logits [n, V], its greedy proposals [n] and the logits
+    they were chosen from [n, P] (the proposal vocabulary's, ``SpecDecoder.proposal``, or the full ones)."""
+    full = engine.draft.head(hidden)[0].float()
+    proposal = getattr(engine, "proposal", None)
+    if proposal is None:
+        return full, full.argmax(dim=-1), full
+    return full, proposal.argmax(hidden[0]), proposal.logits(hidden[0]).float()
 
 
 def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Tensor]:
@@ -126,9 +140,11 @@ def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Te
         if lm.length < len(prompt) - 1:  # the cache held less than the prompt: prefill the rest
             lm.forward(torch.tensor([prompt[lm.length: len(prompt) - 1]]))
         hidden = lm.forward(torch.tensor([seq[len(prompt) - 1:]]))  # [1, T + 1, d]
-        rows[name] = lm.head(hidden)[0].float()
         if name == "target":
+            rows[name] = lm.head(hidden)[0].float()
             rows["hidden"] = hidden[0]
+        else:
+            rows[name], rows["proposed"], rows["proposal_logits"] = _draft_rows(engine, hidden)
     return rows
 
 
@@ -154,7 +170,7 @@ def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> Decided
     ``decide`` (the positions as one block: a T = 0 decision depends on its own position's inputs and its
     position-keyed randomness alone). A look-ahead rule decides each position from its own inputs
     (``policies.decide_local``) and says where its block could still decide otherwise (:class:`Decided`)."""
-    draft_tokens = forced.draft_logits.argmax(dim=-1)  # [P]
+    draft_tokens = forced.draft_tokens  # [P]
     target = torch.cat([forced.target_logits, forced.target_logits[-1:]])  # the bonus slot: never read
     hidden = torch.cat([forced.target_hidden, forced.target_hidden[-1:]])
     positions = torch.arange(forced.prompt_len, forced.prompt_len + forced.positions).unsqueeze(0)
@@ -219,7 +235,9 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
                 return Simulated(stats, g, "diverged" if t < end or forced.finish == "eos" else "past the pass",
                                  t)
             n_acc += 1
-        if g + n_acc >= min(trusted, len(ext)):  # the emitted token's row is past the pass, or a near-tie's
+        # the emitted token's row is past the pass, or a near-tie's; unless the accepted run already holds the
+        # reference's last token (its EOS accepted as a draft): the run ends there and the emitted token is cut
+        if g + n_acc >= min(trusted, len(ext)) and g + n_acc - 1 < finish_at:
             return Simulated(stats, g, "past the pass")
         stats.num_drafts += 1
         stats.target_forwards += 1

@@ -168,3 +168,27 @@ def test_every_lossy_rule_has_a_search_space():
         if name == "any_of":
             continue  # a union of rules; its members carry the knobs
         assert get_spec(name).config_cls.search_space(), name
+
+
+def _reads_draft(name: str) -> bool:
+    from policies.registry import needs_draft_logits
+
+    return needs_draft_logits(example(name))
+
+
+def test_the_rules_said_to_read_the_draft_distribution_at_t0():
+    assert {n for n in RULES if _reads_draft(n)} == {"kl_judge", "draft_entropy", "dropmatch", "any_of"}
+
+
+@pytest.mark.parametrize("name", [n for n in RULES if not _reads_draft(n)])
+def test_a_rule_said_not_to_read_the_draft_distribution_decides_alike_without_it(name):
+    """The CPU engine drafts greedily over a proposal vocabulary and hands the draft's logits only to the rules
+    ``needs_draft_logits`` says read them: the others must decide the same with and without them at T = 0."""
+    from dataclasses import replace
+
+    policy = example(name)
+    for seed in (11, 12, 13):
+        batch = make_batch(seed=seed, temperature=0.0)
+        with_q = policy.decide(reseeded(batch, 5)).accepted
+        without = policy.decide(reseeded(replace(batch, draft_logits=None), 5)).accepted
+        assert torch.equal(with_q, without), name

@@ -248,3 +248,36 @@ def test_every_rule_runs_on_a_narrower_draft_and_accepts_as_on_the_full_width_on
         assert a.stats.num_accepted_tokens > 0, name
         if temperature == 0.0:
             assert a.token_ids == b.token_ids, f"{name}: the full-width pair never puts its argmax past 288"
+
+
+def test_greedy_drafting_over_a_proposal_vocabulary_stays_lossless_and_feeds_rules_that_read_the_draft():
+    """Greedy drafts come from the first ids and the special ids only (workers.models.proposal); lossless still
+    equals target-only, and a rule that reads the draft's distribution still gets it (whole, once per round)."""
+    pair = load_pair("tiny-random", dtype=torch.float32)
+    narrow = SpecDecoder(pair, proposal_size=32)
+    assert narrow.proposal is not None and len(narrow.proposal.ids) == 32 + (320 - 256)
+    allowed = set(narrow.proposal.ids.tolist())
+    for text in PROMPTS:
+        ids = encode(narrow, text)
+        ref = narrow.autoregressive(ids, max_new_tokens=24)
+        for draft_len in (1, 4):
+            out = narrow.generate(ids, "lossless", draft_len=draft_len, max_new_tokens=24)
+            assert out.token_ids == ref.token_ids
+        lenient = narrow.generate(ids, make_policy("kl_judge", threshold=2.0, confidence=1.0), draft_len=4,
+                                  max_new_tokens=24)
+        assert lenient.stats.num_draft_tokens > 0
+    # every greedy proposal is one of the allowed ids: trace one round's drafts
+    rounds = []
+    original = narrow._propose
+
+    def spy(*args, **kwargs):
+        drafts, logits = original(*args, **kwargs)
+        rounds.append((drafts, logits))
+        return drafts, logits
+
+    narrow._propose = spy
+    narrow.generate(encode(narrow, PROMPTS[0]), "lossless", draft_len=3, max_new_tokens=12)
+    narrow.generate(encode(narrow, PROMPTS[0]), "kl_judge", draft_len=3, max_new_tokens=12)
+    assert rounds and all(set(d) <= allowed for d, _ in rounds)
+    assert any(q is None for _, q in rounds)  # lossless: no full draft head at all
+    assert any(q is not None and q.shape[-1] == pair.vocab_size for _, q in rounds)  # the KL judge reads it

@@ -26,7 +26,8 @@ FIELDS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per
 
 @pytest.fixture(scope="module")
 def engine() -> SpecDecoder:
-    return SpecDecoder(load_pair("tiny-random", dtype=torch.float32))
+    # a proposal vocabulary of half the base ids: greedy drafting as on the real pair (workers.models.proposal)
+    return SpecDecoder(load_pair("tiny-random", dtype=torch.float32), proposal_size=128)
 
 
 def _cases():
@@ -139,14 +140,14 @@ def test_a_reference_that_ended_on_an_eos_the_pass_does_not_pick_is_decoded_from
     logits = torch.full((3, 10), -5.0)
     for row, tok in enumerate((5, 6, 7)):  # rows 0, 1 give y = [5, 6]; row 2: the pass says 7, not EOS (9)
         logits[row, tok] = 5.0
-    forced = Forced(4, [5, 6], "eos", logits, torch.zeros(3, 4), logits.clone(), agrees=2, near_ties=0,
+    forced = Forced(4, [5, 6], "eos", logits, torch.zeros(3, 4), logits.clone(), logits.argmax(-1), agrees=2, near_ties=0,
                     tail_ok=False)
     sim = simulate(torch.tensor([True, True, True]), torch.tensor([5, 6, 9]), forced, 3, 16)
     assert (sim.resume_at, sim.reason) == (0, "past the pass")
     eos = logits.clone()
     eos[2] = -5.0
     eos[2, 9] = 5.0  # consistent: the pass picks the EOS the reference stopped on
-    ok = Forced(4, [5, 6], "eos", eos, torch.zeros(3, 4), eos.clone(), agrees=2, near_ties=0)
+    ok = Forced(4, [5, 6], "eos", eos, torch.zeros(3, 4), eos.clone(), eos.argmax(-1), agrees=2, near_ties=0)
     done = simulate(torch.tensor([True, True, False]), torch.tensor([5, 6, 9]), ok, 1, 16)
     assert done.resume_at is None and done.stats.num_drafts == 2 and done.stats.num_generated == 2
 

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,6 +46,9 @@ class CostProfile:
     target_step_s: float  # one target token
     verify_s: dict[str, float]  # target pass over n tokens (n = L+1), LM head on all n
     load_1m: float  # machine load when measured
+    # the draft step's LM head: "full", or "proposal-N" (greedy drafting over a proposal vocabulary of N ids,
+    # workers.models.proposal, as the CPU engine drafts at T = 0); a stored profile of another kind is remeasured
+    draft_head: str = "full"
 
     @property
     def cost_ratio(self) -> float:
@@ -122,8 +126,10 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
 
-    def step_fn(model: torch.nn.Module, n: int, all_positions: bool):
-        decoder, head = model.get_decoder(), model.get_output_embeddings()
+    proposal = draft_proposal(pair)
+
+    def step_fn(model: torch.nn.Module, n: int, all_positions: bool, head: Any = None):
+        decoder, head = model.get_decoder(), head or model.get_output_embeddings()
         cache = new_cache(model)
         decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
         ids = torch.randint(0, min(pair.vocab_size, 1000), (1, n), generator=g)
@@ -135,11 +141,29 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
 
         return run
 
-    draft_s = _timed(step_fn(pair.draft, 1, False), reps)
+    draft_s = _timed(step_fn(pair.draft, 1, False, None if proposal is None else proposal.logits), reps)
     target_s = _timed(step_fn(pair.target, 1, False), reps)
     verify = {str(n): _timed(step_fn(pair.target, n, True), reps) for n in verify_sizes}
     return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
-                       os.getloadavg()[0])
+                       os.getloadavg()[0], draft_head_kind(pair))
+
+
+def draft_proposal(pair: ModelPair) -> Any:
+    """The proposal head the CPU engine drafts greedily with (``workers.models.proposal``), or None."""
+    from workers.models.fast import head_width
+    from workers.models.proposal import ProposalHead, proposal_ids
+
+    ids = proposal_ids(pair.tokenizer, head_width(pair.draft))
+    return None if ids is None else ProposalHead(pair.draft.get_output_embeddings(), ids)
+
+
+def draft_head_kind(pair: ModelPair) -> str:
+    """``CostProfile.draft_head`` for this pair: "full" or "proposal-N"."""
+    from workers.models.fast import head_width
+    from workers.models.proposal import proposal_ids
+
+    ids = proposal_ids(pair.tokenizer, head_width(pair.draft))
+    return "full" if ids is None else f"proposal-{len(ids)}"
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
@@ -198,6 +222,10 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
     (said on stderr) and measured again next time (a c timed under contention made the modelled speed
     disagree with the measured one by 2-4x)."""
     profile = None if remeasure else load_profile(pair)
+    if profile is not None and profile.draft_head != draft_head_kind(pair):
+        print(f"calibrate: the stored profile timed the draft with a {profile.draft_head} head: measuring again",
+              file=sys.stderr)
+        profile = None
     if profile is not None and under_load(profile.load_1m):
         print(f"calibrate: the stored profile was measured at load {profile.load_1m:.2f}: measuring again",
               file=sys.stderr)

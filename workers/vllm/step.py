@@ -27,29 +27,12 @@ import torch
 
 from workers.vllm.host_syncs import to_device
 
-_NEEDS_Q: dict[str, bool] = {}
-
 
 def needs_draft_distribution(policy: Any) -> bool:
-    """Whether ``policy`` reads the draft's distribution at T = 0 (lossless does not; kl_judge, draft
-    entropy and DropMatch js do). Probed once per rule on a tiny batch without one: a rule that asks for
-    it, or fails at all without it, needs it. At T > 0 every rule needs it (lossless's q)."""
-    key = f"{getattr(policy, 'name', type(policy).__name__)}:{getattr(policy, 'config', None)!r}"
-    hit = _NEEDS_Q.get(key)
-    if hit is None:
-        from policies.core import VerifyBatch
+    """Whether ``policy`` reads the draft's distribution at T = 0 (``policies.registry.needs_draft_logits``)."""
+    from policies.registry import needs_draft_logits
 
-        g = torch.Generator().manual_seed(0)
-        batch = VerifyBatch(draft_token_ids=torch.tensor([[1, 2]]), draft_logits=None,
-                            target_logits=torch.randn(1, 3, 16, generator=g), target_hidden=torch.randn(1, 3, 8, generator=g),
-                            lm_head_weight=torch.randn(16, 8, generator=g), temperature=0.0, generator=g)
-        try:
-            policy.decide(batch)
-            hit = False
-        except Exception:  # noqa: BLE001 - MissingInputError(draft_logits), or anything else: keep q
-            hit = True
-        _NEEDS_Q[key] = hit
-    return hit
+    return needs_draft_logits(policy)
 
 
 def _needs_hidden(policy: Any) -> bool:

@@ -1,0 +1,54 @@
+"""The proposal vocabulary: which ids a greedy draft step scores, and that its argmax is the full head's argmax
+over them (bit for bit on the int8 path)."""
+
+from __future__ import annotations
+
+import torch
+
+from workers.models.fast import QLinear
+from workers.models.proposal import ProposalHead, proposal_ids
+
+
+class _Tok:
+    vocab_size = 100
+
+
+def test_the_first_ids_and_every_special_id_up_to_the_head_width():
+    ids = proposal_ids(_Tok(), head_width=128, size=40)
+    assert ids.tolist() == list(range(40)) + list(range(100, 128))
+    assert proposal_ids(_Tok(), head_width=128, size=100) is None  # the whole base vocabulary
+    assert proposal_ids(_Tok(), head_width=128, size=95) is None  # hardly smaller than the head
+    assert proposal_ids(object(), head_width=128, size=40) is None  # no base vocabulary said
+    assert proposal_ids(_Tok(), head_width=128, size=0) is None
+
+
+def _argmax_among(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return ids[logits.index_select(-1, ids).argmax(dim=-1)]
+
+
+def test_a_float_head_proposes_the_full_logits_argmax_among_its_ids():
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(16, 128, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(128, 16, generator=g))
+        head.bias.copy_(torch.randn(128, generator=g))
+    ids = proposal_ids(_Tok(), 128, 40)
+    proposal = ProposalHead(head, ids)
+    hidden = torch.randn(7, 16, generator=g)
+    with torch.no_grad():
+        full = head(hidden)
+    torch.testing.assert_close(proposal.logits(hidden), full[:, ids])
+    assert proposal.argmax(hidden).tolist() == _argmax_among(full, ids).tolist()
+
+
+def test_an_int8_head_row_is_bit_identical_to_the_full_heads_row():
+    g = torch.Generator().manual_seed(1)
+    head = QLinear.quantized(torch.randn(128, 32, generator=g))
+    ids = proposal_ids(_Tok(), 128, 40)
+    proposal = ProposalHead(head, ids)
+    hidden = torch.randn(5, 32, generator=g)
+    full = head(hidden)
+    assert torch.equal(proposal.logits(hidden), full[:, ids])
+    for i in range(5):  # one row at a time (a draft step) as in a block (a replay's pass)
+        assert torch.equal(proposal.logits(hidden[i:i + 1]), full[i:i + 1, ids])
+    assert proposal.argmax(hidden).tolist() == _argmax_among(full, ids).tolist()

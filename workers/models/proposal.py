@@ -1,0 +1,64 @@
+"""The draft's proposal vocabulary: greedy drafting over the tokenizer's most frequent ids.
+
+A greedy draft step needs only the argmax of its logits, and the draft's LM head over the whole vocabulary
+(151,936 x 896 for Qwen2.5's 0.5B: 27% of the draft's weights) is a fixed cost of every step that a cheap
+step notices. BPE ids are ordered by merge rank, so the first ids are the frequent ones: on GSM8K's reference
+answers 0.7% of the target's tokens lie at or past id 65,536 (2.7% past 32,768). Greedy drafting here scores
+the first :data:`SIZE` ids and every id past the tokenizer's base vocabulary (its special tokens, EOS among
+them), and proposes the best of those (FR-Spec's frequency-ranked drafting, arXiv 2502.14856). A draft token
+outside the set is never proposed; what that costs in acceptance is what the engine's speed figures measure.
+
+Nothing about losslessness changes (the target still decides every token). Rules that read the draft's whole
+distribution (the KL judge, draft entropy, DropMatch's js) get it from the full head, computed once per round
+over the proposed rows (``workers.cpu_engine``); a row of the int8 path's head is bit-identical whichever rows
+stand beside it, so the proposal set's argmax equals the full logits' argmax over the set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+SIZE = 65536  # the first ids every greedy draft step scores
+
+
+def proposal_ids(tokenizer: Any, head_width: int, size: int = SIZE) -> Tensor | None:
+    """The ids a greedy draft step scores ([P] long, ascending): the first ``size`` and every id from the
+    tokenizer's base vocabulary on (special and padding rows) up to ``head_width``; None where that would be
+    (nearly) the whole head, or the tokenizer does not say its base vocabulary."""
+    base = getattr(tokenizer, "vocab_size", None)
+    if not isinstance(base, int) or size <= 0 or size >= min(base, head_width):
+        return None
+    ids = torch.cat([torch.arange(size), torch.arange(min(base, head_width), head_width)])
+    return ids if len(ids) < 0.9 * head_width else None
+
+
+class ProposalHead:
+    """``head`` (the draft's LM head: an ``nn.Linear`` or the int8 path's ``QLinear``) over ``ids`` only."""
+
+    def __init__(self, head: Any, ids: Tensor) -> None:
+        from workers.models.fast import QLinear
+
+        self.ids = ids
+        if isinstance(head, QLinear):
+            state = head.state()
+            bias = state.get("bias")
+            self._linear: Any = QLinear(state["q"].index_select(0, ids).contiguous(),
+                                        state["scale"].index_select(0, ids).contiguous(),
+                                        None if bias is None else bias.index_select(0, ids))
+        else:
+            weight = head.weight.detach().index_select(0, ids).contiguous()
+            bias = None if getattr(head, "bias", None) is None else head.bias.detach().index_select(0, ids)
+            self._linear = lambda hidden: F.linear(hidden, weight, bias)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """[..., P]: the head's logits at ``ids``, from final hidden states [..., d]."""
+        return self._linear(hidden)
+
+    def argmax(self, hidden: Tensor) -> Tensor:
+        """[...] long: the id of the largest logit among ``ids`` (the first such id on a tie, as ``argmax`` of the
+        full logits picks among them)."""
+        return self.ids[self.logits(hidden).argmax(dim=-1)]
