@@ -4,8 +4,8 @@ A greedy draft step needs only the argmax of its logits, and the draft's LM head
 (151,936 x 896 for Qwen2.5's 0.5B: 27% of the draft's weights) is a fixed cost of every step that a cheap
 step notices. BPE ids are ordered by merge rank, so the first ids are the frequent ones: on GSM8K's reference
 answers 0.7% of the target's tokens lie at or past id 65,536 (2.7% past 32,768). Greedy drafting here scores
-the first :data:`SIZE` ids and every id past the tokenizer's base vocabulary (its special tokens, EOS among
-them), and proposes the best of those (FR-Spec's frequency-ranked drafting, arXiv 2502.14856). A draft token
+the first :data:`SIZE` ids and the tokenizer's added and special tokens (EOS and the chat markers among them),
+and proposes the best of those (FR-Spec's frequency-ranked drafting, arXiv 2502.14856). A draft token
 outside the set is never proposed; what that costs in acceptance is what the engine's speed figures measure.
 
 Nothing about losslessness changes (the target still decides every token). Rules that read the draft's whole
@@ -26,14 +26,18 @@ SIZE = 65536  # the first ids every greedy draft step scores
 
 
 def proposal_ids(tokenizer: Any, head_width: int, size: int = SIZE) -> Tensor | None:
-    """The ids a greedy draft step scores ([P] long, ascending): the first ``size`` and every id from the
-    tokenizer's base vocabulary on (special and padding rows) up to ``head_width``; None where that would be
-    (nearly) the whole head, or the tokenizer does not say its base vocabulary."""
-    base = getattr(tokenizer, "vocab_size", None)
-    if not isinstance(base, int) or size <= 0 or size >= min(base, head_width):
+    """The ids a greedy draft step scores ([P] long, ascending): the first ``size`` and the tokenizer's added and
+    special tokens (EOS, the chat markers) below ``head_width``; None where that would be (nearly) the whole
+    head, or the tokenizer does not say how many tokens it has."""
+    try:
+        count = len(tokenizer)
+    except TypeError:
         return None
-    ids = torch.cat([torch.arange(size), torch.arange(min(base, head_width), head_width)])
-    return ids if len(ids) < 0.9 * head_width else None
+    if size <= 0 or size >= min(count, head_width):
+        return None
+    extra = set(getattr(tokenizer, "added_tokens_decoder", None) or ()) | set(getattr(tokenizer, "all_special_ids", ()))
+    ids = sorted(set(range(size)) | {int(i) for i in extra if size <= int(i) < head_width})
+    return torch.tensor(ids, dtype=torch.long) if len(ids) < 0.9 * head_width else None
 
 
 class ProposalHead:

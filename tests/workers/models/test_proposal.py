@@ -10,15 +10,22 @@ from workers.models.proposal import ProposalHead, proposal_ids
 
 
 class _Tok:
-    vocab_size = 100
+    """Like Qwen's: 100 tokens, the last three added (specials), the head padded to 128 rows; id 1 a special
+    among the first ids too."""
+
+    added_tokens_decoder = {1: "<s>", 97: "<|endoftext|>", 98: "<|im_start|>", 99: "<|im_end|>"}
+    all_special_ids = [1, 97, 99]
+
+    def __len__(self) -> int:
+        return 100
 
 
-def test_the_first_ids_and_every_special_id_up_to_the_head_width():
+def test_the_first_ids_and_every_added_or_special_token_below_the_head_width():
     ids = proposal_ids(_Tok(), head_width=128, size=40)
-    assert ids.tolist() == list(range(40)) + list(range(100, 128))
-    assert proposal_ids(_Tok(), head_width=128, size=100) is None  # the whole base vocabulary
-    assert proposal_ids(_Tok(), head_width=128, size=95) is None  # hardly smaller than the head
-    assert proposal_ids(object(), head_width=128, size=40) is None  # no base vocabulary said
+    assert ids.tolist() == list(range(40)) + [97, 98, 99]  # padding rows 100-127 are no tokens
+    assert proposal_ids(_Tok(), head_width=128, size=100) is None  # the whole vocabulary
+    assert proposal_ids(_Tok(), head_width=100, size=95) is None  # hardly smaller than the head
+    assert proposal_ids(object(), head_width=128, size=40) is None  # no length said
     assert proposal_ids(_Tok(), head_width=128, size=0) is None
 
 
