@@ -8,6 +8,9 @@ rewording and accepted. Decisions past it are the lossless rule's own.
 
 - T = 0: the native decision is d = argmax p_t; T > 0: u < min(1, p_t(d)/q(d)) with the lossless rule's own
   uniforms, so FLy accepts a superset of what ``lossless`` accepts from the same generator state.
+- p_t(d) > 0 (and q(d) > 0 when sampling with a draft distribution) as float32 probabilities at T, as vLLM's
+  V1 runner tests them (its V2 runner tests log-probabilities instead: a draft token more than ~103 nats below
+  the top is deferrable there, not here).
 - Entropy: -Σ p log p over the target's k most likely tokens, p the full softmax at the batch's temperature
   (T = 1 when greedy), as vLLM computes it. It is at most k/e, so a threshold above that switches FLy off.
 - A deferral needs the whole window inside the block: position i of a block of n drafts defers only when
@@ -36,8 +39,9 @@ OFF = math.inf  # an entropy threshold no top-k entropy reaches
 
 @dataclass(frozen=True)
 class FlyConfig(PolicyConfig):
-    window: int = knob(3, valid=Valid(low=1), search=SearchRange(1, 8, integer=True),
-                       doc="W: the next W drafts of the block must each be accepted natively")
+    window: int = knob(1, valid=Valid(low=1), search=SearchRange(1, 8, integer=True),
+                       doc="W: the next W drafts of the block must each be accepted natively (vLLM's default is "
+                           "min(6, L - 1); at L <= W nothing defers)")
     entropy_threshold: float = knob(0.3, valid=Valid(low=0.0), search=SearchRange(0.0, 1.1),
                                     doc="defer only where the target's top-k entropy (nats) is at least this")
     top_k: int = knob(3, valid=Valid(low=1, high=64), search=SearchRange(1, 8, integer=True),
@@ -61,10 +65,17 @@ def local(batch: VerifyBatch, config: FlyConfig) -> tuple[Decision, Tensor]:
     native decisions), which :func:`decide_fly` adds."""
     native = lossless_accept(batch)
     entropy = topk_entropy(batch, config.top_k)
+    ids = batch.draft_token_ids
+    t = batch.temperature
     target = batch.target_f32[:, :-1]
-    plausible = torch.isfinite(gather_last(target, batch.draft_token_ids))  # p_t(d) > 0
-    if batch.temperature > 0.0 and batch.draft_logits is not None:
-        plausible = plausible & torch.isfinite(batch.draft_logp_at(batch.draft_token_ids.unsqueeze(-1)).squeeze(-1))
+    if t == 0.0:
+        plausible = torch.isfinite(gather_last(target, ids))  # p_t(d) > 0
+    else:  # p_t(d) > 0 and q(d) > 0 as float32 probabilities at T (vLLM's V1 kernel tests them so)
+        plausible = (gather_last(target, ids) / t - batch.target_lse(t)).exp() > 0
+        if batch.draft_logits is not None:
+            plausible = plausible & ((gather_last(batch.draft_at(t), ids) - batch.draft_lse(t)).exp() > 0)
+    if batch.draft_valid is not None:
+        plausible = plausible & batch.draft_valid
     deferrable = ~native.accepted & plausible & (entropy >= config.entropy_threshold)
     return Decision(accepted=native.accepted, score=entropy), deferrable
 
@@ -75,6 +86,7 @@ def local(batch: VerifyBatch, config: FlyConfig) -> tuple[Decision, Tensor]:
     off={"entropy_threshold": OFF},
     leniency=Leniency("entropy_threshold", (OFF, 1.0, 0.6, 0.3, 0.1, 0.0), {"window": 1}),
     example={"window": 2, "entropy_threshold": 0.3, "top_k": 3},
+    lookahead_knob="window",
     lookahead=lambda config: config.window,
     local=local,
 )

@@ -45,6 +45,7 @@ class PolicySpec:
     # accept). None for rules whose decisions are their positions' own.
     lookahead: Callable[[Any], int] | None = None
     local: Callable[[Any, Any], tuple[Any, Any]] | None = None
+    lookahead_knob: str | None = None  # the integer knob that sets lookahead (a search draws it below L)
 
     @property
     def param_names(self) -> list[str]:
@@ -74,6 +75,7 @@ def register(
     summary: str = "",
     lookahead: Callable[[Any], int] | None = None,
     local: Callable[[Any, Any], tuple[Any, Any]] | None = None,
+    lookahead_knob: str | None = None,
 ) -> Callable[[DecideFn], DecideFn]:
     if not (dataclasses.is_dataclass(config) and issubclass(config, PolicyConfig)):
         raise TypeError(f"config for {name!r} must be a PolicyConfig dataclass")
@@ -93,6 +95,7 @@ def register(
             summary=summary or (fn.__doc__ or "").strip().splitlines()[0],
             lookahead=lookahead,
             local=local,
+            lookahead_knob=lookahead_knob,
         )
         return fn
 

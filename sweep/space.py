@@ -70,24 +70,30 @@ def suggest(trial: Any, families: list[str], draft_len: tuple[int, int],
             ranges: dict[str, dict[str, Any]] | None = None) -> tuple[str, dict[str, Any], int]:
     """Ask ``trial`` (an optuna Trial) for a family, its knobs (``ranges``: :func:`search_ranges`, default
     the rules' own) and a draft length. A rule that looks W positions ahead in its block (FLy) relaxes nothing
-    at L <= W: its draft length is drawn from above W where the range reaches there."""
+    at L <= W: its draft length is drawn first (2 or more where the range allows) and W below it."""
     family = trial.suggest_categorical("family", families) if len(families) > 1 else families[0]
     params: dict[str, Any] = {}
     space = (ranges or {}).get(family) or POLICIES[family].config_cls.search_space()
+    lo, hi = draft_len
+    ahead = POLICIES[family].lookahead_knob
+    length = None
+    if ahead is not None and ahead in space:  # L first (at least 2 where it can be), the window below it
+        low = min(hi, max(lo, 2))
+        length = trial.suggest_int("draft_len", low, hi) if hi > lo else lo
     for knob, rng in space.items():
         name = f"{family}.{knob}"
         if rng.choices is not None:
             params[knob] = trial.suggest_categorical(name, list(rng.choices))
         elif rng.integer:
-            params[knob] = trial.suggest_int(name, int(rng.low), int(rng.high), log=rng.log)
+            high = int(rng.high)
+            if knob == ahead and length is not None:
+                high = max(int(rng.low), min(high, length - 1))
+            params[knob] = trial.suggest_int(name, int(rng.low), high, log=rng.log)
         else:
             params[knob] = trial.suggest_float(name, float(rng.low), float(rng.high), log=rng.log)
-    lo, hi = draft_len
-    if hi == lo:
-        return family, params, lo
-    ahead = POLICIES[family].lookahead
-    low = lo if ahead is None else min(hi, max(lo, int(ahead(make_policy(family, **params).config)) + 1))
-    return family, params, trial.suggest_int("draft_len", low, hi)
+    if length is not None:
+        return family, params, length
+    return family, params, (trial.suggest_int("draft_len", lo, hi) if hi > lo else lo)
 
 
 def decode_params(trial_params: dict[str, Any], families: list[str],

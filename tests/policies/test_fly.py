@@ -112,3 +112,20 @@ def test_sampling_defers_a_rejection_the_uniform_would_make():
             deferred += got[0]
             assert got[0] == base[1]  # deferred exactly when the next draft is accepted natively
     assert native_rejected > 50 and 0 < deferred <= native_rejected
+
+
+def test_sampling_never_defers_a_token_whose_float32_probability_is_zero():
+    """vLLM's V1 kernel tests p_t(d) > 0 in float32 at T: a token 120 nats below the top is not deferrable."""
+    logits = unsure_logits(TARGET, unsure={0})
+    logits[0, 0, 6] = logits[0, 0, 1] - 120.0
+    fly = make_policy("fly", window=2, entropy_threshold=0.0, top_k=3)
+    for seed in range(20):
+        b = VerifyBatch(draft_token_ids=torch.tensor([[6, 2, 3, 4]]), draft_logits=None, target_logits=logits,
+                        temperature=1.0, generator=torch.Generator().manual_seed(seed))
+        assert fly.decide(b).accepted[0, 0].item() is False
+
+
+def test_a_position_that_holds_no_draft_is_never_deferred_itself():
+    fly = make_policy("fly", window=1, entropy_threshold=0.0, top_k=3)
+    b = batch([7, 2, 3, 4], TARGET, unsure={0}, draft_valid=torch.tensor([[False, True, True, True]]))
+    assert accepted(fly, b)[0] is False

@@ -21,15 +21,18 @@ def test_suggest_then_decode_round_trips_including_a_fixed_draft_length(draft_le
         study.tell(trial, 1.0)
 
 
-def test_a_look_ahead_rule_is_drawn_a_draft_length_its_window_fits_in():
-    """FLy at L <= W relaxes nothing: its draft length comes from above its window where the range reaches."""
+@pytest.mark.parametrize("draft_len", [(1, 6), (3, 3), (5, 5), (1, 12)])
+def test_a_look_ahead_rule_is_drawn_a_window_that_fits_in_its_draft_length(draft_len):
+    """FLy at L <= W relaxes nothing: L is drawn first (2 or more) and its window below it, never a lossless
+    trial in disguise, and decode_params reads the same point back."""
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
     seen = set()
     for _ in range(40):
         trial = study.ask()
-        family, params, length = suggest(trial, ["fly"], (1, 6))
-        assert length > params["window"] or length == 6, (params, length)
-        assert decode_params(trial.params, ["fly"], (1, 6)) == (family, params, length)
-        seen.add(length)
+        family, params, length = suggest(trial, ["fly", "top_k"], draft_len)
+        if family == "fly":
+            assert 1 <= params["window"] < length, (params, length)
+            seen.add((params["window"], length))
+        assert decode_params(trial.params, ["fly", "top_k"], draft_len) == (family, params, length)
         study.tell(trial, 1.0)
-    assert len(seen) > 2
+    assert len(seen) > (0 if draft_len[1] <= 3 else 2)
