@@ -150,7 +150,7 @@ def _check_int8() -> None:
 def to_int8(pair: ModelPair) -> ModelPair:
     """``pair`` (loaded in fp32, in memory) on the fast CPU path: both models rebuilt by
     ``workers.models.fast.quantize``, smoothed with activation maxima over its fixed calibration text. Pairs
-    loaded from directories convert once and keep the result with the pair (``fast.load_cached``)."""
+    loaded from directories convert once and keep the result with the pair (``fast_store.load_cached``)."""
     from workers.models import fast
 
     _check_int8()
@@ -235,12 +235,12 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
         check_same_vocab(draft_tok.get_vocab(), tokenizer.get_vocab(), draft_dir, target_dir)
         check_same_specials(special_tokens(draft_tok), special_tokens(tokenizer), draft_dir, target_dir)
     if dtype == INT8:  # the fast CPU path: converted once per pair and kept beside it
-        from workers.models import fast
+        from workers.models import fast, fast_store
 
         calibration = fast.calibration_ids(tokenizer)
 
         def int8(model_dir: Path, role: str) -> Any:
-            return fast.load_cached(model_dir, pair_cache / "int8" / role, calibration, lambda: AutoModelForCausalLM.
+            return fast_store.load_cached(model_dir, pair_cache / "int8" / role, calibration, lambda: AutoModelForCausalLM.
                                     from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True))
 
         draft, target = int8(draft_dir, "draft"), int8(target_dir, "target")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from workers.cpu_engine import SpecDecoder
-from workers.models import fast
+from workers.models import fast, fast_store
 from workers.models.pair import INT8, auto_dtype, dtype_tag, load_pair, tiny_random_pair
 
 
@@ -135,12 +135,12 @@ def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_pa
         return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
 
     store = tmp_path / "cache" / "int8" / "draft"
-    first = fast.load_cached(draft_dir, store, calibration, load_float)
-    again = fast.load_cached(draft_dir, store, calibration, load_float)
+    first = fast_store.load_cached(draft_dir, store, calibration, load_float)
+    again = fast_store.load_cached(draft_dir, store, calibration, load_float)
     assert len(loads) == 1, "the second load must read the store, not convert again"
     ids = _ids(20, seed=3)
     with torch.inference_mode():
         assert torch.equal(first(ids).logits, again(ids).logits)
     (draft_dir / "config.json").touch()  # the weights' directory changed: its store is stale
-    fast.load_cached(draft_dir, store, calibration, load_float)
+    fast_store.load_cached(draft_dir, store, calibration, load_float)
     assert len(loads) == 2
