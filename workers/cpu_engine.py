@@ -35,10 +35,10 @@ from torch import Tensor
 from policies import Policy, VerifyBatch, make_policy, verify
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
-from workers.models.fast import head_width, new_cache
+from workers.models.fast import new_cache
 from workers.models.pair import ModelPair
 from workers.models.proposal import SIZE as PROPOSAL_SIZE
-from workers.models.proposal import ProposalHead, proposal_ids
+from workers.models.proposal import for_pair as proposal_for_pair
 from workers.stats import Generation, GenerationStats
 
 OnTokens = Callable[[list[int]], "bool | None"]
@@ -180,8 +180,7 @@ class SpecDecoder:
         real = pair.draft_width if pair.padded else 0
         self.target = _LM(pair.target, real=real)
         self.draft = _LM(pair.draft, width=pair.vocab_size)
-        ids = proposal_ids(pair.tokenizer, head_width(pair.draft), proposal_size)
-        self.proposal = None if ids is None else ProposalHead(pair.draft.get_output_embeddings(), ids)
+        self.proposal = proposal_for_pair(pair, proposal_size)
         head = pair.target.get_output_embeddings()
         self.lm_head_weight = head.weight.detach()  # [V, d]
         self.lm_head_bias = None if head.bias is None else head.bias.detach()

@@ -126,7 +126,9 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
 
-    proposal = draft_proposal(pair)
+    from workers.models import proposal as proposals
+
+    proposal = proposals.for_pair(pair)
 
     def step_fn(model: torch.nn.Module, n: int, all_positions: bool, head: Any = None):
         decoder, head = model.get_decoder(), head or model.get_output_embeddings()
@@ -145,25 +147,7 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
     target_s = _timed(step_fn(pair.target, 1, False), reps)
     verify = {str(n): _timed(step_fn(pair.target, n, True), reps) for n in verify_sizes}
     return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
-                       os.getloadavg()[0], draft_head_kind(pair))
-
-
-def draft_proposal(pair: ModelPair) -> Any:
-    """The proposal head the CPU engine drafts greedily with (``workers.models.proposal``), or None."""
-    from workers.models.fast import head_width
-    from workers.models.proposal import ProposalHead, proposal_ids
-
-    ids = proposal_ids(pair.tokenizer, head_width(pair.draft))
-    return None if ids is None else ProposalHead(pair.draft.get_output_embeddings(), ids)
-
-
-def draft_head_kind(pair: ModelPair) -> str:
-    """``CostProfile.draft_head`` for this pair: "full" or "proposal-N"."""
-    from workers.models.fast import head_width
-    from workers.models.proposal import proposal_ids
-
-    ids = proposal_ids(pair.tokenizer, head_width(pair.draft))
-    return "full" if ids is None else f"proposal-{len(ids)}"
+                       os.getloadavg()[0], proposals.head_kind(pair))
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
@@ -222,7 +206,9 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
     (said on stderr) and measured again next time (a c timed under contention made the modelled speed
     disagree with the measured one by 2-4x)."""
     profile = None if remeasure else load_profile(pair)
-    if profile is not None and profile.draft_head != draft_head_kind(pair):
+    from workers.models.proposal import head_kind
+
+    if profile is not None and profile.draft_head != head_kind(pair):
         print(f"calibrate: the stored profile timed the draft with a {profile.draft_head} head: measuring again",
               file=sys.stderr)
         profile = None

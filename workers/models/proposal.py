@@ -66,3 +66,20 @@ class ProposalHead:
         """[...] long: the id of the largest logit among ``ids`` (the first such id on a tie, as ``argmax`` of the
         full logits picks among them)."""
         return self.ids[self.logits(hidden).argmax(dim=-1)]
+
+
+def for_pair(pair: Any, size: int = SIZE) -> ProposalHead | None:
+    """The proposal head a pair's draft drafts greedily with (None: the whole head), as the CPU engine and the
+    cost calibration both build it."""
+    from workers.models.fast import head_width
+
+    ids = proposal_ids(pair.tokenizer, head_width(pair.draft), size)
+    return None if ids is None else ProposalHead(pair.draft.get_output_embeddings(), ids)
+
+
+def head_kind(pair: Any, size: int = SIZE) -> str:
+    """"full", or "proposal-N": the draft head a greedy step of ``pair`` uses (``CostProfile.draft_head``)."""
+    from workers.models.fast import head_width
+
+    ids = proposal_ids(pair.tokenizer, head_width(pair.draft), size)
+    return "full" if ids is None else f"proposal-{len(ids)}"
