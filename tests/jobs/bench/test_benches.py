@@ -6,6 +6,7 @@ import pytest
 
 from jobs.bench import batch as bench_batch
 from jobs.bench import cpu_engine as bench_engine
+from jobs.bench import draft_cost as bench_draft_cost
 from jobs.bench import load_serve
 from jobs.bench import quality as bench_quality
 from jobs.bench import step as bench_step
@@ -26,6 +27,8 @@ from workers.models import calibrate
     (bench_step.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
     (bench_step.main, ["--requests", "0"], "--requests must be >= 1"),
     (bench_step.main, ["--chunk-mib", "0"], "--chunk-mib must be > 0"),
+    (bench_draft_cost.main, ["--rounds", "5"], "--rounds >= 12"),
+    (bench_draft_cost.main, ["--pair", "nope"], "unknown pair 'nope'"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
