@@ -280,7 +280,8 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
     def evaluate(c: Candidate, stop: Callable[[dict[str, Record]], bool], n: int) -> dict[str, Record]:
         spec = specs[c.key] = spec_of(s, c.payload)
         store = RecordStore(state.dir / "confirm" / f"{slug(spec.label())}-{spec.key()}")
-        return refs.run(spec, f"confirm {c.key} {spec.label()} (items {n:,})", store, items[:n], stop, timeout=False)
+        return refs.run(spec, f"confirm {c.key} {spec.label()} (items {n:,})", store, items[:n], stop, timeout=False,
+                        confirm=True)
 
     confirmation = Confirmation(evaluate, reference_upto, args.alpha, args.confirm_candidates,
                                 [it.id for it in items], looks=args.looks)
@@ -395,6 +396,12 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                      " (not timed: --speed-items 0)")
                   + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x"
                 + f"; stated: {vl.get('stated', math.nan):.3f}x, {vl.get('stated_from', 'modelled')}")
+            check = choice.get("replay_check")
+            if check and check["items"]:
+                log(f"budget {budget * 100:g}%: the timed full decodes against the records they time: "
+                    f"{check['items'] - len(check['differ'])}/{check['items']} identical ({check['replayed']} of those "
+                    f"records replayed)" + ("" if check["identical"] else
+                                            f"; DIFFER: {', '.join(check['differ'][:8])}: replay is not exact here"))
     confirmed = {f"{k} {specs[k].label()}": recs for k, recs in confirmation.records.items()}  # the frontier
     flips: list[tuple[str, Path]] = []
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/

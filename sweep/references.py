@@ -119,7 +119,7 @@ class References:
         key = RefKey.lossless(draft_len, CONFIRM, len(items))
         if key not in self._cache:
             self._cache[key] = self.reference(self.lossless_spec(draft_len),
-                                              f"lossless L={draft_len} reference (confirm)", items)
+                                              f"lossless L={draft_len} reference (confirm)", items, confirm=True)
         return self._cache[key]
 
     def lossless_range(self) -> dict[int, dict[str, Record]]:
@@ -131,23 +131,28 @@ class References:
             self._lossless_bundle(lengths)
         return {0: self.target_only(), **{n: self.lossless(n) for n in lengths}}
 
-    def reference(self, spec: DecodeSpec, label: str, items: list[Item] | None = None) -> dict[str, Record]:
+    def reference(self, spec: DecodeSpec, label: str, items: list[Item] | None = None, confirm: bool = False
+                  ) -> dict[str, Record]:
         """``spec`` on ``items`` (default: the search sample) into its reference store, failed items retried."""
         return self.run(spec, label, self.store(spec), self.items if items is None else items, retry_failed=True,
-                        timeout=False)
+                        timeout=False, confirm=confirm)
 
     def run(self, spec: DecodeSpec, label: str, store: RecordStore, items: list[Item],
             stop: Callable[[dict[str, Record]], bool] | None = None, *, retry_failed: bool = False,
-            timeout: bool = True) -> dict[str, Record]:
+            timeout: bool = True, confirm: bool = False) -> dict[str, Record]:
         """``spec`` on ``items``, resumable through ``store``; ``stop(records)`` may end it early.
         ``retry_failed``: items whose stored record failed (an engine death, a parse failure) run again,
         once per call, their new record replacing the old (references: a failed reference item would
         otherwise stay cached for every later sweep). ``timeout``: whether ``--trial-timeout`` applies
         (search trials only; a reference or a confirmation that dropped items would change the items a
-        certificate is decided on)."""
+        certificate is decided on). ``confirm``: what a certificate is decided on, replayed only where replay
+        is exact (:meth:`replays`)."""
         from cluster.pair_actor import run_trial
 
-        done = store.load()
+        held = store.load()
+        done = dict(held)
+        if confirm and not self.replays(True):  # a shared store's replayed records (another sweep's search) redo
+            done = {k: r for k, r in held.items() if r.timed}
         missing = [it for it in items if it.id not in done or (retry_failed and done[it.id].failed)]
         retried = sum(it.id in done for it in missing)
         if retried:
@@ -164,20 +169,30 @@ class References:
                 return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
 
             run = run_trial(self.workers, f"{label}-{spec.key()}", self.settings.bench.ref, spec, missing,
-                            self.payload(against), on_record=on_record,
+                            self.payload(against, confirm), on_record=on_record,
                             timeout_s=self.settings.args.trial_timeout if timeout else None,
                             shard_size=self.shard_size(missing))
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
-        store.write_parquet(done.values())  # the whole store: a shared reference may hold both splits' items
+        store.write_parquet({**held, **done}.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}
 
-    def payload(self, references: dict[str, Record]) -> dict[str, Any]:
-        """What the actors get of the target-only records: with replay on (the CPU engine at T = 0, unless
-        ``--replay off``), each record's tokens, so the rule is replayed from them; else its outputs."""
-        from workers.evaluation import reference_payload
+    def replays(self, confirm: bool = False) -> bool:
+        """Whether rules are replayed from the target-only output (``workers.replay``): on the CPU engine at
+        T = 0 unless ``--replay off``; for what a certificate is decided on (``confirm``: confirmation and its
+        lossless reference) only where replay is full decoding by construction (``workers.replay.exact_for``: the
+        int8 path), else those items decode in full."""
+        from workers.replay import exact_for
 
         args = self.settings.args
         on = args.replay != "off" and args.engine == "cpu" and self.settings.decode["temperature"] == 0.0
+        return on and (not confirm or exact_for(args.dtype))
+
+    def payload(self, references: dict[str, Record], confirm: bool = False) -> dict[str, Any]:
+        """What the actors get of the target-only records: where rules replay (:meth:`replays`), each record's
+        tokens, so the rule is replayed from them; else its outputs."""
+        from workers.evaluation import reference_payload
+
+        on = self.replays(confirm)
         return {k: reference_payload(r) if on and not r.failed else r.outputs for k, r in references.items()}
 
     def shard_size(self, items: list[Item]) -> int | None:

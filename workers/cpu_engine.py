@@ -143,11 +143,12 @@ def check_request(prompt_ids: Any, vocab_size: int, max_new_tokens: Any, tempera
     return [int(t) for t in prompt]
 
 
-def _resets_on_error(method):
-    """A generation that fails part-way leaves caches whose ids may not match their contents:
-    drop them so the next request starts clean (and the error still propagates)."""
+def resets_on_error(method):
+    """A generation (or replay's teacher-forced pass) that fails part-way leaves caches whose ids may not match
+    their contents: drop them so the next request starts clean (and the error still propagates). The wrapped
+    callable takes the engine first."""
     @functools.wraps(method)
-    def wrapper(self: SpecDecoder, *args: Any, **kwargs: Any) -> Generation:
+    def wrapper(self: SpecDecoder, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except BaseException:
@@ -190,7 +191,7 @@ class SpecDecoder:
 
     # -- public API ------------------------------------------------------------------------------
 
-    @_resets_on_error
+    @resets_on_error
     @torch.inference_mode()
     def generate(
         self,
@@ -278,7 +279,7 @@ class SpecDecoder:
                 self.draft.crop(len(tokens) - 1)
         return self._finish(generated, finish, stats, t_start, rounds, stopper.strings)
 
-    @_resets_on_error
+    @resets_on_error
     @torch.inference_mode()
     def autoregressive(
         self,

@@ -41,9 +41,25 @@ from torch import Tensor
 
 from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy
 from policies.randomness import PositionStreams
+from workers.cpu_engine import resets_on_error
 from workers.stats import Generation, GenerationStats
 
 NEAR_TIE = 1e-4  # a top-2 logit gap below this (relative to the top logit's scale) is a near-tie
+# Pair dtypes whose rows do not depend on the rows computed beside them (workers.models.fast: int8 GEMMs and
+# row-wise ops), so the teacher-forced pass holds the very numbers incremental decoding computes and a replayed
+# record is the full decode's. In bf16/fp32 the pass's GEMMs take other shapes and other roundings: a replayed
+# record there is an approximation (fine to steer a search, never what a certificate is decided on).
+ROW_EXACT_DTYPES = frozenset({"int8"})
+
+
+def exact_for(dtype: str) -> bool:
+    """Whether replay on a pair of ``dtype`` (a tag or a torch dtype name) equals full decoding by construction."""
+    from workers.models.pair import dtype_tag
+
+    try:
+        return dtype_tag(dtype) in ROW_EXACT_DTYPES
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 class NotReplayable(ValueError):
@@ -78,6 +94,7 @@ def _near_ties(logits: Tensor) -> int:
     return int(((top[:, 0] - top[:, 1]) < NEAR_TIE * scale).sum())
 
 
+@resets_on_error
 @torch.inference_mode()
 def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str, extend: int = 0) -> Forced:
     """One forward of each model over ``prompt + generated`` (the prompt's KV entries reused from the engine's

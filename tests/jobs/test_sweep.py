@@ -367,3 +367,36 @@ def test_a_sweep_over_a_task_file_on_a_jsonl_searches_confirms_and_writes_flips(
     assert len(logged) == 2 and all({"flips.parquet", "records.parquet", "reference/records.parquet"} <= a
                                     for a in logged.values())
     assert any("confirm/flips.parquet" in a and "confirm/reference/records.parquet" in a for a in logged.values())
+
+
+def test_on_the_int8_path_a_replayed_sweep_certifies_on_the_evidence_full_decoding_gives(tmp_path, monkeypatch):
+    """Replay inside confirmation (int8, where it is exact by construction) against --replay off on the same
+    study: the same candidates, the same per-item outcomes, and the evidence says how each record was made; the
+    timed full decodes agree with the replayed records they time."""
+    extra = ("--dtype", "int8", "--trials", "2", "--confirm-items", "8", "--policies", "kl_judge",
+             "--enqueue", "kl_judge:threshold=3,confidence=1,draft_len=3", "--speed-items", "2")
+    evidence, checked = {}, 0
+    for mode in ("auto", "off"):
+        monkeypatch.setenv("SPECTUNE_LEDGER", str(tmp_path / f"ledger-{mode}"))
+        sweep(tmp_path / mode, *extra, "--replay", mode)
+        report = tmp_path / mode / "sweep" / "report"
+        evidence[mode] = {p.name: p.read_text().strip().splitlines() for p in sorted((report / "evidence").glob("*.csv"))}
+        for budget in ("0.05", "0.2"):
+            chosen = json.loads((report / f"chosen-budget-{budget}.json").read_text())
+            check = chosen.get("replay_check")
+            if check:
+                assert check["identical"] and check["items"] > 0, check
+                assert (check["replayed"] > 0) is (mode == "auto"), check
+                checked += 1
+    assert checked, "a chosen candidate was timed, and its timing checked its records"
+    assert evidence["auto"] and evidence["auto"].keys() == evidence["off"].keys()
+    for name, rows in evidence["auto"].items():
+        header = rows[0].split(",")
+        made = header.index("candidate_made")
+
+        def outcome(line: str, made=made) -> list[str]:
+            return line.split(",")[:made]  # item, scores, statuses, divergence
+
+        assert [outcome(r) for r in rows[1:]] == [outcome(r) for r in evidence["off"][name][1:]], name
+        assert any(",replayed: " in r for r in rows[1:]), "confirmation replayed on the int8 path"
+        assert all(",decoded in full," in r for r in evidence["off"][name][1:] if ",ok," in r)

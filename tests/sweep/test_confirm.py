@@ -13,7 +13,13 @@ from tests.workers.metrics.test_trial import rec
 from workers.certify.decide import Candidate, drop_bound, first_prune
 from workers.certify.exact import certify_paired
 from workers.metrics.speed import speed_figures
-from workers.results.evidence import confirmation_pairs, ordered_prefix, paired, write_evidence
+from workers.results.evidence import (
+    confirmation_pairs,
+    confirmation_rows,
+    ordered_prefix,
+    paired,
+    write_evidence,
+)
 
 
 def test_a_failed_item_counts_as_a_failure_in_the_arm_that_failed():
@@ -192,3 +198,36 @@ def test_group_sequential_confirmation_stops_at_the_first_look_that_certifies():
     cert = conf.certify([late], 0.2)
     assert runs == [("late", 40), ("late", 80)] and "late" not in conf.stopped
     assert cert.bound.look == 2 and cert.bound.n == 80 and len(conf.evidence["late"]) == 80
+
+
+def test_the_evidence_says_how_each_candidate_record_was_made(tmp_path):
+    import csv
+
+    order = ["a", "b", "c"]
+    ref = {k: rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 1.0) for k in order}
+    trial["a"].replay, trial["b"].replay = "exact", "diverged@12"
+    rows, counts = confirmation_rows(order, ref, trial)
+    assert [r["candidate_made"] for r in rows] == ["replayed: exact", "replayed: diverged@12", "decoded in full"]
+    assert counts["candidate_replayed"] == 2
+    write_evidence(tmp_path / "e.csv", rows)
+    with (tmp_path / "e.csv").open() as fh:
+        assert [r["candidate_made"] for r in csv.DictReader(fh)][2] == "decoded in full"
+
+
+def test_the_timed_full_decodes_check_the_records_they_time():
+    from workers.metrics.speed import Timed, replay_check
+
+    held = {k: rec(k, 1.0) for k in "ab"}
+    for r in held.values():
+        r.replay, r.output_token_ids = "exact", [[1, 2, 3]]
+    lossless = {k: rec(k, 1.0) for k in "ab"}
+    full = [rec(k, 1.0) for k in "ab"]
+    for r in full:
+        r.output_token_ids = [[1, 2, 3]]
+    same = replay_check(Timed(([], [rec(k, 1.0) for k in "ab"], full)), held, lossless)
+    assert same == {"items": 4, "replayed": 2, "differ": [], "identical": True}
+    full[1].output_token_ids = [[1, 2, 4]]
+    full[0].num_accepted_tokens += 1
+    off = replay_check(Timed(([], [rec(k, 1.0) for k in "ab"], full)), held, lossless)
+    assert off["differ"] == ["candidate:a", "candidate:b"] and not off["identical"]

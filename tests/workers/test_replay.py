@@ -164,3 +164,74 @@ def test_a_look_ahead_rule_decodes_from_the_round_whose_window_could_defer(engin
             reasons[draft_len].append(replay(engine, ids, ref, policy, draft_len, 40).reason)
     assert "look-ahead" in reasons[4], reasons
     assert "look-ahead" not in reasons[1], reasons
+
+
+@pytest.fixture(scope="module")
+def int8_engine() -> SpecDecoder:
+    return SpecDecoder(load_pair("tiny-random", dtype="int8"), proposal_size=128)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_on_the_int8_path_at_one_thread_replay_is_full_decoding_for_every_rule(int8_engine, name):
+    """What confirmation relies on (``workers.replay.exact_for``): on the row-exact int8 path, at the sweep
+    actors' one thread, the pass holds the numbers incremental decoding computes: no near-tie, and every
+    rule's replayed run is its full decode, token for token and count for count."""
+    from workers.replay import exact_for
+
+    assert exact_for("int8") and not exact_for("bf16") and not exact_for("fp32") and not exact_for("nonsense")
+    engine = int8_engine
+    policy = make_policy(name, **LENIENT.get(name, dict(get_spec(name).example)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i, text in enumerate(PROMPTS[:4]):
+            ids = engine.pair.tokenizer.encode(text)
+            ref = engine.autoregressive(ids, max_new_tokens=32)
+            forced = forced_pass(engine, ids, ref.token_ids, ref.finish_reason, extend=4)
+            assert forced.agrees >= len(ref.token_ids) and forced.tail_ok, (name, i)
+            acc = decisions(engine, forced, policy, seed=1)
+            for draft_len in (1, 4):
+                got = replay(engine, ids, ref, policy, draft_len, 32, seed=1, forced=forced, accepted=acc)
+                full = engine.generate(ids, policy, draft_len=draft_len, max_new_tokens=32, seed=1)
+                where = f"{name} prompt {i} L={draft_len} ({got.reason})"
+                assert got.reason != "near-tie", where
+                assert got.generation.token_ids == full.token_ids, where
+                for f in FIELDS:
+                    assert getattr(got.generation.stats, f) == getattr(full.stats, f), (where, f)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_pass_that_fails_part_way_leaves_no_cache_behind(engine):
+    """The teacher-forced pass fills both models' caches: one that fails (here a token id past the vocabulary)
+    drops them, so the full decode the caller falls back to never reuses half-written entries."""
+    ids = engine.pair.tokenizer.encode(PROMPTS[2])
+    ref = engine.autoregressive(ids, max_new_tokens=8)
+    with pytest.raises((IndexError, RuntimeError)):
+        forced_pass(engine, ids, [*ref.token_ids[:3], engine.pair.vocab_size + 10], "length")
+    assert engine.target.length == 0 and engine.draft.length == 0
+    again = engine.autoregressive(ids, max_new_tokens=8)
+    assert again.token_ids == ref.token_ids
+
+
+def test_a_multi_turn_item_replays_turn_by_turn_as_full_decoding_would(engine):
+    """MT-bench's second turn follows the first turn's output: replayed while every turn before kept the
+    reference's output, decoded in full after one that left it; the record equals full decoding's either way."""
+    from workers.benchmarks import get_benchmark
+    from workers.evaluation import TARGET_ONLY, DecodeSpec, evaluate_item, reference_payload
+
+    bench = get_benchmark("mtbench")
+    items = bench.items(limit=2)
+    kinds = set()
+    for params in ({}, {"threshold": 3.0, "confidence": 1.0}):
+        spec = DecodeSpec.make("kl_judge" if params else "lossless", params, 3, max_new_tokens=12)
+        for item in items:
+            ref = evaluate_item(engine, bench, item, DecodeSpec.make(TARGET_ONLY, max_new_tokens=12))
+            got = evaluate_item(engine, bench, item, spec, reference_payload(ref))
+            want = evaluate_item(engine, bench, item, spec, ref.outputs)
+            assert len(item.turns) == 2 and got.replay.count(";") == 1, got.replay
+            assert got.output_token_ids == want.output_token_ids, (item.id, got.replay)
+            for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "tokens"):
+                assert getattr(got, f) == getattr(want, f), (item.id, got.replay, f)
+            kinds.add(got.replay)
+    assert "exact;exact" in kinds and any(k.endswith(";full") for k in kinds), kinds

@@ -47,10 +47,10 @@ def best_lossless(records: Mapping[str, Record], lossless: Mapping[int, Mapping[
 
 def replay_counts(records: Mapping[str, Record]) -> dict[str, int]:
     """How a trial's records were made: replayed with nothing decoded, replayed and decoded from a round on,
-    decoded in full."""
+    decoded in full (never replayed, or every turn's replay failed and it decoded in full: ``Record.timed``)."""
     out = {"replayed_exact": 0, "replayed_decoded": 0, "decoded_in_full": 0}
     for r in records.values():
-        if not r.replay:
+        if r.timed:
             out["decoded_in_full"] += 1
         elif all(part == "exact" for part in r.replay.split(";")):
             out["replayed_exact"] += 1

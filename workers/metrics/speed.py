@@ -7,7 +7,8 @@
   ``--speed-items`` N > 0, the measured figure from a timed run of N of those items (:class:`Timed`, run on
   an actor by ``cluster.pool``) in which target-only, lossless at that L and the candidate decode each item in
   full, one after another (so at the same concurrency: batch 1 on the CPU engine), the next item only after all
-  three; each figure says its n, the concurrency and the machine's load before and after.
+  three; each figure says its n, the concurrency and the machine's load before and after. The timed run's full
+  decodes also check the records they time (``replay_check``): replayed or not, they must be the same decode.
 
 Knows records and the cost model; nothing about actors or certificates' statistics.
 """
@@ -108,6 +109,28 @@ class Timed:
     error: str | None = None
 
 
+def replay_check(timed: Timed, records: dict[str, Record], lossless: dict[str, Record]) -> dict[str, Any]:
+    """The timed run's full decodes against the records the certificate and its modelled speed were made of (a
+    replayed record, where replay ran: ``workers.replay``), on the same items: the candidate's and lossless's
+    output tokens and every acceptance count must be equal. ``items``: pairs compared; ``replayed``: how many of
+    those records were replayed; ``differ``: the item ids (and arm) where they were not."""
+    out: dict[str, Any] = {"items": 0, "replayed": 0, "differ": []}
+    if timed.arms is None:
+        return out
+    fields = ("output_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")
+    for arm, held, name in ((timed.arms[2], records, "candidate"), (timed.arms[1], lossless, "lossless")):
+        for full in arm:
+            made = held.get(full.item_id)
+            if made is None or made.failed or full.failed:
+                continue
+            out["items"] += 1
+            out["replayed"] += int(not made.timed)
+            if any(getattr(full, f) != getattr(made, f) for f in fields):
+                out["differ"].append(f"{name}:{full.item_id}")
+    out["identical"] = not out["differ"]
+    return out
+
+
 def comparable(records: dict[str, Record], lossless: dict[str, Record], reference: dict[str, Record]) -> list[str]:
     """The items all three arms hold unfailed (what the modelled figures use, and the timed items come from)."""
     return [k for k in records if k in lossless and k in reference
@@ -146,6 +169,7 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
                                   timed=like)
         out["vs_target_only"].update(measured=_ratio(mine_t, ar_t, seconds),
                                      modelled_timed=_ratio(mine_t, ar_t, cost.cost), timed=like)
+        out["replay_check"] = replay_check(timed, records, lossless)
     for side in ("vs_lossless", "vs_target_only"):
         out[side].update(stated_figure(out[side]))
     return out

@@ -16,6 +16,14 @@ from workers.results.flips import answer_of, divergence, reason_of
 from workers.results.store import write_text
 
 
+def made_by(r: Record | None) -> str:
+    """How a record was made, as the evidence states it: ``decoded in full``, or ``replayed: <how>`` (its
+    ``Record.replay``: ``exact``, or where live decoding took over, per turn; ``workers.replay``)."""
+    if r is None:
+        return ""
+    return "decoded in full" if r.timed else f"replayed: {r.replay}"
+
+
 def paired(reference: dict[str, Record], trial: dict[str, Record]) -> tuple[list[float], list[float]]:
     """Scores of the items both arms attempted, reference order; failures count as 0 in their arm."""
     keys = [k for k in reference if k in trial]
@@ -55,9 +63,10 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
     then the same whatever finished after the stop. Returns one row per item (``item_id``,
     ``reference_score``, ``candidate_score``, ``reference``/``candidate`` status: ok, failed, missing, or
     after_stop; ``divergence``: the first output token position where the two differ, -1 if identical;
+    ``candidate_made``: how the candidate's record was made, :func:`made_by`;
     ``*_answer`` / ``*_reason``: what each arm's scorer extracted and why it scored so)
     and the counts of ``reference_failed``, ``reference_missing``, ``candidate_failed``,
-    ``candidate_missing`` and ``kept``."""
+    ``candidate_missing``, ``kept`` and ``candidate_replayed`` (ok candidate records made by replay)."""
     keep = len(order)
     if futility is not None:
         a, b = ordered_prefix(order, reference, trial)
@@ -78,10 +87,14 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
         rows.append({"item_id": key, "reference_score": 1.0 if ref_status != "ok" else score_of(r),
                      "candidate_score": score_of(t) if got_status == "ok" else 0.0,
                      "reference": ref_status, "candidate": got_status, "divergence": where,
+                     "candidate_made": made_by(t) if i < keep else "",
                      # why: what each arm's scorer extracted and said (an error for a failed item)
                      "reference_answer": answer_of(r), "candidate_answer": answer_of(t) if i < keep else "",
                      "reference_reason": reason_of(r), "candidate_reason": reason_of(t) if i < keep else ""})
     counts["kept"] = keep
+    # how the evidence was made: the candidate's ok records that were replayed (workers.replay), not decoded
+    counts["candidate_replayed"] = sum(r["candidate"] == "ok" and r["candidate_made"].startswith("replayed")
+                                       for r in rows)
     return rows, counts
 
 
@@ -100,7 +113,7 @@ def write_evidence(path: Path, rows: list[dict[str, Any]]) -> None:
 
     buf = io.StringIO()
     fields = ["item_id", "reference_score", "candidate_score", "reference", "candidate", "divergence",
-              "reference_answer", "candidate_answer", "reference_reason", "candidate_reason"]
+              "candidate_made", "reference_answer", "candidate_answer", "reference_reason", "candidate_reason"]
     writer = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     writer.writerows({**dict.fromkeys(fields, ""), **r, "divergence": "" if r["divergence"] is None else r["divergence"]}

@@ -41,3 +41,14 @@ def test_speculative_decoding_is_the_fastest_lossless_where_its_premise_holds():
     best = best_lossless(candidate, {0: target_only, 5: lossless5}, cheap.cost_ratio, cheap.verify)
     assert best["draft_len"] == 5 and baseline_name(5) == "L 5"
     assert set(best["per_draft_len"]) == {0, 5}
+
+
+def test_a_record_whose_replay_failed_and_decoded_in_full_counts_as_decoded_in_full():
+    from workers.metrics.lossless import replay_counts
+
+    recs = {k: _rec(k, 5, 100, 30, 150) for k in "abcd"}
+    recs["a"].replay = ""  # never replayed
+    recs["b"].replay = "full (replay failed: RuntimeError)"
+    recs["c"].replay = "exact"
+    recs["d"].replay = "exact;diverged@7"
+    assert replay_counts(recs) == {"replayed_exact": 1, "replayed_decoded": 1, "decoded_in_full": 2}
