@@ -3,11 +3,16 @@
     python -m jobs.evaluate --benchmark gsm8k --pair qwen2.5-coder-0.5b+1.5b \\
         --policy kl_judge --param threshold=0.5 --draft-len 5 --limit 20
 
+    python -m jobs.evaluate --engine openai --base-url http://127.0.0.1:8000/v1 --model spectune/tiny-random \\
+        --benchmark gsm8k --limit 8 --concurrency 1,4 --policy kl_judge
+
 Runs (or reuses from the cache) the target-only reference and the lossless run at the same draft
 length on the same items, then the rule; prints accuracy with a 95% interval, the paired accuracy
 drop vs target-only, the noise floor (lossless vs target-only), acceptance length and speedups
 (measured and modelled); writes per-item records (JSONL + parquet) and a summary.json. A rerun of
-the same command skips items already done.
+the same command skips items already done. With ``--engine openai`` the reference and the candidate are two
+configurations of a running server (or two servers), run interleaved at each ``--concurrency``
+(``workers.endpoint_cli``; docs/endpoints.md).
 """
 
 from __future__ import annotations
@@ -20,21 +25,12 @@ import sys
 import time
 
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
-from workers.cli import parse_params  # noqa: F401  (re-exported: jobs.serve, tests)
+from workers.cli import parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
 from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
 from workers.models.calibrate import CostProfile, get_profile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
-
-
-def parse_shard(text: str | None) -> tuple[int, int] | None:
-    if text is None:
-        return None
-    i, sep, n = text.partition("/")
-    if not sep or not i.isdigit() or not n.isdigit() or not (0 <= int(i) < int(n)):
-        raise ValueError(f"--shard must look like I/N with 0 <= I < N, got {text!r}")
-    return int(i), int(n)
 
 
 def run_items(engine: SpecDecoder, bench: Benchmark, items: list[Item], spec: DecodeSpec, store: RecordStore,
@@ -115,6 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
     ap.add_argument("--runs-root", default=None, help="where runs and reference caches live (default ./runs)")
     ap.add_argument("--no-lossless-ref", action="store_true", help="skip the lossless reference run")
+    ep = ap.add_argument_group("an OpenAI-compatible server (--engine openai): docs/endpoints.md")
+    ep.add_argument("--engine", choices=("cpu", "openai"), default="cpu",
+                    help="cpu: the pair in this process (default); openai: a running server at --base-url")
+    ep.add_argument("--base-url", help="the candidate's server, e.g. http://127.0.0.1:8000/v1")
+    ep.add_argument("--model", help="the model name the server serves (as /v1/models lists it)")
+    ep.add_argument("--api-key-env", help="the environment variable holding the server's API key")
+    ep.add_argument("--reference-url", help="the reference's server (default: --base-url)")
+    ep.add_argument("--reference-model", help="the reference's model name (default: --model)")
+    ep.add_argument("--knobs", choices=("spectune", "none"), default="spectune",
+                    help="spectune: --policy/--param/--draft-len go in the request's spec_decode field (spectune's "
+                         "Serve endpoint) and the reference sends speculation off; none: only --extra-body / "
+                         "--reference-extra-body (a server configured by its own flags)")
+    ep.add_argument("--extra-body", default=None, help="JSON merged into every candidate request")
+    ep.add_argument("--reference-extra-body", default=None, help="JSON merged into every reference request")
+    ep.add_argument("--concurrency", default="1", help="requests in flight, one value or several: 1,4,16")
+    ep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    ep.add_argument("--retries", type=int, default=4, help="retries per request (5xx, timeouts, drops, 429s)")
     return ap
 
 
@@ -122,12 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _main(args)
-    except ValueError as err:  # bad names/values: one clear line, no traceback
+    except ValueError as err:  # bad names/values, an unreachable server: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.engine == "openai":
+        from workers.endpoint_cli import run_endpoint_evaluation
+
+        return run_endpoint_evaluation(args)
     from workers.models.assets import AssetError
     from workers.models.pair import auto_dtype, load_pair
 

@@ -58,3 +58,12 @@ def require_positive(args: Any, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def parse_shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    i, sep, n = text.partition("/")
+    if not sep or not i.isdigit() or not n.isdigit() or not (0 <= int(i) < int(n)):
+        raise ValueError(f"--shard must look like I/N with 0 <= I < N, got {text!r}")
+    return int(i), int(n)

@@ -48,7 +48,7 @@ def server():
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     main = ServeSettings(pair="tiny-random", dtype="fp32", policy="kl_judge", params={"threshold": 0.5}, draft_len=4,
                          num_cpus=0.1, max_ongoing_requests=8, max_queued_requests=32, fail_marker=FAIL,
-                         source={"kind": "flags"}, limits={"max_prompt_tokens": 200, "max_tokens": 300,
+                         source={"kind": "flags"}, limits={"max_prompt_tokens": 1000, "max_tokens": 300,
                                                            "max_body_bytes": 20_000})
     tight = ServeSettings(pair="tiny-random", dtype="fp32", policy="lossless", num_cpus=0.1,
                           max_ongoing_requests=1, max_queued_requests=1)
@@ -147,7 +147,7 @@ BAD = [
     ({"prompt": "x", "tool": 1}, 400, "tool", "unknown field"),
     ({"prompt": "x", "spec_decode": {"policy": "kl_jduge"}}, 400, "spec_decode.policy", "unknown policy"),
     ({"prompt": "x", "spec_decode": {"policy": "dropmatch", "params": {"p_drop": 1.5}}}, 400, "spec_decode.params", "p_drop"),
-    ({"prompt": "word " * 400}, 400, "prompt", "exceed"),
+    ({"prompt": "word " * 1500}, 400, "prompt", "exceed"),
     ({"prompt": [999999]}, 400, "prompt", "vocabulary"),
     ({"prompt": "x", "model": "gpt-4o"}, 404, "model", "does not exist"),
     ({"prompt": "x" * 30_000}, 413, None, "exceeds the limit"),
@@ -265,3 +265,25 @@ def test_the_judge_scorer_asks_a_real_endpoint_and_caches_its_answer(server, tmp
     wrong_model = make_scorer("judge", {"url": f"{server}/v1", "model": "nope", "rubric": "{output}", "retries": 0})
     with pytest.raises(ValueError, match="refused the request: HTTP 4"):
         wrong_model("x", "y", {})
+
+
+def test_the_endpoint_engine_evaluates_a_rule_on_this_server_at_two_concurrencies(server, tmp_path, capsys):
+    """``jobs.evaluate --engine openai`` against spectune's own endpoint: the rule goes in spec_decode, the
+    reference sends speculation off, and per concurrency both sides' tokens/s, TPOT and accuracy come back; the
+    server's rule reports show the knobs were applied."""
+    from jobs import evaluate as evaluate_job
+
+    rc = evaluate_job.main(["--engine", "openai", "--base-url", f"{server}/v1", "--model", MODEL, "--benchmark",
+                            "gsm8k", "--limit", "4", "--max-new-tokens", "12", "--concurrency", "1,4", "--policy",
+                            "kl_judge", "--param", "threshold=2", "--draft-len", "3", "--runs-root", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for level in (1, 4):
+        assert f"concurrency {level}:" in out
+    errors = [json.loads(line)["reason"] for p in tmp_path.glob("eval-endpoint/*/*/c1/*/records.jsonl")
+              for line in p.read_text().splitlines()]
+    assert out.count("failed 0") == 4 and out.count("TPOT p50") == 4 and "candidate over reference" in out, errors[:2]
+    records = [json.loads(line) for line in next(tmp_path.glob("eval-endpoint/*/*/c4/candidate/records.jsonl"))
+               .read_text().splitlines()]
+    assert len(records) == 4 and all(r["num_drafts"] > 0 and r["draft_len"] == 3 for r in records)
+    assert all(json.loads(r["params"])["reported_policy"] == "kl_judge" for r in records)

@@ -1,0 +1,171 @@
+"""A small OpenAI-compatible server on 127.0.0.1 for the endpoint engine's fault tests: it streams chat and
+completions replies and misbehaves on request (500s, 429s, dropped streams, a slow first token, a key it wants,
+knobs it ignores), and counts what it was sent."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+
+@dataclass
+class Behaviour:
+    fail_500: int = 0  # the next N generation requests answer 500
+    fail_429: int = 0  # the next N answer 429 with Retry-After
+    retry_after: str = "0"
+    drop_stream: int = 0  # the next N streams break after the first chunk
+    always_500: bool = False
+    bad_request: bool = False  # every generation request answers 400
+    first_token_delay: float = 0.0
+    token_delay: float = 0.0
+    api_key: str | None = None
+    report_rule: bool = True  # False: ignores spec_decode (no rule report in the reply)
+    metrics: bool = False  # expose vLLM-style spec-decode counters on /metrics
+    accepted_per_request: int = 3  # counters: accepted tokens a request adds (the same for every request: the
+    # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
+    words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
+    requests: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    in_flight: int = 0
+    max_in_flight: int = 0
+    drafted: float = 0.0
+    accepted: float = 0.0
+
+
+class FakeServer:
+    def __init__(self, model: str = "fake/model") -> None:
+        self.model = model
+        self.b = Behaviour()
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _send(self, status: int, body: Any, headers: dict[str, str] | None = None) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                for k, v in (headers or {}).items():
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _authorized(self) -> bool:
+                want = server.b.api_key
+                if want and self.headers.get("Authorization") != f"Bearer {want}":
+                    self._send(401, {"error": {"message": "bad key"}})
+                    return False
+                return True
+
+            def do_GET(self) -> None:  # noqa: N802
+                if not self._authorized():
+                    return
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
+                elif self.path == "/metrics" and server.b.metrics:
+                    text = (f"vllm:spec_decode_num_draft_tokens_total{{model=\"m\"}} {server.b.drafted}\n"
+                            f"vllm:spec_decode_num_accepted_tokens_total{{model=\"m\"}} {server.b.accepted}\n")
+                    data = text.encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                else:
+                    self._send(404, {"error": {"message": "no such route"}})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                if not self._authorized():
+                    return
+                b = server.b
+                with server.lock:
+                    b.requests += 1
+                    b.bodies.append(body)
+                    fail = "500" if b.always_500 or b.fail_500 > 0 else "429" if b.fail_429 > 0 else \
+                        "400" if b.bad_request else "drop" if b.drop_stream > 0 else None
+                    if fail == "500" and not b.always_500:
+                        b.fail_500 -= 1
+                    elif fail == "429":
+                        b.fail_429 -= 1
+                    elif fail == "drop":
+                        b.drop_stream -= 1
+                    b.in_flight += 1
+                    b.max_in_flight = max(b.max_in_flight, b.in_flight)
+                try:
+                    if fail == "500":
+                        return self._send(500, {"error": {"message": "boom"}})
+                    if fail == "429":
+                        return self._send(429, {"error": {"message": "slow down"}}, {"Retry-After": b.retry_after})
+                    if fail == "400":
+                        return self._send(400, {"error": {"message": "max_tokens: too large"}})
+                    self._stream(body, drop=fail == "drop")
+                finally:
+                    with server.lock:
+                        b.in_flight -= 1
+
+            def _stream(self, body: dict[str, Any], drop: bool) -> None:
+                b = server.b
+                chat = "messages" in body
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+
+                def event(obj: Any) -> None:
+                    data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+
+                words = list(b.words)[: int(body.get("max_tokens") or 16)]
+                time.sleep(b.first_token_delay)
+                for i, w in enumerate(words):
+                    if i:
+                        time.sleep(b.token_delay)
+                    choice = {"index": 0, "delta": {"content": w}} if chat else {"index": 0, "text": w}
+                    event({"choices": [choice]})
+                    if drop:
+                        self.wfile.write(b"garbage-not-a-chunk")
+                        self.wfile.flush()
+                        self.close_connection = True
+                        return
+                spec = body.get("spec_decode") if b.report_rule else None
+                final: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", **({"delta": {}} if chat else {"text": ""})}]}
+                if spec:
+                    final["spec_decode"] = {"policy": spec.get("policy"), "num_drafts": 2, "num_draft_tokens": 8,
+                                            "num_accepted_tokens": 3, "accepted_per_position": [2, 1]}
+                event(final)
+                event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(words),
+                                                "total_tokens": 7 + len(words)}})
+                event("[DONE]")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+                with server.lock:
+                    b.drafted += 8
+                    named = isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"
+                    b.accepted += b.accepted_per_request + (2 if named and b.report_rule else 0)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> FakeServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

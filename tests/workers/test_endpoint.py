@@ -1,0 +1,168 @@
+"""The endpoint engine against a small fake OpenAI-compatible server on 127.0.0.1: one clear line for a server
+that cannot be used, retries with backoff for 5xx/drops, 429s waited out, a 4xx not retried, the concurrency
+held, timing from the stream, and ``jobs.evaluate --engine openai`` refusing a server that ignores the knobs
+while keeping every record (a rerun sends nothing again)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tests.workers.fake_openai import FakeServer
+from workers.endpoint import (
+    Endpoint,
+    EndpointError,
+    RequestFailed,
+    acceptance_between,
+    check,
+    complete,
+    parse_counters,
+)
+
+MESSAGES = [{"role": "user", "content": "2 + 40?"}]
+
+
+@pytest.fixture
+def fake():
+    with FakeServer() as server:
+        yield server
+
+
+def ep(fake: FakeServer, **kw) -> Endpoint:
+    return Endpoint(fake.url, fake.model, **{"retries": 3, "backoff_s": 0.0, **kw})
+
+
+def test_a_server_that_cannot_be_used_is_one_line(fake, monkeypatch):
+    with pytest.raises(EndpointError, match=r"^cannot reach http://127.0.0.1:9/v1: Connection refused$"):
+        check(Endpoint("http://127.0.0.1:9/v1", "m", connect_timeout_s=2))
+    with pytest.raises(EndpointError, match="model 'other' is not served at .*; it serves: fake/model"):
+        check(Endpoint(fake.url, "other"))
+    fake.b.api_key = "sekrit"
+    with pytest.raises(EndpointError, match="refused the request: HTTP 401 .set --api-key-env."):
+        check(ep(fake))
+    with pytest.raises(EndpointError, match="--api-key-env FAKE_KEY: that environment variable is not set"):
+        check(ep(fake, api_key_env="FAKE_KEY"))
+    monkeypatch.setenv("FAKE_KEY", "sekrit")
+    assert check(ep(fake, api_key_env="FAKE_KEY"))["id"] == "fake/model"
+    for bad in ("127.0.0.1:8000", "", "ftp://x/v1"):
+        with pytest.raises(EndpointError, match="--base-url must be an http"):
+            Endpoint(bad, "m")
+
+
+def test_a_stream_is_timed_and_counted_from_the_server(fake):
+    fake.b.first_token_delay, fake.b.token_delay = 0.3, 0.02
+    reply = complete(ep(fake), MESSAGES, max_tokens=16)
+    assert reply.text == "The answer is 42." and reply.finish == "stop" and reply.completion_tokens == 5
+    assert reply.ttft_s >= 0.3 and reply.seconds >= reply.ttft_s + 4 * 0.02
+    assert 0.015 < reply.tpot_s < 0.2 and reply.attempts == 1
+    assert fake.b.bodies[0]["stream"] is True and fake.b.bodies[0]["stream_options"] == {"include_usage": True}
+    done = complete(ep(fake), None, "Q: 2 + 40?\nA:", max_tokens=2)  # /v1/completions
+    assert done.text == "The answer" and done.completion_tokens == 2
+
+
+def test_5xx_and_broken_streams_are_retried_with_backoff_and_429s_wait_their_retry_after(fake):
+    waits: list[float] = []
+    fake.b.fail_500, fake.b.drop_stream = 2, 1
+    reply = complete(ep(fake, backoff_s=0.1), MESSAGES, max_tokens=16, sleep=waits.append)
+    assert reply.attempts == 4 and reply.text == "The answer is 42."
+    assert len(waits) == 3 and 0.1 <= waits[0] <= 0.2 and 0.2 <= waits[1] <= 0.4, "doubling, with jitter"
+    waits.clear()
+    fake.b.fail_429, fake.b.retry_after = 2, "1.5"
+    assert complete(ep(fake), MESSAGES, max_tokens=16, sleep=waits.append).attempts == 3
+    assert waits == [1.5, 1.5], "a 429's Retry-After is what it waits"
+
+
+def test_what_still_fails_raises_once_and_a_4xx_is_not_retried(fake):
+    fake.b.always_500 = True
+    with pytest.raises(RequestFailed, match=r"HTTP 500.*after 4 attempts") as err:
+        complete(ep(fake), MESSAGES, max_tokens=16, sleep=lambda _: None)
+    assert err.value.attempts == 4 and fake.b.requests == 4
+    fake.b.always_500, fake.b.bad_request, fake.b.requests = False, True, 0
+    with pytest.raises(RequestFailed, match="HTTP 400: max_tokens: too large"):
+        complete(ep(fake), MESSAGES, max_tokens=16, sleep=lambda _: None)
+    assert fake.b.requests == 1
+
+
+def test_prometheus_counters_give_the_acceptance_between_two_reads():
+    text = ('# HELP x\nvllm:spec_decode_num_draft_tokens_total{engine="0"} 100.0\n'
+            'vllm:spec_decode_num_draft_tokens_total{engine="1"} 20.0\n'
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0"} 60\nvllm:spec_decode_num_drafts_total 30\n'
+            'vllm:spec_decode_num_draft_tokens_created 1.7e9\n')
+    got = parse_counters(text)
+    assert got == {"draft_tokens": 120.0, "accepted_tokens": 60.0, "drafts": 30.0}
+    assert parse_counters("other_metric 1\n") is None
+    assert acceptance_between(got, {**got, "draft_tokens": 220.0, "accepted_tokens": 110.0}) == 0.5
+    assert acceptance_between(None, got) is None
+
+
+def evaluate(fake: FakeServer, tmp_path, *extra: str) -> int:
+    from jobs import evaluate as evaluate_job
+
+    return evaluate_job.main(["--engine", "openai", "--base-url", fake.url, "--model", fake.model, "--benchmark",
+                              "gsm8k", "--limit", "6", "--max-new-tokens", "16", "--runs-root", str(tmp_path),
+                              "--retries", "1", *extra])
+
+
+def test_evaluate_prints_both_sides_per_concurrency_and_resumes_without_sending_again(fake, tmp_path, capsys):
+    fake.b.token_delay = 0.01
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--param", "threshold=0.5", "--concurrency", "1,4") == 0
+    out = capsys.readouterr().out
+    for level in (1, 4):
+        assert f"concurrency {level}:" in out
+    assert out.count("TPOT p50") == 4 and "candidate over reference: tokens/s" in out and "n=6" in out
+    assert 1 < fake.b.max_in_flight <= 4, "concurrency 4 held, and used"
+    sent = [b for b in fake.b.bodies if b.get("spec_decode", {}).get("policy") == "kl_judge"]
+    assert len(sent) == 12 and sent[0]["spec_decode"]["params"]["threshold"] == 0.5 and "seed" not in sent[0]
+    assert sum(b["spec_decode"] == {"policy": "off"} for b in fake.b.bodies) == 12
+    before = fake.b.requests
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--param", "threshold=0.5", "--concurrency", "1,4") == 0
+    assert fake.b.requests == before, "a rerun resumes from its records"
+    summary = json.loads(next(tmp_path.glob("eval-endpoint/*/*/summary.json")).read_text())
+    assert summary["knobs_applied"] and summary["levels"]["4"]["candidate"]["items"] == 6
+
+
+def test_a_server_that_ignores_the_knobs_is_refused_in_one_line_and_nothing_is_lost(fake, tmp_path, capsys):
+    fake.b.report_rule = False
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("refused: the candidate asked for rule 'kl_judge' in spec_decode, but the server's "
+                              "replies reported ['None'] (none: no rule report): it ignores the knobs")
+    stored = list(tmp_path.glob("eval-endpoint/*/*/c1/candidate/records.jsonl"))
+    assert stored and len(stored[0].read_text().splitlines()) == 6
+
+
+def test_a_fixed_server_configuration_is_checked_by_its_metrics(fake, tmp_path, capsys):
+    """--knobs none: the candidate's extra body is the server's business; acceptance from /metrics must move."""
+    fake.b.metrics = True
+    rc = evaluate(fake, tmp_path, "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
+    assert rc == 3 and "acceptance did not move between the sides" in capsys.readouterr().err
+    fake.b.metrics = False
+    rc = evaluate(fake, tmp_path / "b", "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
+    assert rc == 3 and "no rule report and its /metrics exposes no" in capsys.readouterr().err
+
+
+def test_failed_requests_count_against_their_side_and_the_batch_goes_on(fake, tmp_path, capsys):
+    fake.b.always_500 = True
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--request-timeout", "5") in (0, 3)
+    out = capsys.readouterr().out
+    assert "failed 6" in out
+    records = [json.loads(line) for p in tmp_path.glob("eval-endpoint/*/*/c1/*/records.jsonl")
+               for line in p.read_text().splitlines()]
+    assert len(records) == 12 and all(r["error"].startswith("RequestFailed") for r in records)
+    assert all(math.isnan(float(r["score"])) or r["score"] == "nan" for r in records)
+
+
+def test_bad_flags_are_one_line(tmp_path, capsys):
+    from jobs import evaluate as evaluate_job
+
+    base = ["--engine", "openai", "--model", "m", "--benchmark", "gsm8k", "--runs-root", str(tmp_path)]
+    assert evaluate_job.main(base) == 2
+    assert capsys.readouterr().err.strip() == ("error: --engine openai needs --base-url (the server's OpenAI base url, "
+                                               "e.g. http://127.0.0.1:8000/v1)")
+    for extra, message in ((["--extra-body", "{nope"], "--extra-body must be a JSON object"),
+                           (["--concurrency", "2,x"], "--concurrency must be integers"),
+                           (["--policy", "target-only"], "is the reference itself")):
+        assert evaluate_job.main([*base, "--base-url", "http://127.0.0.1:9/v1", *extra]) == 2
+        assert message in capsys.readouterr().err

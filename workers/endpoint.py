@@ -1,0 +1,340 @@
+"""An OpenAI-compatible server as an engine: spectune's own Serve endpoint, a stock ``vllm serve`` (with or without
+spectune's plugin), SGLang, TensorRT-LLM, anything that answers ``/v1/chat/completions`` and ``/v1/completions``.
+
+- :class:`Endpoint`: where a side of a comparison runs (base url, model, the key's environment variable) and what
+  its requests carry beyond the prompt (``extra_body``: a rule's knobs, in whichever field that server reads).
+- :func:`check`: ``GET /v1/models`` before anything runs: an unreachable url, a refused key or a model the server
+  does not serve is one :class:`EndpointError` line, never a traceback.
+- :func:`complete`: one streamed request, timed (time to first token, time per output token after it), retried
+  with exponential backoff on a dropped connection, a timeout or a 5xx, rate-limited on a 429 (its
+  ``Retry-After``); a 4xx is the request's own fault and is not retried. What still fails raises
+  :class:`RequestFailed` (the caller counts the item against its side).
+- :func:`run_concurrently`: requests at a stated concurrency, results in submission order.
+- :func:`spec_counters`: the speculative-decoding counters of a server's Prometheus ``/metrics`` (vLLM's).
+
+Knows HTTP and the OpenAI wire format; nothing about benchmarks, rules or certificates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+RETRY_STATUS = frozenset({408, 409, 425, 500, 502, 503, 504})
+MAX_RETRY_AFTER_S = 60.0
+
+
+class EndpointError(ValueError):
+    """A side cannot run at all (unreachable, refused, wrong model, bad settings): one line for the user."""
+
+
+class RequestFailed(RuntimeError):
+    """One request that still failed after its retries (or at once, on a 4xx that is its own fault)."""
+
+    def __init__(self, message: str, status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.status, self.attempts = status, attempts
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One side of a comparison: an OpenAI-compatible server and the extra JSON its requests carry."""
+
+    base_url: str  # ".../v1"
+    model: str
+    api_key_env: str | None = None  # the environment variable holding the key (never the key itself)
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 600.0  # one request, first byte to last
+    connect_timeout_s: float = 10.0
+    retries: int = 4  # after the first attempt
+    backoff_s: float = 0.5  # first wait; doubles, with jitter
+
+    def __post_init__(self) -> None:
+        if not re.match(r"^https?://[^/\s]+", self.base_url or ""):
+            raise EndpointError(f"--base-url must be an http(s) url like http://127.0.0.1:8000/v1, got {self.base_url!r}")
+        if not self.model:
+            raise EndpointError("--model is required with --engine openai (the name /v1/models lists)")
+        if self.retries < 0 or self.timeout_s <= 0 or self.backoff_s < 0:
+            raise EndpointError("retries must be >= 0 and timeouts > 0")
+        if not isinstance(self.extra_body, dict):
+            raise EndpointError(f"extra body must be a JSON object, got {type(self.extra_body).__name__}")
+
+    @property
+    def root(self) -> str:
+        """The server's root (``/metrics`` lives there): the base url without its trailing ``/v1``."""
+        return re.sub(r"/v1/?$", "", self.base_url.rstrip("/"))
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + "/" + path.lstrip("/")
+
+    def headers(self) -> dict[str, str]:
+        out = {"Content-Type": "application/json"}
+        if self.api_key_env:
+            key = os.environ.get(self.api_key_env)
+            if not key:
+                raise EndpointError(f"--api-key-env {self.api_key_env}: that environment variable is not set")
+            out["Authorization"] = f"Bearer {key}"
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        """What a record or a certificate's scope says of this side (no key)."""
+        return {"base_url": self.base_url, "model": self.model, "extra_body": self.extra_body}
+
+
+@dataclass
+class Reply:
+    """One finished request: its text and finish reason, its token counts (the server's ``usage``), the
+    seconds to its first output token and in all, its attempts, and the rule report the server sent
+    (spectune's ``spec_decode``), if any."""
+
+    text: str
+    finish: str
+    completion_tokens: int
+    prompt_tokens: int
+    ttft_s: float
+    seconds: float
+    attempts: int = 1
+    report: dict[str, Any] | None = None
+
+    @property
+    def tpot_s(self) -> float:
+        """Time per output token after the first (what a streaming user waits between tokens)."""
+        n = self.completion_tokens - 1
+        return (self.seconds - self.ttft_s) / n if n > 0 else float("nan")
+
+
+def _session():
+    import requests
+
+    return requests.Session()
+
+
+_local = threading.local()
+
+
+def _http():
+    if not hasattr(_local, "session"):
+        _local.session = _session()
+    return _local.session
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    # requests' connection errors nest the reason deep: keep the part a user acts on
+    found = re.search(r"(Connection refused|Name or service not known|timed out|No route to host|"
+                      r"Temporary failure in name resolution|Connection reset by peer|RemoteDisconnected)", str(err))
+    return found.group(1) if found else text[:200]
+
+
+def check(endpoint: Endpoint) -> dict[str, Any]:
+    """``GET /v1/models``: the server is there, takes the key, and serves ``endpoint.model``. Returns that model's
+    card (recorded with the pair identity the user states). :class:`EndpointError`, one line, otherwise."""
+    import requests
+
+    url = endpoint.url("models")
+    try:
+        resp = _http().get(url, headers=endpoint.headers(), timeout=(endpoint.connect_timeout_s, 30.0))
+    except requests.RequestException as err:
+        raise EndpointError(f"cannot reach {endpoint.base_url}: {_one_line(err)}") from None
+    if resp.status_code in (401, 403):
+        hint = f" (the key in ${endpoint.api_key_env})" if endpoint.api_key_env else " (set --api-key-env)"
+        raise EndpointError(f"{endpoint.base_url} refused the request: HTTP {resp.status_code}{hint}")
+    if resp.status_code != 200:
+        raise EndpointError(f"{url} answered HTTP {resp.status_code}: {resp.text[:160]!r}")
+    try:
+        cards = resp.json().get("data") or []
+        served = [str(c.get("id")) for c in cards]
+    except (ValueError, AttributeError):
+        raise EndpointError(f"{url} did not answer an OpenAI model list: {resp.text[:160]!r}") from None
+    if endpoint.model not in served:
+        raise EndpointError(f"model {endpoint.model!r} is not served at {endpoint.base_url}; it serves: "
+                            f"{', '.join(served[:8]) or 'nothing'}")
+    return next(c for c in cards if str(c.get("id")) == endpoint.model)
+
+
+def body_for(endpoint: Endpoint, messages: list[dict[str, str]] | None, prompt: str | None, max_tokens: int,
+             temperature: float, seed: int | None, stop: Sequence[str] | None) -> dict[str, Any]:
+    """A chat (``messages``) or completions (``prompt``) request body, streamed with usage, plus the side's
+    extra body (its rule's knobs)."""
+    body: dict[str, Any] = {"model": endpoint.model, "max_tokens": max_tokens, "temperature": temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if messages is not None:
+        body["messages"] = messages
+    else:
+        body["prompt"] = prompt
+    if seed is not None and temperature > 0:
+        body["seed"] = seed
+    if stop:
+        body["stop"] = list(stop)
+    return {**body, **endpoint.extra_body}
+
+
+def complete(endpoint: Endpoint, messages: list[dict[str, str]] | None = None, prompt: str | None = None, *,
+             max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+             stop: Sequence[str] | None = None, sleep: Callable[[float], None] = time.sleep) -> Reply:
+    """One request, streamed and timed, retried as the module says. :class:`RequestFailed` when it still fails."""
+    body = body_for(endpoint, messages, prompt, max_tokens, temperature, seed, stop)
+    route = "chat/completions" if messages is not None else "completions"
+    last = ""
+    status: int | None = None
+    wait = endpoint.backoff_s
+    for attempt in range(1, endpoint.retries + 2):
+        try:
+            reply = _stream(endpoint, route, body)
+            reply.attempts = attempt
+            return reply
+        except _Retry as err:
+            last, status = err.message, err.status
+            pause = err.retry_after if err.retry_after is not None else wait * (1.0 + random.random())
+            wait *= 2
+        except RequestFailed as err:
+            err.attempts = attempt
+            raise
+        if attempt <= endpoint.retries:
+            sleep(min(pause, MAX_RETRY_AFTER_S))
+    raise RequestFailed(f"{last} (after {endpoint.retries + 1} attempts)", status, endpoint.retries + 1)
+
+
+class _Retry(Exception):
+    def __init__(self, message: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.retry_after = message, status, retry_after
+
+
+def _retry_after(value: str | None) -> float | None:
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _stream(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Reply:
+    import requests
+
+    t0 = time.perf_counter()
+    try:
+        resp = _http().post(endpoint.url(route), data=json.dumps(body), headers=endpoint.headers(), stream=True,
+                            timeout=(endpoint.connect_timeout_s, endpoint.timeout_s))
+    except requests.RequestException as err:
+        raise _Retry(f"{route}: {_one_line(err)}") from None
+    with resp:
+        if resp.status_code == 429:
+            raise _Retry(f"{route}: HTTP 429 (rate limited)", 429, _retry_after(resp.headers.get("Retry-After")))
+        if resp.status_code in RETRY_STATUS:
+            raise _Retry(f"{route}: HTTP {resp.status_code}: {resp.text[:160]!r}", resp.status_code)
+        if resp.status_code != 200:
+            raise RequestFailed(f"{route}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code)
+        text: list[str] = []
+        finish, usage, report, ttft = "", {}, None, None
+        try:
+            for raw in resp.iter_lines(decode_unicode=True):
+                if not raw or not raw.startswith("data:"):
+                    continue
+                data = raw[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise _Retry(f"{route}: the stream carried an error: {str(chunk['error'])[:160]}")
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    if piece:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text.append(piece)
+                    if choice.get("finish_reason"):
+                        finish = choice["finish_reason"]
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if chunk.get("spec_decode"):
+                    report = chunk["spec_decode"]
+        except (requests.RequestException, ValueError) as err:  # a dropped or garbled stream: the whole request again
+            raise _Retry(f"{route}: the stream broke: {_one_line(err)}") from None
+    seconds = time.perf_counter() - t0
+    if not finish:
+        raise _Retry(f"{route}: the stream ended without a finish reason")
+    if not usage:
+        raise RequestFailed(f"{route}: the server sent no usage (stream_options.include_usage): tokens cannot be counted")
+    return Reply("".join(text), finish, int(usage.get("completion_tokens") or 0), int(usage.get("prompt_tokens") or 0),
+                 ttft if ttft is not None else seconds, seconds, report=report)
+
+
+def _error_message(resp: Any) -> str:
+    try:
+        err = resp.json().get("error")
+        return str(err.get("message") if isinstance(err, dict) else err)[:200]
+    except (ValueError, AttributeError):
+        return repr(resp.text[:200])
+
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def run_concurrently(fn: Callable[[T], R], jobs: Iterable[T], concurrency: int,
+                     on_done: Callable[[int, R], None] | None = None) -> list[R]:
+    """``fn`` over ``jobs`` with at most ``concurrency`` in flight; results in submission order. ``fn`` must not
+    raise for one job's failure (it returns it): one bad request never stops the batch."""
+    if concurrency < 1:
+        raise EndpointError(f"--concurrency must be >= 1, got {concurrency}")
+    jobs = list(jobs)
+    out: list[Any] = [None] * len(jobs)
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
+        from concurrent.futures import as_completed
+
+        for fut in as_completed(futures):
+            i = futures[fut]
+            out[i] = fut.result()
+            if on_done is not None:
+                on_done(i, out[i])
+    return out
+
+
+SPEC_COUNTERS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens", "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+                 "drafts": "vllm:spec_decode_num_drafts"}
+
+
+def spec_counters(endpoint: Endpoint) -> dict[str, float] | None:
+    """The server's speculative-decoding counters from Prometheus ``/metrics`` (vLLM's names, summed over
+    label sets), or None where it exposes none (or no ``/metrics``)."""
+    import requests
+
+    try:
+        resp = _http().get(endpoint.root + "/metrics", headers=endpoint.headers(), timeout=(endpoint.connect_timeout_s, 30.0))
+    except requests.RequestException:
+        return None
+    if resp.status_code != 200:
+        return None
+    return parse_counters(resp.text)
+
+
+def parse_counters(text: str) -> dict[str, float] | None:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for key, name in SPEC_COUNTERS.items():
+            if line.startswith(name + "_total") or line.startswith(name + "{") or line.startswith(name + " "):
+                try:
+                    out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+                except (ValueError, IndexError):
+                    continue
+    return out or None
+
+
+def acceptance_between(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Accepted / drafted tokens between two :func:`spec_counters` reads, or None where unknown."""
+    if not before or not after:
+        return None
+    drafted = after.get("draft_tokens", 0.0) - before.get("draft_tokens", 0.0)
+    accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
+    return accepted / drafted if drafted > 0 else None
