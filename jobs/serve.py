@@ -1,7 +1,7 @@
 """Serve a draft/target pair with the chosen acceptance rule behind an OpenAI-compatible API.
 
     # the policy a sweep chose for a 2% accuracy budget (read from the sweep's MLflow run)
-    python -m jobs.serve --from-sweep RUN_ID --budget 0.02
+    python -m jobs.serve --from-sweep RUN_ID --budget 0.02          # or the sweep's run directory
     # a chosen-policy JSON file (a sweep's report/chosen-budget-0.02.json, or hand-written)
     python -m jobs.serve --policy-file chosen.json
     # explicit flags
@@ -219,7 +219,7 @@ def serve_config(host: str, port: int, args: dict[str, Any]) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_argument_group("policy (one source)")
-    src.add_argument("--from-sweep", metavar="RUN_ID", help="a sweep's parent MLflow run id")
+    src.add_argument("--from-sweep", metavar="RUN", help="a sweep's run directory or its parent MLflow run id")
     src.add_argument("--budget", help="with --from-sweep: the accuracy budget, e.g. 0.02 or 2%%")
     src.add_argument("--tracking-uri", help="with --from-sweep: the sweep's MLflow store (default: found under runs/)")
     src.add_argument("--run-dir", help="with --from-sweep: the sweep's run directory (holds mlflow.db)")
@@ -278,6 +278,18 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
             or args.speculative_method is not None) and args.engine != "vllm":
         raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens, --max-num-seqs and "
                          "--speculative-method are vLLM settings: add --engine vllm")
+    run_id = args.from_sweep
+    if run_id and Path(run_id).expanduser().is_dir():  # a sweep's run directory, as jobs.export_rule takes it
+        from jobs.export_rule import find_run_dir
+
+        found = find_run_dir(run_id, args.runs_root)
+        try:
+            run_id = json.loads((found / "sweep.json").read_text())["parent_run_id"]
+        except (OSError, ValueError, KeyError):
+            raise ValueError(f"--from-sweep {args.from_sweep}: no sweep.json with a parent run id in it (is it a "
+                             "sweep's run directory?)") from None
+        if args.run_dir is None and args.tracking_uri is None:
+            args.run_dir = str(found)
     uri = args.tracking_uri
     if args.run_dir:
         from sweep.tracking import tracking_uri
@@ -305,7 +317,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
                                     else int(args.kv_cache_gb * 2**30))) if v is not None} or None,
     }
     if args.from_sweep:
-        spec["from_sweep"] = {"run_id": args.from_sweep, "budget": args.budget, "tracking_uri": uri}
+        spec["from_sweep"] = {"run_id": run_id, "budget": args.budget, "tracking_uri": uri}
     if args.policy_file:
         spec["policy_file"] = args.policy_file
     return spec

@@ -172,8 +172,9 @@ def build_parser() -> SweepParser:
     ap.add_argument("--alpha", type=float, default=0.05, help="one-sided error level of every certificate")
     ap.add_argument("--subset-seed", type=subset_seed, default=0,
                     help="seeded item order before --items cuts it; 'file' = the file's order (first N items)")
-    ap.add_argument("--draft-len", type=comma_list, default="1,12",
-                    help="draft length search range LO,HI (or one value); the best lossless is sought over it too")
+    ap.add_argument("--draft-len", type=comma_list, default=None,
+                    help="draft length search range LO,HI (or one value); the best lossless is sought over it too "
+                         "(default 1,12 on the CPU engine; 5 on vLLM, which fixes L when it starts: one sweep per L)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
     ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")

@@ -46,19 +46,28 @@ class Settings:
         return list(range(self.draft_len[0], self.draft_len[1] + 1))
 
 
+DEFAULT_DRAFT_LEN = {"cpu": "1,12", "vllm": "5"}  # --draft-len when none is given, per engine
+
+
 def parse_settings(given: argparse.Namespace) -> Settings:
     """``given`` (``jobs.sweep_args.parse_args``) validated and resolved; ValueError, one line, naming the flag."""
     args = argparse.Namespace(**vars(given))  # resolved below; the caller's arguments stay as given
     if args.judge_url:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url  # before Ray starts: the actors inherit it
     bench = get_benchmark(args.benchmark)
-    from workers.models.pair import auto_dtype, check_pair_name, native_dtype
+    from workers.models.pair import auto_dtype, check_pair_name
 
     if args.dtype == "auto":
         # resolved once: the dtype is part of the study's and references' identity. The CPU engine's fastest
-        # dtype is int8 (the fast CPU path) on x86; vLLM runs a float dtype.
-        args.dtype = auto_dtype() if args.engine == "cpu" else native_dtype()
-        log(f"--dtype auto: {args.dtype} on this machine")
+        # dtype is int8 (the fast CPU path) on x86, resolved here because the actors run on this kind of machine.
+        # vLLM runs on the GPU workers, not on this driver (a GPU-less head without bf16 instructions would
+        # otherwise pick fp32 for them): bf16, which every GPU since Ampere runs natively.
+        if args.engine == "cpu":
+            args.dtype = auto_dtype()
+            log(f"--dtype auto: {args.dtype} on this machine")
+        else:
+            args.dtype = "bf16"
+            log("--dtype auto: bf16 for the vLLM engine's GPU workers (a GPU without bf16, e.g. V100 or T4: --dtype fp16)")
     if args.dtype in ("int8",) and args.engine != "cpu":
         raise ValueError(f"--dtype int8 is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 or fp32")
 
@@ -71,7 +80,15 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
     families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
     ranges = search_ranges(families, getattr(args, "search_space", None))
-    bounds = [int(x) for x in args.draft_len.split(",")]
+    if args.draft_len is None:  # the vLLM engine fixes L when it starts: one L per sweep there
+        args.draft_len = DEFAULT_DRAFT_LEN.get(args.engine, "1,12")
+        if args.engine != "cpu":
+            log(f"--draft-len: {args.draft_len} (the {args.engine} engine fixes the draft length when it starts: one "
+                "sweep per L; give --draft-len to choose it)")
+    try:
+        bounds = [int(x) for x in args.draft_len.split(",")]
+    except ValueError:
+        raise ValueError(f"--draft-len must be LO,HI integers, got {args.draft_len!r}") from None
     lo, hi = (bounds[0], bounds[-1])
     if not (1 <= lo <= hi <= 16):
         raise ValueError(f"--draft-len must be LO,HI with 1 <= LO <= HI <= 16, got {args.draft_len!r}")

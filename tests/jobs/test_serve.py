@@ -44,6 +44,10 @@ def test_policy_from_a_sweep_run_id_and_budget(swept):
     args = serve_job.build_parser().parse_args(["--from-sweep", run_id, "--budget", "0.9",
                                                 "--run-dir", str(next(root.glob("sweeps/*")))])
     assert serve_job.settings_from(serve_job.args_to_spec(args)).policy == chosen["policy"]
+    # or the run directory itself, as jobs.export_rule takes it
+    args = serve_job.build_parser().parse_args(["--from-sweep", str(next(root.glob("sweeps/*"))), "--budget", "0.9"])
+    by_dir = serve_job.settings_from(serve_job.args_to_spec(args))
+    assert by_dir.policy == chosen["policy"] and by_dir.source["run_id"] == run_id
     # what the certificate covers is in the source (/v1/policy); the same pair and dtype given again keep it
     assert src["covers"] == {"benchmark": "gsm8k", "pair": "tiny-random", "dtype": "fp32", "engine": "cpu",
                              "draft_len": chosen["draft_len"], "drafter": "draft_model", "temperature": 0.0,

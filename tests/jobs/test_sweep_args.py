@@ -109,3 +109,18 @@ def test_a_verify_factor_is_positive_and_part_of_the_study_identity():
         parse_settings(parse_args([*BASE, "--verify-factor", "0"]))
     plain, fixed = (study_name(parse_settings(parse_args([*BASE, *extra]))) for extra in ([], ["--verify-factor", "1.2"]))
     assert plain != fixed, "a fixed v changes every modelled speed: another study"
+
+
+def test_the_draft_length_and_dtype_defaults_follow_the_engine():
+    """The vLLM engine fixes L when it starts and runs on GPU workers: its defaults are one L and bf16 (never the
+    driver's CPU dtype); the CPU engine searches 1..12 in this machine's fastest dtype."""
+    from workers.models.pair import auto_dtype
+
+    cpu = parse_settings(parse_args([*BASE, "--dtype", "auto"]))
+    assert cpu.draft_len == (1, 12) and cpu.args.dtype == auto_dtype()
+    vllm = parse_settings(parse_args([*BASE, "--engine", "vllm", "--dtype", "auto", "--cost-ratio", "0.3"]))
+    assert vllm.draft_len == (5, 5) and vllm.args.dtype == "bf16"
+    with pytest.raises(ValueError, match="fixes the draft length when it starts"):
+        parse_settings(parse_args([*BASE, "--engine", "vllm", "--draft-len", "2,6", "--cost-ratio", "0.3"]))
+    with pytest.raises(ValueError, match="--draft-len must be LO,HI integers"):
+        parse_settings(parse_args([*BASE, "--draft-len", "a,b"]))
