@@ -180,9 +180,12 @@ def pair_dirs(name: str, cache_dir: str | os.PathLike[str] | None = None) -> tup
         dirs = local
         key = hashlib.sha1("\0".join(str(d) for d in dirs).encode()).hexdigest()[:12]
         pair_cache = root / "pairs" / f"local-{key}"
-    pair_cache.mkdir(parents=True, exist_ok=True)
-    if name not in REAL_PAIRS:
-        (pair_cache / "pair.json").write_text(json.dumps({"draft": str(dirs[0]), "target": str(dirs[1])}) + "\n")
+    try:
+        pair_cache.mkdir(parents=True, exist_ok=True)
+        if name not in REAL_PAIRS:
+            (pair_cache / "pair.json").write_text(json.dumps({"draft": str(dirs[0]), "target": str(dirs[1])}) + "\n")
+    except OSError:  # a read-only asset volume (KubeRay pods mount it so): what is derived there is kept in memory
+        pass
     return dirs[0], dirs[1], pair_cache
 
 
