@@ -119,9 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--api-key-env", help="the environment variable holding the server's API key")
     ep.add_argument("--reference-url", help="the reference's server (default: --base-url)")
     ep.add_argument("--reference-model", help="the reference's model name (default: --model)")
-    ep.add_argument("--knobs", choices=("spectune", "none"), default="spectune",
+    ep.add_argument("--knobs", choices=("spectune", "vllm", "none"), default="spectune",
                     help="spectune: --policy/--param/--draft-len go in the request's spec_decode field (spectune's "
-                         "Serve endpoint) and the reference sends speculation off; none: only --extra-body / "
+                         "Serve endpoint) and the reference sends speculation off; vllm: --policy/--param go as "
+                         "vllm_xargs.spectune_rule to a stock `vllm serve` with spectune's plugin, the reference "
+                         "sends none (the server's lossless rule); none: only --extra-body / "
                          "--reference-extra-body (a server configured by its own flags)")
     ep.add_argument("--extra-body", default=None, help="JSON merged into every candidate request")
     ep.add_argument("--reference-extra-body", default=None, help="JSON merged into every reference request")

@@ -53,21 +53,33 @@ def sides(args: argparse.Namespace) -> tuple[Side, Side]:
     ref_extra = json_object("--reference-extra-body", args.reference_extra_body)
     params = parse_params(args.param)
     common = dict(api_key_env=args.api_key_env, timeout_s=args.request_timeout, retries=args.retries)
-    if args.knobs == "spectune":
+    reference_policy = TARGET_ONLY
+    if args.knobs in ("spectune", "vllm"):
+        if args.policy in (TARGET_ONLY, "lossless") and args.knobs == "vllm":
+            raise ValueError("--knobs vllm compares a rule with the server's own (lossless) rejection sampling: "
+                             "name a lossy rule")
         if args.policy == TARGET_ONLY:
             raise ValueError("--policy target-only is the reference itself: name the rule to compare with it")
         rule = make_policy(args.policy, **params)  # an unknown rule or knob: one line, before any request
-        extra = {"spec_decode": {"policy": args.policy, "params": rule.config.to_dict(), "draft_len": args.draft_len},
-                 **extra}
-        ref_extra = {"spec_decode": {"policy": "off"}, **ref_extra}
-        policy, draft_len = args.policy, args.draft_len
+        if args.knobs == "spectune":
+            extra = {"spec_decode": {"policy": args.policy, "params": rule.config.to_dict(),
+                                     "draft_len": args.draft_len}, **extra}
+            ref_extra = {"spec_decode": {"policy": "off"}, **ref_extra}
+            policy, draft_len = args.policy, args.draft_len
+        else:  # a stock `vllm serve` with spectune's plugin: the rule as a JSON string in vllm_xargs
+            from workers.vllm.rules import RULE_ARG
+
+            carried = json.dumps({"policy": args.policy, "params": rule.config.to_dict(), "seed": args.seed})
+            extra = {"vllm_xargs": {RULE_ARG: carried}, **extra}
+            policy, draft_len, reference_policy = args.policy, 0, "server"  # L is the server's; lossless there
     else:
         policy, draft_len, params = "server", 0, {}
+        reference_policy = "server"
     model = args.model
     reference = Side("reference", Endpoint(args.reference_url or args.base_url, args.reference_model or model,
-                                           extra_body=ref_extra, **common), TARGET_ONLY)
+                                           extra_body=ref_extra, **common), reference_policy)
     candidate = Side("candidate", Endpoint(args.base_url, model, extra_body=extra, **common), policy,
-                     params if args.knobs == "spectune" else {}, draft_len)
+                     params if args.knobs != "none" else {}, draft_len)
     return reference, candidate
 
 
@@ -90,7 +102,7 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
     max_new = args.max_new_tokens or bench.default_max_new_tokens
     decode = dict(shots=args.shots, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed)
-    spec_key = DecodeSpec.make(candidate.policy if args.knobs == "spectune" else "lossless", candidate.params,
+    spec_key = DecodeSpec.make(candidate.policy if args.knobs != "none" else "lossless", candidate.params,
                                max(1, candidate.draft_len), **decode).key()
     identity = json.dumps({"reference": reference.endpoint.describe(), "candidate": candidate.endpoint.describe(),
                            "decode": decode, "benchmark": bench.key}, sort_keys=True)

@@ -140,6 +140,8 @@ def knob_check(candidate: Side, records: dict[str, Record], acceptance: dict[str
     one line that says what was checked. Spectune's rule fields (``spec_decode`` in the extra body): every reply
     must report the rule asked for. Anything else: the ``/metrics`` acceptance must differ between the sides
     (``acceptance``: per side, None where the server exposes no counters)."""
+    # spectune's own endpoint reports the rule it ran; anything else (a stock vllm serve with the plugin's
+    # vllm_xargs, another engine's fields) shows only in its /metrics acceptance
     asked = candidate.endpoint.extra_body.get("spec_decode")
     ok = [r for r in records.values() if not r.failed]
     if isinstance(asked, dict) and asked.get("policy") not in (None, "off"):

@@ -151,7 +151,8 @@ class FakeServer:
                 self.wfile.flush()
                 with server.lock:
                     b.drafted += 8
-                    named = isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"
+                    named = (isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"
+                             or "vllm_xargs" in body)
                     b.accepted += b.accepted_per_request + (2 if named and b.report_rule else 0)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)

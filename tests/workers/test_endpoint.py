@@ -143,6 +143,20 @@ def test_a_fixed_server_configuration_is_checked_by_its_metrics(fake, tmp_path, 
     assert rc == 3 and "no rule report and its /metrics exposes no" in capsys.readouterr().err
 
 
+def test_a_stock_vllm_serve_gets_the_rule_as_a_json_string_in_vllm_xargs(fake, tmp_path, capsys):
+    """--knobs vllm: the plugin reads ``vllm_xargs.spectune_rule`` (vLLM's xargs hold scalars only); the
+    reference is the server's own lossless rule; the check reads /metrics, where acceptance moved."""
+    fake.b.metrics = True
+    assert evaluate(fake, tmp_path, "--knobs", "vllm", "--policy", "kl_judge", "--param", "threshold=0.7",
+                    "--seed", "3") == 0, capsys.readouterr().err
+    cand = [b for b in fake.b.bodies if "vllm_xargs" in b]
+    assert len(cand) == 6 and len(fake.b.bodies) == 12 and "spec_decode" not in cand[0]
+    rule = json.loads(cand[0]["vllm_xargs"]["spectune_rule"])
+    assert rule["policy"] == "kl_judge" and rule["params"]["threshold"] == 0.7 and rule["seed"] == 3
+    assert "acceptance" in capsys.readouterr().out
+    assert evaluate(fake, tmp_path, "--knobs", "vllm", "--policy", "lossless") == 2
+
+
 def test_failed_requests_count_against_their_side_and_the_batch_goes_on(fake, tmp_path, capsys):
     fake.b.always_500 = True
     assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--request-timeout", "5") in (0, 3)
