@@ -128,8 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--extra-body", default=None, help="JSON merged into every candidate request")
     ep.add_argument("--reference-extra-body", default=None, help="JSON merged into every reference request")
     ep.add_argument("--concurrency", default="1", help="requests in flight, one value or several: 1,4,16")
-    ep.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    ep.add_argument("--retries", type=int, default=4, help="retries per request (5xx, timeouts, drops, 429s)")
+    ep.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds to wait for a server's next bytes (a request that streams is never cut)")
+    ep.add_argument("--retries", type=int, default=4,
+                    help="retries per request after a 5xx, a timeout or a broken stream (429s are waited out apart)")
+    ep.add_argument("--tag", default="", help="names what the servers run that the requests do not show (their "
+                                              "flags): another tag is another run, never resumed from this one")
+    ep.add_argument("--fresh", action="store_true", help="start over: drop this configuration's held records")
     return ap
 
 

@@ -28,8 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-RETRY_STATUS = frozenset({408, 409, 425, 500, 502, 503, 504})
+RETRY_STATUS = frozenset({408, 425, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0
+RATE_LIMIT_WAITS = 30  # 429s a request may wait out, apart from its retries (a rate limit is not a failure)
+# fields of a request body that the client owns: an extra body may not change how it is streamed or counted
+RESERVED = frozenset({"model", "messages", "prompt", "stream", "stream_options", "max_tokens", "n"})
 
 
 class EndpointError(ValueError):
@@ -52,7 +55,7 @@ class Endpoint:
     model: str
     api_key_env: str | None = None  # the environment variable holding the key (never the key itself)
     extra_body: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 600.0  # one request, first byte to last
+    timeout_s: float = 600.0  # the longest wait for the server's next bytes (connect excepted), not a whole-request cap
     connect_timeout_s: float = 10.0
     retries: int = 4  # after the first attempt
     backoff_s: float = 0.5  # first wait; doubles, with jitter
@@ -66,6 +69,9 @@ class Endpoint:
             raise EndpointError("retries must be >= 0 and timeouts > 0")
         if not isinstance(self.extra_body, dict):
             raise EndpointError(f"extra body must be a JSON object, got {type(self.extra_body).__name__}")
+        owned = sorted(RESERVED & set(self.extra_body))
+        if owned:
+            raise EndpointError(f"an extra body may not set {', '.join(owned)}: spectune sets them (streamed, with usage)")
 
     @property
     def root(self) -> str:
@@ -148,7 +154,8 @@ def check(endpoint: Endpoint) -> dict[str, Any]:
         hint = f" (the key in ${endpoint.api_key_env})" if endpoint.api_key_env else " (set --api-key-env)"
         raise EndpointError(f"{endpoint.base_url} refused the request: HTTP {resp.status_code}{hint}")
     if resp.status_code != 200:
-        raise EndpointError(f"{url} answered HTTP {resp.status_code}: {resp.text[:160]!r}")
+        hint = " (is /v1 missing from the base url?)" if resp.status_code == 404 and "/v1" not in endpoint.base_url else ""
+        raise EndpointError(f"{url} answered HTTP {resp.status_code}{hint}: {resp.text[:160]!r}")
     try:
         cards = resp.json().get("data") or []
         served = [str(c.get("id")) for c in cards]
@@ -186,21 +193,29 @@ def complete(endpoint: Endpoint, messages: list[dict[str, str]] | None = None, p
     last = ""
     status: int | None = None
     wait = endpoint.backoff_s
-    for attempt in range(1, endpoint.retries + 2):
+    failures = limited = attempt = 0
+    while True:
+        attempt += 1
         try:
             reply = _stream(endpoint, route, body)
             reply.attempts = attempt
             return reply
         except _Retry as err:
             last, status = err.message, err.status
-            pause = err.retry_after if err.retry_after is not None else wait * (1.0 + random.random())
-            wait *= 2
+            if err.status == 429 and limited < RATE_LIMIT_WAITS:  # waited out on its own budget
+                limited += 1
+                pause = err.retry_after if err.retry_after is not None else wait * (1.0 + random.random())
+            else:
+                failures += 1
+                if failures > endpoint.retries:
+                    break
+                pause = err.retry_after if err.retry_after is not None else wait * (1.0 + random.random())
+                wait *= 2
         except RequestFailed as err:
             err.attempts = attempt
             raise
-        if attempt <= endpoint.retries:
-            sleep(min(pause, MAX_RETRY_AFTER_S))
-    raise RequestFailed(f"{last} (after {endpoint.retries + 1} attempts)", status, endpoint.retries + 1)
+        sleep(min(pause, MAX_RETRY_AFTER_S))
+    raise RequestFailed(f"{last} (after {attempt} attempts)", status, attempt)
 
 
 class _Retry(Exception):
@@ -210,10 +225,22 @@ class _Retry(Exception):
 
 
 def _retry_after(value: str | None) -> float | None:
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
+    """``Retry-After`` in seconds: delta-seconds or an HTTP date."""
+    if value is None:
         return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    import datetime as dt
+
+    return max(0.0, (when - dt.datetime.now(dt.UTC)).total_seconds()) if when.tzinfo else None
 
 
 def _stream(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Reply:
@@ -233,22 +260,28 @@ def _stream(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Reply:
         if resp.status_code != 200:
             raise RequestFailed(f"{route}: HTTP {resp.status_code}: {_error_message(resp)}", resp.status_code)
         text: list[str] = []
-        finish, usage, report, ttft = "", {}, None, None
+        finish, usage, report, ttft, done = "", {}, None, None, False
         try:
-            for raw in resp.iter_lines(decode_unicode=True):
-                if not raw or not raw.startswith("data:"):
-                    continue
-                data = raw[5:].strip()
+            # bytes split on newlines only, each line UTF-8: servers emit U+2028/U+0085 raw in JSON, and an
+            # event stream without a charset would otherwise be read as Latin-1
+            for raw in resp.iter_lines():
+                line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+                if done or not line.startswith("data:"):
+                    continue  # after [DONE]: read to the end, so the connection is kept for the next request
+                data = line[5:].strip()
                 if data == "[DONE]":
-                    break
+                    done = True
+                    continue
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    raise _Retry(f"{route}: the stream carried an error: {str(chunk['error'])[:160]}")
+                    _stream_error(route, chunk["error"])
                 for choice in chunk.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
+                    delta = choice.get("delta") or {}
+                    piece = delta.get("content") if "delta" in choice else choice.get("text")
+                    thought = delta.get("reasoning") or delta.get("reasoning_content")
+                    if (piece or thought) and ttft is None:  # a reasoning model's first token is its thinking
+                        ttft = time.perf_counter() - t0
                     if piece:
-                        if ttft is None:
-                            ttft = time.perf_counter() - t0
                         text.append(piece)
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
@@ -261,10 +294,25 @@ def _stream(endpoint: Endpoint, route: str, body: dict[str, Any]) -> Reply:
     seconds = time.perf_counter() - t0
     if not finish:
         raise _Retry(f"{route}: the stream ended without a finish reason")
+    if finish in ("abort", "error"):
+        raise _Retry(f"{route}: the server finished the request with {finish!r}")
     if not usage:
         raise RequestFailed(f"{route}: the server sent no usage (stream_options.include_usage): tokens cannot be counted")
     return Reply("".join(text), finish, int(usage.get("completion_tokens") or 0), int(usage.get("prompt_tokens") or 0),
                  ttft if ttft is not None else seconds, seconds, report=report)
+
+
+def _stream_error(route: str, error: Any) -> None:
+    """An error event inside a 200 stream: retried unless its code says the request itself is at fault (4xx)."""
+    code = error.get("code") if isinstance(error, dict) else None
+    message = str(error.get("message") if isinstance(error, dict) else error)[:160]
+    try:
+        status = int(code)
+    except (TypeError, ValueError):
+        status = None
+    if status is not None and 400 <= status < 500 and status not in (408, 429):
+        raise RequestFailed(f"{route}: the stream carried error {status}: {message}", status)
+    raise _Retry(f"{route}: the stream carried an error: {message}", status)
 
 
 def _error_message(resp: Any) -> str:
@@ -285,17 +333,22 @@ def run_concurrently(fn: Callable[[T], R], jobs: Iterable[T], concurrency: int,
     raise for one job's failure (it returns it): one bad request never stops the batch."""
     if concurrency < 1:
         raise EndpointError(f"--concurrency must be >= 1, got {concurrency}")
+    from concurrent.futures import as_completed
+
     jobs = list(jobs)
     out: list[Any] = [None] * len(jobs)
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=concurrency)
+    try:
         futures = {pool.submit(fn, job): i for i, job in enumerate(jobs)}
-        from concurrent.futures import as_completed
-
         for fut in as_completed(futures):
             i = futures[fut]
             out[i] = fut.result()
             if on_done is not None:
                 on_done(i, out[i])
+    except BaseException:  # Ctrl-C: queued requests are not sent; those in flight finish and are dropped
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return out
 
 
@@ -331,10 +384,19 @@ def parse_counters(text: str) -> dict[str, float] | None:
     return out or None
 
 
-def acceptance_between(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
-    """Accepted / drafted tokens between two :func:`spec_counters` reads, or None where unknown."""
+def counts_between(before: dict[str, float] | None, after: dict[str, float] | None) -> tuple[float, float] | None:
+    """(accepted, drafted) tokens between two :func:`spec_counters` reads; None where unknown (no counters, or
+    a counter that went down: the server restarted between the reads)."""
     if not before or not after:
         return None
     drafted = after.get("draft_tokens", 0.0) - before.get("draft_tokens", 0.0)
     accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)
-    return accepted / drafted if drafted > 0 else None
+    if drafted < 0 or accepted < 0:
+        return None
+    return accepted, drafted
+
+
+def acceptance_between(before: dict[str, float] | None, after: dict[str, float] | None) -> float | None:
+    """Accepted / drafted tokens between two :func:`spec_counters` reads, or None where unknown."""
+    counts = counts_between(before, after)
+    return counts[0] / counts[1] if counts and counts[1] > 0 else None

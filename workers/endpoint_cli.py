@@ -76,6 +76,10 @@ def sides(args: argparse.Namespace) -> tuple[Side, Side]:
         policy, draft_len, params = "server", 0, {}
         reference_policy = "server"
     model = args.model
+    if (args.reference_url or args.base_url) == args.base_url and (args.reference_model or model) == model \
+            and ref_extra == extra:
+        raise ValueError("the reference and the candidate are the same configuration (one server, the same extra "
+                         "body): give --extra-body, --reference-extra-body or --reference-url, or --knobs spectune/vllm")
     reference = Side("reference", Endpoint(args.reference_url or args.base_url, args.reference_model or model,
                                            extra_body=ref_extra, **common), reference_policy)
     candidate = Side("candidate", Endpoint(args.base_url, model, extra_body=extra, **common), policy,
@@ -104,10 +108,15 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
     decode = dict(shots=args.shots, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed)
     spec_key = DecodeSpec.make(candidate.policy if args.knobs != "none" else "lossless", candidate.params,
                                max(1, candidate.draft_len), **decode).key()
+    # what the servers run beyond the request (their flags) is not visible here: --tag names it
     identity = json.dumps({"reference": reference.endpoint.describe(), "candidate": candidate.endpoint.describe(),
-                           "decode": decode, "benchmark": bench.key}, sort_keys=True)
+                           "decode": decode, "benchmark": bench.key, "tag": args.tag}, sort_keys=True)
     digest = hashlib.sha1(identity.encode()).hexdigest()[:12]
     root = runs_root(args.runs_root) / "eval-endpoint" / slug(f"{bench.key}-{candidate.endpoint.model}") / digest
+    if args.fresh and root.is_dir():
+        import shutil
+
+        shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({**json.loads(identity), "models": cards}, indent=1, default=str))
     print(f"endpoint evaluation: {bench.name}, {len(items)} items, concurrency {', '.join(map(str, levels))}; "
@@ -123,9 +132,9 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
         cmp = compare(reference, candidate, bench, items, level, stores,
                       log=lambda line: print(line, file=sys.stderr, flush=True), spec_key=spec_key, **decode)
         print("\n".join(comparison_lines(cmp)), flush=True)
-        refused = refused or knob_check(candidate, cmp.candidate.records, cmp.acceptance)
+        refused = refused or knob_check(reference, candidate, cmp.sides)
         summary["levels"][str(level)] = {"reference": cmp.reference.figures(), "candidate": cmp.candidate.figures(),
-                                         "acceptance": cmp.acceptance}
+                                         "resumed": cmp.resumed}
     summary["knobs_applied"] = refused is None
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"summary: {root / 'summary.json'}", file=sys.stderr)

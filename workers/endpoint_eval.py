@@ -6,9 +6,11 @@ the first token (``prefill_time_s``) and in all (``wall_time_s``), and, where th
 (spectune's ``spec_decode`` field), drafts and accepted tokens. A request that still failed after its retries is a
 failed record (score NaN): it counts against its side, and the batch goes on.
 
-:func:`run_side` runs a side's items at a concurrency, resumable through a record store, and times the whole run
-(:class:`SideRun`: output tokens/s of the run, per-request TPOT and TTFT percentiles). :func:`knob_check` says
-whether a server applied the candidate's settings, from its rule reports or its ``/metrics`` counters.
+:func:`compare` runs both sides chunk by chunk at a concurrency, interleaved (the side that goes first alternates,
+so a server's prefix cache warms each side's prompts for the other alike), timing each chunk's requests only:
+scoring (a sandbox, a judge) runs after the chunk's clock stops. A chunk's records and its wall are stored together
+when it ends, so an interrupted chunk is sent again, whole, on the rerun. :func:`knob_check` says whether a server
+applied each side's settings, from its rule reports or its ``/metrics`` counters.
 """
 
 from __future__ import annotations
@@ -19,9 +21,18 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from workers.endpoint import Endpoint, RequestFailed, complete, run_concurrently
+from workers.endpoint import (
+    Endpoint,
+    Reply,
+    RequestFailed,
+    complete,
+    counts_between,
+    run_concurrently,
+    spec_counters,
+)
 from workers.evaluation import Record
 from workers.prompts import plain_prompt
 
@@ -32,22 +43,25 @@ class Side:
 
     label: str
     endpoint: Endpoint
-    policy: str  # what the records call the rule ("target_only", a rule name, or "server" as configured)
+    policy: str  # what the records call the rule ("target-only", a rule name, or "server" as configured)
     params: dict[str, Any] = field(default_factory=dict)
     draft_len: int = 0
 
 
-def evaluate_remote(side: Side, bench: Any, item: Any, *, shots: int, max_new_tokens: int, temperature: float,
-                    seed: int, spec_key: str, reference_outputs: list[str] | None = None) -> Record:
-    """Every turn of ``item`` on ``side``'s server, scored. Never raises for the item's own failure."""
-    outputs: list[str] = []
-    finishes: list[str] = []
+@dataclass
+class Fetched:
+    """One item's replies on one side (every turn), or the request failure that stopped it."""
+
+    item: Any
+    replies: list[Reply] = field(default_factory=list)
+    error: BaseException | None = None
+
+
+def fetch(side: Side, bench: Any, item: Any, *, shots: int, max_new_tokens: int, temperature: float,
+          seed: int) -> Fetched:
+    """Every turn of ``item`` on ``side``'s server (a later turn follows the earlier replies). Never raises."""
+    got = Fetched(item)
     previous: list[tuple[str, str]] = []
-    tokens = drafts = drafted = accepted = 0
-    seconds = ttft = 0.0
-    per_pos: list[int] = []
-    error = None
-    reports: list[dict[str, Any]] = []
     try:
         for turn in range(len(item.turns)):
             messages = bench.messages(item, shots=shots, turn=turn, previous=previous)
@@ -55,35 +69,56 @@ def evaluate_remote(side: Side, bench: Any, item: Any, *, shots: int, max_new_to
             reply = complete(side.endpoint, messages if chat else None, None if chat else plain_prompt(messages),
                              max_tokens=max_new_tokens, temperature=temperature, seed=seed + turn,
                              stop=list(getattr(bench, "stop", ()) or ()) or None)
-            outputs.append(reply.text)
-            finishes.append(reply.finish)
+            got.replies.append(reply)
             previous.append((item.turns[turn], reply.text))
-            tokens += reply.completion_tokens
-            seconds += reply.seconds
-            ttft += reply.ttft_s
-            if reply.report:
-                reports.append(reply.report)
-                drafts += int(reply.report.get("num_drafts") or 0)
-                drafted += int(reply.report.get("num_draft_tokens") or 0)
-                accepted += int(reply.report.get("num_accepted_tokens") or 0)
-                for i, v in enumerate(reply.report.get("accepted_per_position") or []):
-                    per_pos.extend([0] * (i + 1 - len(per_pos)))
-                    per_pos[i] += int(v)
-        scored = bench.score(item, outputs, reference_outputs=reference_outputs)
-        score, extracted, reason = float(scored.score), scored.extracted, scored.reason
-    except RequestFailed as err:
-        score, extracted, reason, error = math.nan, None, f"failed: request: {err}", f"RequestFailed: {err}"
     except Exception as err:  # noqa: BLE001 - one item's failure is its record, never the batch's
-        score, extracted, reason = math.nan, None, f"failed: {type(err).__name__}: {err}"
-        error = "".join(traceback.format_exception_only(type(err), err)).strip()
+        got.error = err
+    return got
+
+
+def record_of(side: Side, bench: Any, got: Fetched, spec_key: str, reference_outputs: list[str] | None) -> Record:
+    """``got`` scored, as a record (scoring runs outside the timed requests). Never raises."""
+    item, replies = got.item, got.replies
+    outputs = [r.text for r in replies]
+    reports = [r.report for r in replies if r.report]
+    per_pos: list[int] = []
+    for rep in reports:
+        for i, v in enumerate(rep.get("accepted_per_position") or []):
+            per_pos.extend([0] * (i + 1 - len(per_pos)))
+            per_pos[i] += int(v)
+    error = None
+    if got.error is not None:
+        err = got.error
+        score, extracted = math.nan, None
+        reason = f"failed: request: {err}" if isinstance(err, RequestFailed) else f"failed: {type(err).__name__}: {err}"
+        error = f"RequestFailed: {err}" if isinstance(err, RequestFailed) else \
+            "".join(traceback.format_exception_only(type(err), err)).strip()
+    else:
+        try:  # the reference scores against its own outputs where a scorer needs some (MT-bench), as in-process
+            refs = reference_outputs if reference_outputs is not None else (outputs if side.label == "reference" else None)
+            scored = bench.score(item, outputs, reference_outputs=refs)
+            score, extracted, reason = float(scored.score), scored.extracted, scored.reason
+        except Exception as err:  # noqa: BLE001
+            score, extracted, reason = math.nan, None, f"failed: {type(err).__name__}: {err}"
+            error = "".join(traceback.format_exception_only(type(err), err)).strip()
+    drafts = sum(int(r.get("num_drafts") or 0) for r in reports)
+    drafted = sum(int(r.get("num_draft_tokens") or 0) for r in reports)
+    params = {**side.params, "reported": reports[-1]} if reports else dict(side.params)
     return Record(item_id=item.id, index=item.index, benchmark=bench.name, spec_key=spec_key, policy=side.policy,
-                  params=json.dumps({**side.params, "reported_policy": reports[-1].get("policy") if reports else None}
-                                    if reports else side.params, sort_keys=True),
-                  draft_len=side.draft_len, outputs=outputs, score=score, extracted=extracted, reason=reason,
-                  tokens=tokens, num_drafts=drafts, num_draft_tokens=drafted, num_accepted_tokens=accepted,
-                  accepted_per_position=per_pos or [0] * side.draft_len, target_forwards=drafts,
-                  draft_forwards=drafted, prefill_time_s=ttft, draft_time_s=0.0, verify_time_s=0.0, policy_time_s=0.0,
-                  wall_time_s=seconds, finish_reasons=finishes, error=error)
+                  params=json.dumps(params, sort_keys=True, default=str), draft_len=side.draft_len, outputs=outputs,
+                  score=score, extracted=extracted, reason=reason, tokens=sum(r.completion_tokens for r in replies),
+                  num_drafts=drafts, num_draft_tokens=drafted,
+                  num_accepted_tokens=sum(int(r.get("num_accepted_tokens") or 0) for r in reports),
+                  accepted_per_position=per_pos or [0] * side.draft_len, target_forwards=drafts, draft_forwards=drafted,
+                  prefill_time_s=sum(r.ttft_s for r in replies), draft_time_s=0.0, verify_time_s=0.0,
+                  policy_time_s=0.0, wall_time_s=sum(r.seconds for r in replies),
+                  finish_reasons=[r.finish for r in replies], error=error,
+                  retries=sum(r.attempts - 1 for r in replies))
+
+
+def reported(record: Record) -> dict[str, Any] | None:
+    """The rule report the server sent with a record's last reply (spectune's ``spec_decode``), or None."""
+    return json.loads(record.params).get("reported")
 
 
 def tpot_s(record: Record) -> float:
@@ -103,65 +138,48 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass
 class SideRun:
-    """A side's records at one concurrency and the wall seconds its requests took, chunk by chunk."""
+    """A side's records at one concurrency and its chunks (items, wall seconds, /metrics counts)."""
 
     records: dict[str, Record]
-    wall_s: float = 0.0  # the chunks' walls (the side's own requests in flight), summed
+    chunks: list[dict[str, Any]] = field(default_factory=list)
+
+    def timed(self) -> tuple[list[Record], float]:
+        """The records of the chunks that lie wholly in this run's items, and those chunks' walls: a chunk that
+        held other items (a run over another --limit) has no wall of these items' own."""
+        recs: list[Record] = []
+        wall = 0.0
+        for chunk in self.chunks:
+            if all(i in self.records for i in chunk["items"]):
+                recs.extend(self.records[i] for i in chunk["items"])
+                wall += chunk["wall_s"]
+        return recs, wall
 
     @property
     def tokens_per_s(self) -> float:
-        ok = [r for r in self.records.values() if not r.failed]
-        return sum(r.tokens for r in ok) / self.wall_s if self.wall_s > 0 else math.nan
+        recs, wall = self.timed()
+        return sum(r.tokens for r in recs if not r.failed) / wall if wall > 0 else math.nan
 
-    def figures(self) -> dict[str, float]:
+    def acceptance(self) -> tuple[float, float] | None:
+        """(accepted, drafted) tokens from /metrics over this run's chunks, or None where the server had none."""
+        got = [c["counts"] for c in self.chunks if c.get("counts") is not None
+               and all(i in self.records for i in c["items"])]
+        return (sum(a for a, _ in got), sum(d for _, d in got)) if got else None
+
+    def figures(self) -> dict[str, Any]:
         recs = list(self.records.values())
+        timed, wall = self.timed()
         tpot = [tpot_s(r) for r in recs]
         ttft = [r.prefill_time_s / max(1, len(r.finish_reasons)) for r in recs if not r.failed]
-        return {"items": len(recs), "failed": sum(r.failed for r in recs), "tokens_per_s": self.tokens_per_s,
+        counts = self.acceptance()
+        return {"items": len(recs), "failed": sum(r.failed for r in recs), "timed_items": len(timed),
+                "tokens_per_s": self.tokens_per_s, "wall_s": wall,
+                # requests in flight on average: short of the stated concurrency where chunks drain
+                "effective_concurrency": sum(r.wall_time_s for r in timed) / wall if wall > 0 else math.nan,
+                "retries": sum(r.retries for r in recs),
                 "tpot_p50_s": percentile(tpot, 0.5), "tpot_p90_s": percentile(tpot, 0.9),
-                "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9), "wall_s": self.wall_s}
-
-
-def run_chunk(side: Side, bench: Any, items: Sequence[Any], concurrency: int, *, on_record: Callable[[Record], None],
-              references: dict[str, Record] | None = None, **decode: Any) -> float:
-    """``items`` on ``side`` at ``concurrency``; each record handed to ``on_record`` as it finishes. Returns the wall
-    seconds from the first request to the last reply."""
-    def one(item: Any) -> Record:
-        refs = references[item.id].outputs if references and item.id in references else None
-        return evaluate_remote(side, bench, item, reference_outputs=refs, **decode)
-
-    t0 = time.perf_counter()
-    run_concurrently(one, list(items), concurrency, on_done=lambda _i, rec: on_record(rec))
-    return time.perf_counter() - t0
-
-
-def knob_check(candidate: Side, records: dict[str, Record], acceptance: dict[str, float | None]) -> str | None:
-    """Whether the server applied the candidate's settings: None if it did (or nothing was asked of it), else the
-    one line that says what was checked. Spectune's rule fields (``spec_decode`` in the extra body): every reply
-    must report the rule asked for. Anything else: the ``/metrics`` acceptance must differ between the sides
-    (``acceptance``: per side, None where the server exposes no counters)."""
-    # spectune's own endpoint reports the rule it ran; anything else (a stock vllm serve with the plugin's
-    # vllm_xargs, another engine's fields) shows only in its /metrics acceptance
-    asked = candidate.endpoint.extra_body.get("spec_decode")
-    ok = [r for r in records.values() if not r.failed]
-    if isinstance(asked, dict) and asked.get("policy") not in (None, "off"):
-        ran = {json.loads(r.params).get("reported_policy") for r in ok}
-        if not ok:
-            return None
-        if ran != {asked["policy"]}:
-            return (f"refused: the candidate asked for rule {asked['policy']!r} in spec_decode, but the server's replies "
-                    f"reported {sorted(str(x) for x in ran)} (none: no rule report): it ignores the knobs")
-        return None
-    if not candidate.endpoint.extra_body:
-        return None
-    ref, cand = acceptance.get("reference"), acceptance.get("candidate")
-    if ref is None or cand is None:
-        return ("refused: cannot tell whether the server applied the candidate's extra body: its replies carry no "
-                "rule report and its /metrics exposes no speculative-decoding counters")
-    if abs(ref - cand) < 1e-9:
-        return (f"refused: acceptance did not move between the sides ({ref:.4f} both, from /metrics): the server "
-                "ignores the candidate's settings")
-    return None
+                "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
+                "acceptance": counts[0] / counts[1] if counts and counts[1] > 0 else None,
+                "accepted_tokens": counts[0] if counts else None, "drafted_tokens": counts[1] if counts else None}
 
 
 @dataclass
@@ -171,66 +189,82 @@ class Comparison:
     concurrency: int
     reference: SideRun
     candidate: SideRun
-    acceptance: dict[str, float | None] = field(default_factory=dict)  # per side, from /metrics (None: unknown)
+    resumed: dict[str, int] = field(default_factory=dict)  # per side: items held from an earlier run
+
+    @property
+    def sides(self) -> dict[str, SideRun]:
+        return {"reference": self.reference, "candidate": self.candidate}
+
+
+def _load_chunks(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line torn by a crash: its chunk's items are sent again
+    return out
 
 
 def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], concurrency: int, stores: Any,
-            *, chunk: int | None = None, log: Callable[[str], None] = print, **decode: Any) -> Comparison:
-    """Both sides on ``items`` at ``concurrency``, interleaved: a chunk of items on the reference, the same chunk on
-    the candidate, the next chunk... (so load drifts hit both alike). ``stores(label)``: that side's record store
-    and its chunk log (``RecordStore`` and a path); items already held are not sent again (a rerun resumes), and
-    the walls of the chunks that ran are kept beside the records."""
-    from workers.endpoint import acceptance_between, spec_counters
-
-    size = chunk or max(4 * concurrency, 8)
+            *, chunk: int | None = None, log: Callable[[str], None] = print, spec_key: str, **decode: Any) -> Comparison:
+    """Both sides on ``items`` at ``concurrency``, interleaved chunk by chunk (see the module). ``stores(label)``: that
+    side's ``RecordStore`` and its chunk log; what a side already holds (records of a whole stored chunk) is not
+    sent again."""
+    size = chunk or max(8 * concurrency, 16)
     runs: dict[str, SideRun] = {}
     held: dict[str, Any] = {}
     for side in (reference, candidate):
         store, walls = stores(side.label)
-        done = store.load()
-        wall = sum(json.loads(line)["wall_s"] for line in walls.read_text().splitlines()) if walls.is_file() else 0.0
-        runs[side.label] = SideRun({k: v for k, v in done.items()}, wall)
+        chunks = _load_chunks(walls)
+        stored = {i for c in chunks for i in c["items"]}
+        done = {k: r for k, r in store.load().items() if k in stored}  # a record without its chunk's wall: again
+        runs[side.label] = SideRun(done, chunks)
         held[side.label] = (store, walls)
-    seen: dict[str, list[float]] = {"reference": [], "candidate": []}
-    counted: dict[str, list[float | None]] = {"reference": [], "candidate": []}
+    wanted = {it.id for it in items}
+    resumed = {label: len(wanted & set(run.records)) for label, run in runs.items()}
     todo = [it for it in items if any(it.id not in runs[s.label].records for s in (reference, candidate))]
+    if any(resumed.values()):
+        log(f"concurrency {concurrency}: resuming: {resumed['reference']} reference and {resumed['candidate']} "
+            f"candidate records of {len(items)} items held ({held['candidate'][0].dir.parent.parent}); --fresh "
+            "starts over")
     t0, n_done = time.perf_counter(), 0
-    for start in range(0, len(todo), size):
+    for k, start in enumerate(range(0, len(todo), size)):
         part = todo[start: start + size]
-        for side in (reference, candidate):
+        order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who warms whose prefixes
+        for side in order:
             store, walls = held[side.label]
             run = runs[side.label]
             missing = [it for it in part if it.id not in run.records]
             if not missing:
                 continue
             before = spec_counters(side.endpoint)
-
-            def keep(rec: Record, store=store, run=run) -> None:
+            t1 = time.perf_counter()
+            got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency)
+            wall = time.perf_counter() - t1
+            counts = counts_between(before, spec_counters(side.endpoint))
+            refs = runs["reference"].records if side is candidate else {}
+            for g in got:  # scored after the clock stopped
+                ref = refs.get(g.item.id)
+                rec = record_of(side, bench, g, spec_key, ref.outputs if ref is not None and not ref.failed else None)
                 store.append(rec)
                 run.records[rec.item_id] = rec
-
-            refs = runs["reference"].records if side is candidate else None
-            wall = run_chunk(side, bench, missing, concurrency, on_record=keep, references=refs, **decode)
-            after = spec_counters(side.endpoint)
-            rate = acceptance_between(before, after)
-            counted[side.label].append(rate)
-            if rate is not None:
-                seen[side.label].append(rate)
-            run.wall_s += wall
+            line = {"items": [it.id for it in missing], "wall_s": wall, "counts": counts}
+            run.chunks.append(line)
             walls.parent.mkdir(parents=True, exist_ok=True)
-            with walls.open("a") as fh:
-                fh.write(json.dumps({"items": [it.id for it in missing], "wall_s": wall}) + "\n")
+            with walls.open("a") as fh:  # after its records: a chunk without its wall line is sent again
+                fh.write(json.dumps(line) + "\n")
         n_done += len(part)
         elapsed = time.perf_counter() - t0
-        toks = sum(r.tokens for s in runs.values() for r in s.records.values())
         log(f"concurrency {concurrency}: {n_done}/{len(todo)} items on both sides | "
             f"{runs['candidate'].tokens_per_s:.1f} tok/s candidate, {runs['reference'].tokens_per_s:.1f} reference | "
-            f"{toks:,} tokens held | ETA {elapsed / n_done * (len(todo) - n_done):.0f}s")
+            f"ETA {elapsed / n_done * (len(todo) - n_done):.0f}s")
     for side in (reference, candidate):
         held[side.label][0].write_parquet(runs[side.label].records.values())
-    acceptance = {k: (sum(v) / len(v) if v else None) for k, v in seen.items()}
-    return Comparison(concurrency, *(SideRun({it.id: runs[s].records[it.id] for it in items if it.id in runs[s].records},
-                                             runs[s].wall_s) for s in ("reference", "candidate")), acceptance)
+    keep = [it.id for it in items]
+    return Comparison(concurrency, *(SideRun({i: runs[s].records[i] for i in keep if i in runs[s].records},
+                                             runs[s].chunks) for s in ("reference", "candidate")), resumed)
 
 
 def comparison_lines(cmp: Comparison, alpha: float = 0.05) -> list[str]:
@@ -239,22 +273,80 @@ def comparison_lines(cmp: Comparison, alpha: float = 0.05) -> list[str]:
     from workers.certify.decide import drop_bound
     from workers.metrics.trial import score_of
 
+    def ms(v: float) -> str:
+        return f"{v * 1e3:7.1f} ms" if math.isfinite(v) else "    n/a"
+
     lines = [f"concurrency {cmp.concurrency}:"]
-    for label, run in (("reference", cmp.reference), ("candidate", cmp.candidate)):
+    for label, run in cmp.sides.items():
         f = run.figures()
         scores = [score_of(r) for r in run.records.values()]
         acc = sum(scores) / len(scores) if scores else math.nan
-        rate = cmp.acceptance.get(label)
-        lines.append(f"  {label:<9}  tokens/s {f['tokens_per_s']:8.2f}   TPOT p50 {f['tpot_p50_s'] * 1e3:7.1f} ms "
-                     f"p90 {f['tpot_p90_s'] * 1e3:7.1f} ms   TTFT p50 {f['ttft_p50_s'] * 1e3:7.1f} ms   "
-                     f"accuracy {acc * 100:5.1f}% (n={f['items']}, failed {f['failed']})"
-                     + (f"   acceptance {rate:.3f} (/metrics)" if rate is not None else ""))
+        tps = f"{f['tokens_per_s']:8.2f}" if math.isfinite(f["tokens_per_s"]) else "     n/a"
+        lines.append(f"  {label:<9}  tokens/s {tps} (in flight {f['effective_concurrency']:.1f})   TPOT p50 "
+                     f"{ms(f['tpot_p50_s'])} p90 {ms(f['tpot_p90_s'])}   TTFT p50 {ms(f['ttft_p50_s'])}   "
+                     f"accuracy {acc * 100:5.1f}% (n={f['items']}, failed {f['failed']}, retries {f['retries']})"
+                     + (f"   acceptance {f['acceptance']:.3f} (/metrics)" if f["acceptance"] is not None else ""))
+        if f["timed_items"] < f["items"]:
+            lines.append(f"  {label:<9}  tokens/s counts {f['timed_items']} of {f['items']} items: the others were run "
+                         "in chunks with other items (another --limit); --fresh times them all")
     keys = [k for k in cmp.reference.records if k in cmp.candidate.records]
     bound = drop_bound([score_of(cmp.reference.records[k]) for k in keys],
                        [score_of(cmp.candidate.records[k]) for k in keys], alpha)
-    ratio = cmp.candidate.tokens_per_s / cmp.reference.tokens_per_s if cmp.reference.tokens_per_s > 0 else math.nan
+    ref_tps, cand_tps = cmp.reference.tokens_per_s, cmp.candidate.tokens_per_s
+    ratio = cand_tps / ref_tps if ref_tps > 0 else math.nan
     differ = sum(cmp.reference.records[k].outputs != cmp.candidate.records[k].outputs for k in keys)
     lines.append(f"  candidate over reference: tokens/s {ratio:.3f}x; paired accuracy drop {bound.drop * 100:+.1f}% "
                  f"(exact {100 * (1 - alpha):g}% upper bound {bound.upper * 100:.1f}%, n={bound.n}, "
                  f"{bound.losses} lost / {bound.wins} won); outputs differ on {differ}/{len(keys)}")
     return lines
+
+
+def _differs(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether two acceptance rates (accepted, drafted) differ beyond their sampling noise: a two-proportion z
+    above 3 and at least a point apart (/metrics is server-wide and batching is not invariant: identical settings
+    never give identical rates, so equality is no test)."""
+    (x1, n1), (x2, n2) = a, b
+    if n1 <= 0 or n2 <= 0:
+        return n1 > 0 or n2 > 0  # one side drafted nothing: they run different configurations
+    p1, p2, p = x1 / n1, x2 / n2, (x1 + x2) / (n1 + n2)
+    se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / n1 + 1 / n2))
+    return abs(p1 - p2) >= 0.01 and abs(p1 - p2) / se > 3.0
+
+
+def knob_check(reference: Side, candidate: Side, runs: dict[str, SideRun]) -> str | None:
+    """Whether the server(s) applied each side's settings: None if so, else the one line that says what was
+    checked. spectune's rule fields (``spec_decode``): every reply must report exactly the rule, knobs and draft
+    length asked for (the reference: speculation off). Anything else (a stock vLLM's ``vllm_xargs``, another
+    engine's flags or fields): the acceptance read from ``/metrics`` must differ between the sides beyond noise
+    (a side without counters, e.g. a reference server that does not speculate, counts as drafting nothing)."""
+    ok = {label: [r for r in run.records.values() if not r.failed] for label, run in runs.items()}
+    if not ok["candidate"]:
+        return "refused: no candidate request succeeded, so nothing shows the server applied its settings"
+    asked = candidate.endpoint.extra_body.get("spec_decode")
+    if isinstance(asked, dict) and asked.get("policy") not in (None, "off"):
+        want = {"policy": asked["policy"], "params": asked.get("params") or {}, "draft_len": asked.get("draft_len")}
+        for r in ok["candidate"]:
+            rep = reported(r)
+            got = None if rep is None else {"policy": rep.get("policy"), "params": rep.get("params") or {},
+                                             "draft_len": rep.get("draft_len")}
+            if got != want:
+                return (f"refused: the candidate asked for {json.dumps(want, sort_keys=True)} in spec_decode, but the "
+                        f"server reported {json.dumps(got, sort_keys=True) if got else 'no rule (no spec_decode report)'}"
+                        f" for item {r.item_id}: it ignores or changes the knobs")
+        off = reference.endpoint.extra_body.get("spec_decode")
+        if isinstance(off, dict) and off.get("policy") == "off":
+            on = [r.item_id for r in ok["reference"] if (reported(r) or {}).get("enabled") is not False]
+            if on:
+                return (f"refused: the reference asked for speculation off, but the server's reply for item {on[0]} "
+                        "did not report it off")
+        return None
+    counts = {label: run.acceptance() for label, run in runs.items()}
+    if counts["candidate"] is None:
+        return ("refused: cannot tell whether the server applied the candidate's settings: its replies carry no rule "
+                "report and its /metrics has no speculative-decoding counters spectune reads (vLLM's)")
+    if not _differs(counts["candidate"], counts["reference"] or (0.0, 0.0)):
+        (a, d), (ra, rd) = counts["candidate"], counts["reference"] or (0.0, 0.0)
+        return (f"refused: acceptance did not move between the sides ({a / d:.4f} on {d:.0f} drafted tokens vs "
+                f"{ra / rd if rd else float('nan'):.4f} on {rd:.0f}, from /metrics): the server ignores the "
+                "candidate's settings, or they do not change acceptance")
+    return None

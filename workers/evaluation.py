@@ -103,6 +103,7 @@ class Record:
     # "" when decoded in full; else how replay (workers.replay) made it, per turn: "exact" (the target-only
     # output, nothing decoded), "diverged@t" / "past-the-pass@g" / "near-tie@g" / "look-ahead@g" (decoded live from generated index g)
     replay: str = ""
+    retries: int = 0  # requests sent again (the endpoint engine: 5xx, timeouts, broken streams, 429s waited out)
 
     @property
     def timed(self) -> bool:

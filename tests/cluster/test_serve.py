@@ -286,4 +286,6 @@ def test_the_endpoint_engine_evaluates_a_rule_on_this_server_at_two_concurrencie
     records = [json.loads(line) for line in next(tmp_path.glob("eval-endpoint/*/*/c4/candidate/records.jsonl"))
                .read_text().splitlines()]
     assert len(records) == 4 and all(r["num_drafts"] > 0 and r["draft_len"] == 3 for r in records)
-    assert all(json.loads(r["params"])["reported_policy"] == "kl_judge" for r in records)
+    reports = [json.loads(r["params"])["reported"] for r in records]
+    assert all(rep["policy"] == "kl_judge" and rep["draft_len"] == 3 and rep["params"]["threshold"] == 2
+               for rep in reports), reports[0]

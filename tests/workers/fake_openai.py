@@ -28,6 +28,11 @@ class Behaviour:
     accepted_per_request: int = 3  # counters: accepted tokens a request adds (the same for every request: the
     # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
     words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
+    reasoning: tuple[str, ...] = ()  # delta.reasoning pieces before the content (a reasoning model)
+    raw_utf8: bool = False  # JSON with non-ASCII characters unescaped (as vLLM and SGLang send it)
+    abort_next: int = 0  # the next N streams finish with "abort"
+    stream_error: int | None = None  # the next stream carries an error event with this code instead of tokens
+    ports: set = field(default_factory=set)  # client ports seen: one per connection
     requests: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
@@ -89,6 +94,7 @@ class FakeServer:
                     return
                 b = server.b
                 with server.lock:
+                    b.ports.add(self.client_address[1])
                     b.requests += 1
                     b.bodies.append(body)
                     fail = "500" if b.always_500 or b.fail_500 > 0 else "429" if b.fail_429 > 0 else \
@@ -122,12 +128,26 @@ class FakeServer:
                 self.end_headers()
 
                 def event(obj: Any) -> None:
-                    data = f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+                    text = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=not b.raw_utf8)
+                    data = f"data: {text}\n\n".encode()
                     self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                     self.wfile.flush()
 
                 words = list(b.words)[: int(body.get("max_tokens") or 16)]
                 time.sleep(b.first_token_delay)
+                with server.lock:
+                    error, b.stream_error = b.stream_error, None
+                    abort = b.abort_next > 0
+                    b.abort_next -= int(abort)
+                if error is not None:
+                    event({"error": {"message": "bad things", "code": error}})
+                    event("[DONE]")
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.wfile.flush()
+                    return
+                for piece in b.reasoning:
+                    event({"choices": [{"index": 0, "delta": {"reasoning": piece}}]})
+                    time.sleep(b.token_delay)
                 for i, w in enumerate(words):
                     if i:
                         time.sleep(b.token_delay)
@@ -139,21 +159,27 @@ class FakeServer:
                         self.close_connection = True
                         return
                 spec = body.get("spec_decode") if b.report_rule else None
-                final: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "stop", **({"delta": {}} if chat else {"text": ""})}]}
-                if spec:
-                    final["spec_decode"] = {"policy": spec.get("policy"), "num_drafts": 2, "num_draft_tokens": 8,
-                                            "num_accepted_tokens": 3, "accepted_per_position": [2, 1]}
+                final: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "abort" if abort else "stop",
+                                                      **({"delta": {}} if chat else {"text": ""})}]}
+                if spec:  # as spectune's endpoint reports the rule it ran (SpecChoice.to_dict)
+                    on = spec.get("policy") not in (None, "off")
+                    final["spec_decode"] = {"enabled": on, "policy": spec.get("policy") if on else None,
+                                            "params": spec.get("params") or {} if on else {},
+                                            "draft_len": spec.get("draft_len") if on else 0,
+                                            "num_drafts": 2 if on else 0, "num_draft_tokens": 8 if on else 0,
+                                            "num_accepted_tokens": 3 if on else 0,
+                                            "accepted_per_position": [2, 1] if on else []}
                 event(final)
-                event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": len(words),
-                                                "total_tokens": 7 + len(words)}})
+                n = len(words) + len(b.reasoning)
+                event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
                 event("[DONE]")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
-                with server.lock:
-                    b.drafted += 8
+                with server.lock:  # 80 drafted tokens a request; a named rule accepts 20 more of them
+                    b.drafted += 80
                     named = (isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"
                              or "vllm_xargs" in body)
-                    b.accepted += b.accepted_per_request + (2 if named and b.report_rule else 0)
+                    b.accepted += 10 * b.accepted_per_request + (20 if named and b.report_rule else 0)
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

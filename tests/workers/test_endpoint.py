@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from datetime import UTC
 
 import pytest
 
@@ -127,8 +128,7 @@ def test_a_server_that_ignores_the_knobs_is_refused_in_one_line_and_nothing_is_l
     fake.b.report_rule = False
     assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("refused: the candidate asked for rule 'kl_judge' in spec_decode, but the server's "
-                              "replies reported ['None'] (none: no rule report): it ignores the knobs")
+    assert err[-1].startswith("refused: the candidate asked for {") and "but the server reported no rule" in err[-1]
     stored = list(tmp_path.glob("eval-endpoint/*/*/c1/candidate/records.jsonl"))
     assert stored and len(stored[0].read_text().splitlines()) == 6
 
@@ -138,9 +138,11 @@ def test_a_fixed_server_configuration_is_checked_by_its_metrics(fake, tmp_path, 
     fake.b.metrics = True
     rc = evaluate(fake, tmp_path, "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
     assert rc == 3 and "acceptance did not move between the sides" in capsys.readouterr().err
+    assert evaluate(fake, tmp_path / "same", "--knobs", "none") == 2, "the same configuration on both sides"
+    assert "the reference and the candidate are the same configuration" in capsys.readouterr().err
     fake.b.metrics = False
     rc = evaluate(fake, tmp_path / "b", "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
-    assert rc == 3 and "no rule report and its /metrics exposes no" in capsys.readouterr().err
+    assert rc == 3 and "no rule report and its /metrics has no speculative-decoding counters" in capsys.readouterr().err
 
 
 def test_a_stock_vllm_serve_gets_the_rule_as_a_json_string_in_vllm_xargs(fake, tmp_path, capsys):
@@ -180,3 +182,62 @@ def test_bad_flags_are_one_line(tmp_path, capsys):
                            (["--policy", "target-only"], "is the reference itself")):
         assert evaluate_job.main([*base, "--base-url", "http://127.0.0.1:9/v1", *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_raw_utf8_line_separators_and_a_missing_charset_are_read_as_utf8(fake):
+    """vLLM and SGLang send non-ASCII unescaped; U+2028 and U+0085 must not split an event, and an event stream
+    without a charset is still UTF-8."""
+    fake.b.raw_utf8, fake.b.words = True, ("café", " \u2028x", " х\u0085", "!")
+    reply = complete(ep(fake), MESSAGES, max_tokens=16)
+    assert reply.text == "café \u2028x х\u0085!" and reply.attempts == 1
+
+
+def test_a_reasoning_model_is_timed_from_its_first_thought(fake):
+    fake.b.first_token_delay, fake.b.token_delay, fake.b.reasoning = 0.05, 0.05, ("Let", " me", " think")
+    reply = complete(ep(fake), MESSAGES, max_tokens=16)
+    assert reply.ttft_s < 0.09 and reply.text == "The answer is 42." and reply.completion_tokens == 8
+
+
+def test_connections_are_kept_between_requests(fake):
+    for _ in range(4):
+        complete(ep(fake), MESSAGES, max_tokens=16)
+    assert len(fake.b.ports) == 1, "the stream is read to its end, so the connection is reused"
+
+
+def test_an_aborted_stream_is_retried_an_in_stream_4xx_is_not_and_an_http_date_retry_after_is_read(fake):
+    from datetime import datetime, timedelta
+    from email.utils import format_datetime
+
+    from workers.endpoint import _retry_after
+
+    fake.b.abort_next = 1
+    assert complete(ep(fake), MESSAGES, max_tokens=16, sleep=lambda _: None).attempts == 2
+    fake.b.stream_error, fake.b.requests = 400, 0
+    with pytest.raises(RequestFailed, match="stream carried error 400"):
+        complete(ep(fake), MESSAGES, max_tokens=16, sleep=lambda _: None)
+    assert fake.b.requests == 1
+    when = format_datetime(datetime.now(UTC) + timedelta(seconds=30), usegmt=True)
+    assert 25 < _retry_after(when) <= 30 and _retry_after("2") == 2.0 and _retry_after("soon") is None
+
+
+def test_429s_are_waited_out_apart_from_the_retries(fake):
+    fake.b.fail_429 = 6  # more than the 3 retries
+    waits: list[float] = []
+    assert complete(ep(fake), MESSAGES, max_tokens=16, sleep=waits.append).attempts == 7 and waits == [0.0] * 6
+
+
+def test_an_extra_body_may_not_change_how_requests_are_streamed_or_counted(fake):
+    with pytest.raises(EndpointError, match="may not set max_tokens, stream"):
+        ep(fake, extra_body={"stream": False, "max_tokens": 3})
+
+
+def test_a_rerun_over_other_items_times_only_the_chunks_wholly_its_own(fake, tmp_path, capsys):
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
+    sent = fake.b.requests
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2") == 0
+    out = capsys.readouterr().out
+    assert fake.b.requests == sent and "tokens/s counts 0 of 2 items" in out and "tokens/s      n/a" in out
+    walls = next(tmp_path.glob("eval-endpoint/*/*/c1/candidate/walls.jsonl"))
+    walls.write_text(walls.read_text() + '{"items": ["x"], "wal')  # a line torn by a crash
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2", "--fresh") == 0
+    assert fake.b.requests == sent + 4 and "tokens/s counts" not in capsys.readouterr().out
