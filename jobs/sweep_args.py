@@ -189,7 +189,7 @@ def build_parser() -> SweepParser:
                          "on one actor (0: modelled speed only)")
     ap.add_argument("--replay", type=str, choices=("auto", "off"), default="auto",
                     help="auto: at T = 0 on the CPU engine, replay each rule from the target-only output (decoding "
-                         "only from the round that leaves it): the search in every dtype, confirmation only on int8, "
+                         "only from the round that leaves it): the search in every dtype, confirmation only on int8 at one thread per actor, "
                          "where replay equals full decoding by construction; off: decode every item in full")
     ap.add_argument("--cost-ratio", type=float | None, default=None, help="deployment c for modelled speedup (default: measured)")
     ap.add_argument("--verify-factor", type=float | None, default=None,

@@ -339,6 +339,20 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                 cert.certified = False
                 cert.reason = (f"not certified: attempt {attempt.id} decided this budget before ({before['when']}: "
                                f"{before['reason']}); a re-decision cannot overturn it")
+            # the replay audit, before the ledger hears the decision, whatever the decision is: the timed full
+            # decodes against the confirmation records they time (workers.metrics.speed.replay_check)
+            audited = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
+            if audited is not None and audited.key not in speeds:
+                used_ = confirmation.stopped.get(audited.key, len(items))
+                speeds[audited.key] = speed_over_lossless(state, attempt, audited.payload,
+                                                          confirmation.records.get(audited.key, {}),
+                                                          confirmation.reference_upto(used_), used_)
+            check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
+            if cert.certified and check.get("replayed_differ"):
+                cert.certified = False
+                cert.reason = (f"not certified: a replayed confirmation record differs from its full decode "
+                               f"({', '.join(check['replayed_differ'][:4])}): replay was not exact on this machine, "
+                               "so the evidence is not full decoding's; rerun with --replay off")
             if attempt.id is not None:  # the items this budget's candidates (and its noise floor) used
                 used = max((confirmation.stopped.get(k, len(items)) for k, _, _ in cert.steps), default=0)
                 attempt.ledger.decide(attempt.id, budget, cert.certified, cert.reason, used)
@@ -396,12 +410,19 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                      " (not timed: --speed-items 0)")
                   + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x"
                 + f"; stated: {vl.get('stated', math.nan):.3f}x, {vl.get('stated_from', 'modelled')}")
-            check = choice.get("replay_check")
-            if check and check["items"]:
-                log(f"budget {budget * 100:g}%: the timed full decodes against the records they time: "
-                    f"{check['items'] - len(check['differ'])}/{check['items']} identical ({check['replayed']} of those "
-                    f"records replayed)" + ("" if check["identical"] else
-                                            f"; DIFFER: {', '.join(check['differ'][:8])}: replay is not exact here"))
+            check = choice.get("replay_check") or {}
+            if check.get("items"):
+                differ = check["replayed_differ"] + check["full_differ"]
+                log(f"budget {budget * 100:g}%: replay audit: the timed full decodes against the records they time "
+                    f"(candidate, lossless, target-only): {check['items'] - len(differ)}/{check['items']} identical "
+                    f"({check['replayed']} of those records replayed)"
+                    + (f"; REPLAYED RECORDS DIFFER: {', '.join(check['replayed_differ'][:6])}: not certified"
+                       if check["replayed_differ"] else "")
+                    + (f"; full decodes differ between runs: {', '.join(check['full_differ'][:6])} (noted)"
+                       if check["full_differ"] else ""))
+            elif check.get("status") == "unchecked":
+                log(f"budget {budget * 100:g}%: replay audit: unchecked (nothing timed: --speed-items 0 or the timing "
+                    "was lost)")
     confirmed = {f"{k} {specs[k].label()}": recs for k, recs in confirmation.records.items()}  # the frontier
     flips: list[tuple[str, Path]] = []
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/

@@ -149,10 +149,7 @@ class References:
         is exact (:meth:`replays`)."""
         from cluster.pair_actor import run_trial
 
-        held = store.load()
-        done = dict(held)
-        if confirm and not self.replays(True):  # a shared store's replayed records (another sweep's search) redo
-            done = {k: r for k, r in held.items() if r.timed}
+        held, done = self.held(store, confirm)
         missing = [it for it in items if it.id not in done or (retry_failed and done[it.id].failed)]
         retried = sum(it.id in done for it in missing)
         if retried:
@@ -176,16 +173,26 @@ class References:
         store.write_parquet({**held, **done}.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}
 
+    def held(self, store: RecordStore, confirm: bool = False) -> tuple[dict[str, Record], dict[str, Record]]:
+        """What ``store`` holds, and what of it a run may keep: for what a certificate is decided on where replay
+        is not exact, only records decoded in full (a shared store's replayed records, another sweep's search,
+        are made again)."""
+        held = store.load()
+        if confirm and not self.replays(True):
+            return held, {k: r for k, r in held.items() if r.timed}
+        return held, dict(held)
+
     def replays(self, confirm: bool = False) -> bool:
         """Whether rules are replayed from the target-only output (``workers.replay``): on the CPU engine at
         T = 0 unless ``--replay off``; for what a certificate is decided on (``confirm``: confirmation and its
         lossless reference) only where replay is full decoding by construction (``workers.replay.exact_for``: the
-        int8 path), else those items decode in full."""
+        int8 path at one thread per actor), else those items decode in full."""
         from workers.replay import exact_for
 
         args = self.settings.args
         on = args.replay != "off" and args.engine == "cpu" and self.settings.decode["temperature"] == 0.0
-        return on and (not confirm or exact_for(args.dtype))
+        threads = max(1, int(getattr(args, "cpus_per_actor", 1) or 1))  # the actors' torch threads (make_workers)
+        return on and (not confirm or exact_for(args.dtype, threads))
 
     def payload(self, references: dict[str, Record], confirm: bool = False) -> dict[str, Any]:
         """What the actors get of the target-only records: where rules replay (:meth:`replays`), each record's

@@ -52,12 +52,15 @@ NEAR_TIE = 1e-4  # a top-2 logit gap below this (relative to the top logit's sca
 ROW_EXACT_DTYPES = frozenset({"int8"})
 
 
-def exact_for(dtype: str) -> bool:
-    """Whether replay on a pair of ``dtype`` (a tag or a torch dtype name) equals full decoding by construction."""
+def exact_for(dtype: str, threads: int = 1) -> bool:
+    """Whether replay on a pair of ``dtype`` (a tag or a torch dtype name) run at ``threads`` torch threads equals
+    full decoding by construction: int8 at one thread. At more threads some elementwise kernels (silu) split a
+    multi-row tensor at other offsets than a one-row one, and a one-ulp difference can move a quantisation level
+    and flip a near-tie or a lossy statistic near its threshold (a statistician's check, 2026-12-04)."""
     from workers.models.pair import dtype_tag
 
     try:
-        return dtype_tag(dtype) in ROW_EXACT_DTYPES
+        return dtype_tag(dtype) in ROW_EXACT_DTYPES and int(threads) == 1
     except (ValueError, KeyError, TypeError):
         return False
 

@@ -218,16 +218,25 @@ def test_the_evidence_says_how_each_candidate_record_was_made(tmp_path):
 def test_the_timed_full_decodes_check_the_records_they_time():
     from workers.metrics.speed import Timed, replay_check
 
-    held = {k: rec(k, 1.0) for k in "ab"}
+    held = {k: rec(k, 1.0, ids=[[1, 2, 3]]) for k in "ab"}
     for r in held.values():
-        r.replay, r.output_token_ids = "exact", [[1, 2, 3]]
+        r.replay = "exact"
     lossless = {k: rec(k, 1.0) for k in "ab"}
-    full = [rec(k, 1.0) for k in "ab"]
-    for r in full:
-        r.output_token_ids = [[1, 2, 3]]
-    same = replay_check(Timed(([], [rec(k, 1.0) for k in "ab"], full)), held, lossless)
-    assert same == {"items": 4, "replayed": 2, "differ": [], "identical": True}
+    reference = {k: rec(k, 1.0) for k in "ab"}
+
+    def arms(cand):
+        return Timed(([rec(k, 1.0) for k in "ab"], [rec(k, 1.0) for k in "ab"], cand))
+
+    full = [rec(k, 1.0, ids=[[1, 2, 3]]) for k in "ab"]
+    same = replay_check(arms(full), held, lossless, reference)
+    assert (same["items"], same["replayed"], same["status"], same["identical"]) == (6, 2, "identical", True)
     full[1].output_token_ids = [[1, 2, 4]]
     full[0].num_accepted_tokens += 1
-    off = replay_check(Timed(([], [rec(k, 1.0) for k in "ab"], full)), held, lossless)
-    assert off["differ"] == ["candidate:a", "candidate:b"] and not off["identical"]
+    off = replay_check(arms(full), held, lossless, reference)
+    assert off["replayed_differ"] == ["candidate:a", "candidate:b"] and off["status"] == "replay differs"
+    reference["a"].output_token_ids = [[9]]  # two full decodes that differ: noted, not replay's fault
+    noted = replay_check(arms([rec(k, 1.0, ids=[[1, 2, 3]]) for k in "ab"]), held, lossless, reference)
+    assert noted["full_differ"] == ["target-only:a"] and noted["status"] == "full decodes differ"
+    one_side = [rec("a", 1.0, ids=[[1, 2, 3]]), rec("b", math.nan, error="boom")]
+    assert replay_check(arms(one_side), held, lossless)["replayed_differ"] == ["candidate:b"]
+    assert replay_check(Timed(None, error="lost"), held, lossless)["status"] == "unchecked"

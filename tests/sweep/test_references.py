@@ -13,8 +13,9 @@ from sweep.settings import Settings
 from tests.workers.metrics.test_trial import rec
 
 
-def _refs(dtype: str, replay: str = "auto", engine: str = "cpu", temperature: float = 0.0) -> References:
-    args = Namespace(dtype=dtype, replay=replay, engine=engine, pair="tiny-random")
+def _refs(dtype: str, replay: str = "auto", engine: str = "cpu", temperature: float = 0.0,
+          cpus_per_actor: float = 1) -> References:
+    args = Namespace(dtype=dtype, replay=replay, engine=engine, pair="tiny-random", cpus_per_actor=cpus_per_actor)
     settings = Settings(args=args, bench=None, budgets=[0.05], families=["lossless"], draft_len=(1, 3), enqueue=[],
                         ranges={}, search_overrides=None,
                         decode={"temperature": temperature, "seed": 0, "shots": 0, "max_new_tokens": 8})
@@ -38,3 +39,26 @@ def test_nothing_replays_off_the_cpu_engine_at_t0_or_with_replay_off(kw):
     refs = _refs("int8", **kw)
     assert not refs.replays() and not refs.replays(confirm=True)
     assert refs.payload({"a": rec("a", 1.0)}) == {"a": ["x"]}
+
+
+def test_int8_confirmation_replays_only_at_one_thread_per_actor():
+    """At more threads some kernels split rows at other offsets: replay there is not exact by construction."""
+    assert _refs("int8", cpus_per_actor=1.5).replays(confirm=True)
+    many = _refs("int8", cpus_per_actor=4)
+    assert many.replays() and not many.replays(confirm=True)
+
+
+def test_a_shared_stores_replayed_records_are_redone_before_confirmation_reads_them(tmp_path):
+    """bf16 confirmation decodes in full: a replayed record another sweep's search left in the shared store is
+    not kept for it (it is sent again), while the store keeps every record it held; on int8 it is kept."""
+    from workers.results.store import RecordStore
+
+    store = RecordStore(tmp_path / "store")
+    replayed, full, failed = rec("a", 1.0), rec("b", 1.0), rec("c", 1.0)
+    replayed.replay, failed.replay = "exact", "full (replay failed: IndexError)"
+    for r in (replayed, full, failed):
+        store.append(r)
+    held, kept = _refs("bf16").held(store, confirm=True)
+    assert set(held) == {"a", "b", "c"} and set(kept) == {"b", "c"}
+    assert set(_refs("bf16").held(store)[1]) == {"a", "b", "c"}, "the search keeps them"
+    assert set(_refs("int8").held(store, confirm=True)[1]) == {"a", "b", "c"}

@@ -109,25 +109,36 @@ class Timed:
     error: str | None = None
 
 
-def replay_check(timed: Timed, records: dict[str, Record], lossless: dict[str, Record]) -> dict[str, Any]:
-    """The timed run's full decodes against the records the certificate and its modelled speed were made of (a
-    replayed record, where replay ran: ``workers.replay``), on the same items: the candidate's and lossless's
-    output tokens and every acceptance count must be equal. ``items``: pairs compared; ``replayed``: how many of
-    those records were replayed; ``differ``: the item ids (and arm) where they were not."""
-    out: dict[str, Any] = {"items": 0, "replayed": 0, "differ": []}
+def replay_check(timed: Timed, records: dict[str, Record], lossless: dict[str, Record],
+                 reference: dict[str, Record] | None = None) -> dict[str, Any]:
+    """The timed run's full decodes against the records the certificate and its modelled speed were made of, on
+    the same items, arm by arm (candidate, lossless, target-only): output tokens and every acceptance count must be
+    equal, and a failure on one side only is a difference. ``replayed_differ``: pairs whose held record was
+    replayed (``workers.replay``) and differs from its full decode — evidence that replay was not exact there,
+    which a certificate must not rest on; ``full_differ``: pairs of two full decodes that differ (nondeterminism
+    between actors or runs: noted, not acted on). ``status``: "identical", "replay differs", "full decodes
+    differ" or "unchecked" (nothing timed)."""
+    out: dict[str, Any] = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": []}
     if timed.arms is None:
+        out["status"] = "unchecked"
         return out
     fields = ("output_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")
-    for arm, held, name in ((timed.arms[2], records, "candidate"), (timed.arms[1], lossless, "lossless")):
+    arms = ((timed.arms[2], records, "candidate"), (timed.arms[1], lossless, "lossless"),
+            (timed.arms[0], reference or {}, "target-only"))
+    for arm, held, name in arms:
         for full in arm:
             made = held.get(full.item_id)
-            if made is None or made.failed or full.failed:
+            if made is None:
                 continue
             out["items"] += 1
             out["replayed"] += int(not made.timed)
-            if any(getattr(full, f) != getattr(made, f) for f in fields):
-                out["differ"].append(f"{name}:{full.item_id}")
-    out["identical"] = not out["differ"]
+            differ = made.failed != full.failed or (not made.failed and any(getattr(full, f) != getattr(made, f)
+                                                                             for f in fields))
+            if differ:
+                out["full_differ" if made.timed else "replayed_differ"].append(f"{name}:{full.item_id}")
+    out["status"] = ("unchecked" if not out["items"] else "replay differs" if out["replayed_differ"]
+                     else "full decodes differ" if out["full_differ"] else "identical")
+    out["identical"] = out["status"] == "identical"
     return out
 
 
@@ -151,6 +162,7 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
         "vs_target_only": {"modelled": _ratio(mine, ar, cost.cost) if keys else math.nan, "measured": math.nan,
                            "items": len(keys)},
     }
+    out["replay_check"] = {"status": "unchecked", "items": 0, "replayed": 0, "replayed_differ": [], "full_differ": []}
     if timed is not None and timed.error is not None:
         for side in ("vs_lossless", "vs_target_only"):
             out[side]["timed"] = {"error": timed.error}
@@ -169,7 +181,7 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
                                   timed=like)
         out["vs_target_only"].update(measured=_ratio(mine_t, ar_t, seconds),
                                      modelled_timed=_ratio(mine_t, ar_t, cost.cost), timed=like)
-        out["replay_check"] = replay_check(timed, records, lossless)
+        out["replay_check"] = replay_check(timed, records, lossless, reference)
     for side in ("vs_lossless", "vs_target_only"):
         out[side].update(stated_figure(out[side]))
     return out
