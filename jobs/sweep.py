@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         runs_root(settings.args.runs_root)  # a root inside a Ray job's temporary working_dir copy fails now, not at the end
         if settings.args.run_dir:
             persistent_dir(settings.args.run_dir, "--run-dir")
-    except ValueError as err:
+        if settings.args.engine == "openai":  # the server answers, takes the key, serves the model: else one line
+            from sweep.settings import endpoint_options
+            from workers.endpoint import Endpoint, check
+
+            check(Endpoint(**endpoint_options(settings.args)))
+    except ValueError as err:  # workers.endpoint.EndpointError is one too
         print(f"error: {err}", file=sys.stderr)
         return 2
     result = run(settings, effective_config(settings.args))

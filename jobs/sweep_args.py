@@ -200,7 +200,18 @@ def build_parser() -> SweepParser:
     ap.add_argument("--gpus-per-actor", type=float, default=0)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
     ap.add_argument("--engine", type=str, choices=ENGINES, default="cpu",
-                    help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes)")
+                    help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes); "
+                         "openai: a running server with spectune's rule fields (jobs.serve) at --base-url")
+    ap.add_argument("--base-url", type=str | None, default=None,
+                    help="openai: the server's OpenAI base url, e.g. http://127.0.0.1:8000/v1")
+    ap.add_argument("--model", type=str | None, default=None, help="openai: the model name /v1/models lists")
+    ap.add_argument("--api-key-env", type=str | None, default=None, help="openai: the environment variable of the key")
+    ap.add_argument("--pair-id", type=str | None, default=None,
+                    help="openai: the name you give the server's draft/target pair and weights (the ledger keys "
+                         "certificates on it: the weights are not local, so spectune cannot fingerprint them)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="openai: seconds to wait for a server's next bytes")
+    ap.add_argument("--retries", type=int, default=4, help="openai: retries per request (5xx, timeouts, drops)")
     ap.add_argument("--gpu-memory-utilization", type=float | None, default=None,
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
     ap.add_argument("--max-model-len", type=int | None, default=None, help="vLLM: context length to plan for (default 4096)")

@@ -192,7 +192,9 @@ def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: flo
     s, args = state.settings, state.settings.args
     keys = tuple(tuple(spec_of(s, c.payload).key() for c in order_candidates(candidates, b, limit=args.confirm_candidates))
                  for b in s.budgets)
-    ledger = AttemptLedger(getattr(s.bench, "ledger_key", s.bench.key), pair_fingerprint(args.pair))
+    # a server's weights are not here to fingerprint: the ledger keys on the pair id the user states
+    pair_id = f"endpoint:{args.pair_id}" if args.engine == "openai" else pair_fingerprint(args.pair)
+    ledger = AttemptLedger(getattr(s.bench, "ledger_key", s.bench.key), pair_id)
     planned = state.confirm_planned
     if not any(keys):
         return Attempt(ledger, None, planned)
@@ -226,7 +228,10 @@ def base_choice(state: SweepState, budget: float, attempt: Attempt) -> dict[str,
     return {"budget": budget, "pair": args.pair, "benchmark": state.bench.name, "dtype": args.dtype,
             "sweep": state.name, "parent_run_id": state.tracker.parent_id, "decode": state.settings.decode,
             "engine": args.engine, "split": state.split,
-            "search_items": len(state.items), "pair_fingerprint": attempt.ledger.pair_id}
+            "search_items": len(state.items), "pair_fingerprint": attempt.ledger.pair_id,
+            # what the certificate covers on a server: this endpoint, as /v1/models described it
+            **({"endpoint": {"base_url": args.base_url, "model": args.model, "pair_id": args.pair_id,
+                             "model_card": state.profile.get("model_card")}} if args.engine == "openai" else {})}
 
 
 def speed_over_lossless(state: SweepState, attempt: Attempt, row: dict[str, Any], records: dict[str, Record],

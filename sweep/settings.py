@@ -46,7 +46,29 @@ class Settings:
         return list(range(self.draft_len[0], self.draft_len[1] + 1))
 
 
-DEFAULT_DRAFT_LEN = {"cpu": "1,12", "vllm": "5"}  # --draft-len when none is given, per engine
+DEFAULT_DRAFT_LEN = {"cpu": "1,12", "vllm": "5", "openai": "1,12"}  # --draft-len when none is given, per engine
+
+
+def endpoint_settings(args: argparse.Namespace) -> None:
+    """``--engine openai``: the server's fields checked (one line each), the pair named by ``--pair-id`` (what the
+    ledger and the study key on), the dtype the server's (``server``)."""
+    from workers.endpoint import Endpoint, EndpointError
+
+    if not args.base_url or not args.model or not args.pair_id:
+        raise ValueError("--engine openai needs --base-url, --model and --pair-id (your name for the server's "
+                         "pair and weights: the ledger keys certificates on it)")
+    try:
+        Endpoint(args.base_url, args.model, api_key_env=args.api_key_env, timeout_s=args.request_timeout,
+                 retries=args.retries)
+    except EndpointError as err:
+        raise ValueError(str(err)) from None
+    args.pair, args.dtype = args.pair_id, "server"
+
+
+def endpoint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The pair actors' ``workers.endpoint.Endpoint`` fields (``--engine openai``)."""
+    return {"base_url": args.base_url, "model": args.model, "api_key_env": args.api_key_env,
+            "timeout_s": args.request_timeout, "retries": args.retries}
 
 
 def parse_settings(given: argparse.Namespace) -> Settings:
@@ -57,6 +79,10 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     bench = get_benchmark(args.benchmark)
     from workers.models.pair import auto_dtype, check_pair_name
 
+    if args.engine == "openai":
+        endpoint_settings(args)
+    elif any(getattr(args, k, None) for k in ("base_url", "model", "pair_id")):
+        raise ValueError("--base-url, --model and --pair-id go with --engine openai")
     if args.dtype == "auto":
         # resolved once: the dtype is part of the study's and references' identity. The CPU engine's fastest
         # dtype is int8 (the fast CPU path) on x86, resolved here because the actors run on this kind of machine.
@@ -71,7 +97,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     if args.dtype in ("int8",) and args.engine != "cpu":
         raise ValueError(f"--dtype int8 is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 or fp32")
 
-    check_pair_name(args.pair)  # fail here, not inside every actor
+    if args.engine != "openai":
+        check_pair_name(args.pair)  # fail here, not inside every actor
     try:
         budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
     except ValueError:
@@ -82,8 +109,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     ranges = search_ranges(families, getattr(args, "search_space", None))
     if args.draft_len is None:  # the vLLM engine fixes L when it starts: one L per sweep there
         args.draft_len = DEFAULT_DRAFT_LEN.get(args.engine, "1,12")
-        if args.engine != "cpu":
-            log(f"--draft-len: {args.draft_len} (the {args.engine} engine fixes the draft length when it starts: one "
+        if args.engine == "vllm":
+            log(f"--draft-len: {args.draft_len} (the vllm engine fixes the draft length when it starts: one "
                 "sweep per L; give --draft-len to choose it)")
     try:
         bounds = [int(x) for x in args.draft_len.split(",")]
@@ -101,6 +128,9 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         from workers.engines import vllm_python
 
         args.vllm_python = vllm_python(args.vllm_python)
+    if args.engine == "openai" and args.cost_ratio is None:
+        raise ValueError("--engine openai needs --cost-ratio: a server's draft and target steps cannot be timed apart "
+                         "from outside (measure c where the pair runs, or take it from the server's logs)")
     if args.engine == "vllm" and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c through vLLM with `python -m workers.calibrate --engine vllm --pair ...`, or from your serving logs)")
@@ -176,7 +206,9 @@ def study_name(s: Settings) -> str:
                       **({"looks": args.looks} if args.looks != 1 else {}),
                       **({"verify_factor": args.verify_factor} if getattr(args, "verify_factor", None) else {}),
                       **({"search": s.search_overrides} if s.search_overrides else {}),
-                      **({"engine": args.engine} if args.engine != "cpu" else {})}, sort_keys=True)
+                      **({"engine": args.engine} if args.engine != "cpu" else {}),
+                      **({"endpoint": [args.base_url, args.model]} if args.engine == "openai" else {})},
+                     sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweep.progress import log
-from sweep.settings import Settings, make_sampler, study_name, vllm_options
+from sweep.settings import Settings, endpoint_options, make_sampler, study_name, vllm_options
 from workers.metrics.cost import CostModel
 from workers.results.store import runs_root, write_text
 
@@ -85,11 +85,14 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
     log(f"search sample: {len(items)} items; confirmation pool: {len(pool)} held-apart items "
         f"({', '.join(f'{k} {v}' for k, v in sources.items())}), {n_confirm} used")
     init_ray(args.address)
-    n = args.actors or default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor)))
+    # a server's clients hold no model: two by default (the speed phase times on one, request by request)
+    n = args.actors or (2 if args.engine == "openai" else
+                        default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor))))
     log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
     workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
                            gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
-                           engine=args.engine, draft_len=settings.draft_len[0], vllm=vllm_options(args),
+                           engine=args.engine, draft_len=settings.draft_len[0],
+                           vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
                            python=getattr(args, "vllm_python", None))
     profile = profile_of(workers[0])
     cost = CostModel.from_profile(profile, args.cost_ratio, getattr(args, "verify_factor", None))

@@ -103,13 +103,18 @@ def record_of(side: Side, bench: Any, got: Fetched, spec_key: str, reference_out
             error = "".join(traceback.format_exception_only(type(err), err)).strip()
     drafts = sum(int(r.get("num_drafts") or 0) for r in reports)
     drafted = sum(int(r.get("num_draft_tokens") or 0) for r in reports)
+    tokens = sum(r.completion_tokens for r in replies)
+    # target steps, as the in-process engines count them: a verify round each where the server speculated, a
+    # step per token where it did not (target-only decoding, or a server that reports no rule)
+    target_steps = drafts if drafts else tokens
     params = {**side.params, "reported": reports[-1]} if reports else dict(side.params)
     return Record(item_id=item.id, index=item.index, benchmark=bench.name, spec_key=spec_key, policy=side.policy,
                   params=json.dumps(params, sort_keys=True, default=str), draft_len=side.draft_len, outputs=outputs,
-                  score=score, extracted=extracted, reason=reason, tokens=sum(r.completion_tokens for r in replies),
+                  score=score, extracted=extracted, reason=reason, tokens=tokens,
                   num_drafts=drafts, num_draft_tokens=drafted,
                   num_accepted_tokens=sum(int(r.get("num_accepted_tokens") or 0) for r in reports),
-                  accepted_per_position=per_pos or [0] * side.draft_len, target_forwards=drafts, draft_forwards=drafted,
+                  accepted_per_position=per_pos or [0] * side.draft_len, target_forwards=target_steps,
+                  draft_forwards=drafted,
                   prefill_time_s=sum(r.ttft_s for r in replies), draft_time_s=0.0, verify_time_s=0.0,
                   policy_time_s=0.0, wall_time_s=sum(r.seconds for r in replies),
                   finish_reasons=[r.finish for r in replies], error=error,

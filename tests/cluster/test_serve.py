@@ -289,3 +289,26 @@ def test_the_endpoint_engine_evaluates_a_rule_on_this_server_at_two_concurrencie
     reports = [json.loads(r["params"])["reported"] for r in records]
     assert all(rep["policy"] == "kl_judge" and rep["draft_len"] == 3 and rep["params"]["threshold"] == 2
                for rep in reports), reports[0]
+
+
+def test_a_sweep_against_this_server_searches_its_knobs_and_certifies_for_the_endpoint(server, tmp_path):
+    """``jobs/sweep.py --engine openai``: the pair actors are clients of this server; every trial and reference is a
+    request carrying its rule in spec_decode (checked against the server's report), and the certification's scope
+    names the endpoint and the pair id the ledger keys on."""
+    from jobs import sweep as sweep_job
+
+    run_dir = tmp_path / "sweep"
+    rc = sweep_job.main(["--engine", "openai", "--base-url", f"{server}/v1", "--model", MODEL, "--pair-id",
+                         "tiny-served", "--benchmark", "gsm8k", "--items", "4", "--confirm-items", "4",
+                         "--max-new-tokens", "8", "--budgets", "0.5", "--policies", "kl_judge", "--draft-len", "2,3",
+                         "--trials", "1", "--cost-ratio", "0.4", "--actors", "1", "--cpus-per-actor", "0.2",
+                         "--speed-items", "1", "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
+    assert rc == 0
+    chosen = json.loads((run_dir / "report" / "chosen-budget-0.5.json").read_text())
+    assert chosen["engine"] == "openai" and chosen["dtype"] == "server" and chosen["pair"] == "tiny-served"
+    assert chosen["pair_fingerprint"] == "endpoint:tiny-served"
+    assert chosen["endpoint"]["base_url"] == f"{server}/v1" and chosen["endpoint"]["model_card"]["id"] == MODEL
+    assert isinstance(chosen["certified"], bool) and chosen["certification"]["steps"]
+    records = [json.loads(line) for p in (run_dir / "trials").glob("*/records.jsonl") for line in p.read_text().splitlines()]
+    assert records and all(r["error"] is None for r in records), [r["reason"] for r in records if r["error"]][:2]
+    assert all(json.loads(r["params"])["reported"]["policy"] == "kl_judge" for r in records)

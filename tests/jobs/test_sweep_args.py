@@ -124,3 +124,21 @@ def test_the_draft_length_and_dtype_defaults_follow_the_engine():
         parse_settings(parse_args([*BASE, "--engine", "vllm", "--draft-len", "2,6", "--cost-ratio", "0.3"]))
     with pytest.raises(ValueError, match="--draft-len must be LO,HI integers"):
         parse_settings(parse_args([*BASE, "--draft-len", "a,b"]))
+
+
+def test_a_sweep_on_a_server_names_its_pair_and_needs_c():
+    """--engine openai: the pair is the id the user states (the ledger keys on it), the dtype the server's; c
+    cannot be timed from outside; a server's flags without --engine openai are refused."""
+    on = ["--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--pair-id", "my-pair"]
+    s = parse_settings(parse_args([*BASE, *on, "--cost-ratio", "0.4"]))
+    assert (s.args.pair, s.args.dtype, s.draft_len) == ("my-pair", "server", (1, 12))
+    with pytest.raises(ValueError, match="needs --cost-ratio"):
+        parse_settings(parse_args([*BASE, *on]))
+    with pytest.raises(ValueError, match="needs --base-url, --model and --pair-id"):
+        parse_settings(parse_args([*BASE, "--engine", "openai", "--cost-ratio", "0.4"]))
+    with pytest.raises(ValueError, match="go with --engine openai"):
+        parse_settings(parse_args([*BASE, "--base-url", "http://127.0.0.1:9/v1"]))
+    other = parse_settings(parse_args([*BASE, *on[:2], "--base-url", "http://127.0.0.1:10/v1", *on[4:], "--cost-ratio", "0.4"]))
+    from sweep.settings import study_name
+
+    assert study_name(other) != study_name(s), "another server is another study"
