@@ -151,7 +151,8 @@ def test_prefetch_job_runs_commands_that_exist():
     assert assets.cache_root is not None
     # the pair's metadata directory exists before pods mount the volume read-only (pair_dirs makes it)
     pairs = set(re.findall(r"pair_dirs\('([^']+)'\)", script))
-    jobs_pairs = {a[a.index("--pair") + 1] for d in all_docs() if d["kind"] == "RayJob" for a in [sweep_argv(d)]}
+    jobs_pairs = {a[a.index("--pair") + 1] for d in all_docs() if d["kind"] == "RayJob" for a in [sweep_argv(d)]
+                  if "openai" not in a}  # a server's pair is the server's, not on the volume
     assert jobs_pairs and jobs_pairs <= pairs
 
 
@@ -259,3 +260,17 @@ def test_gpu_rayjob_measures_c_through_vllm_on_a_gpu_pod_then_sweeps_with_it():
         mounts = {m["mountPath"]: m for m in group["template"]["spec"]["containers"][0]["volumeMounts"]}
         assert "/runs" in mounts and not mounts["/runs"].get("readOnly")
     assert "/runs" in {m["mountPath"] for m in head["template"]["spec"]["containers"][0]["volumeMounts"]}
+
+
+def test_the_endpoint_rayjob_certifies_the_rayservices_server_with_flags_the_sweep_accepts():
+    from jobs import sweep as sweep_job
+    from sweep.settings import parse_settings
+
+    (job,) = docs("rayjob-certify-endpoint.yaml")
+    argv = sweep_argv(job)
+    settings = parse_settings(sweep_job.build_parser().parse_args(argv[2:]))
+    args = settings.args
+    assert args.engine == "openai" and args.pair == args.pair_id and args.cost_ratio is not None
+    (service,) = [d for d in docs("rayservice.yaml") if d["kind"] == "RayService"]
+    assert args.base_url.startswith(f"http://{service['metadata']['name']}-serve-svc:8000/"), "the RayService's server"
+    assert job["spec"]["runtimeEnvYAML"].count("SPECTUNE_LEDGER: /runs/ledger") == 1
