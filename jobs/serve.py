@@ -278,7 +278,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
             or args.speculative_method is not None) and args.engine != "vllm":
         raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens, --max-num-seqs and "
                          "--speculative-method are vLLM settings: add --engine vllm")
-    run_id = args.from_sweep
+    run_id, run_dir = args.from_sweep, args.run_dir
     if run_id and Path(run_id).expanduser().is_dir():  # a sweep's run directory, as jobs.export_rule takes it
         from jobs.export_rule import find_run_dir
 
@@ -288,15 +288,15 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, ValueError, KeyError):
             raise ValueError(f"--from-sweep {args.from_sweep}: no sweep.json with a parent run id in it (is it a "
                              "sweep's run directory?)") from None
-        if args.run_dir is None and args.tracking_uri is None:
-            args.run_dir = str(found)
+        if run_dir is None and args.tracking_uri is None:
+            run_dir = str(found)
     uri = args.tracking_uri
-    if args.run_dir:
+    if run_dir:
         from sweep.tracking import tracking_uri
 
-        if not (Path(args.run_dir) / "mlflow.db").is_file():
-            raise ValueError(f"--run-dir {args.run_dir} holds no mlflow.db (is it a sweep's run directory?)")
-        uri = tracking_uri(Path(args.run_dir))
+        if not (Path(run_dir) / "mlflow.db").is_file():
+            raise ValueError(f"--run-dir {run_dir} holds no mlflow.db (is it a sweep's run directory?)")
+        uri = tracking_uri(Path(run_dir))
     spec: dict[str, Any] = {
         "pair": args.pair, "dtype": args.dtype, "policy": args.policy,
         "params": parse_params(args.param) if args.param else None, "draft_len": args.draft_len,
