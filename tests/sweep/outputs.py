@@ -2,7 +2,9 @@
 
 A refactor of the sweep must leave its outputs field for field the same. :data:`ARGS` fix c and v
 (``--cost-ratio``, ``--verify-factor``): with a calibrated v(L), the modelled speeds, and with them which of two
-equally safe candidates is confirmed first, follow the machine's load. Two runs of one command then differ only
+equally safe candidates is confirmed first, follow the machine's load. They run one actor: with two, which actor
+decoded an item (and so what its prefix cache held, which moves fp32 logits in the last bits: the tiny pair's
+near-ties flip) followed the load too, and once confirmed the other of two equally safe candidates. Two runs of one command then differ only
 in times (seconds, timed speeds), run ids, attempt ids, dates and the temporary paths; ``normalized`` masks exactly those and keeps every other
 field: the decisions, p-values, bounds, n, lost / won, the per-item evidence, the trials' knobs and search
 figures that do not depend on timing, and the set of files written.
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 ARGS = ["--benchmark", "gsm8k", "--pair", "tiny-random", "--dtype", "fp32", "--items", "6", "--max-new-tokens", "8",
-        "--actors", "2", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k", "--draft-len", "2,4",
+        "--actors", "1", "--budgets", "0.05,0.2", "--policies", "kl_judge,top_k", "--draft-len", "2,4",
         "--cost-ratio", "0.4", "--verify-factor", "1.2", "--min-items-to-prune", "4", "--trials", "3", "--speed-items", "1"]
 GOLDEN = Path(__file__).with_name("golden") / "tiny-sweep.json"
 MASK = "<varies>"
