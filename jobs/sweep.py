@@ -54,15 +54,29 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # workers.endpoint.EndpointError is one too
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = run(settings, effective_config(settings.args))
+    if settings.args.server_config is not None:  # a fixed server configuration: no search, one candidate
+        from sweep.server import certify_server
+
+        try:
+            result = certify_server(settings, effective_config(settings.args))
+        except ValueError as err:  # a side unreachable, the same configuration twice: one line
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+    else:
+        result = run(settings, effective_config(settings.args))
     summary = {b: {k: c.get(k) for k in ("policy", "params", "draft_len", "trial", "certified")}
                | {k: (c.get("certification") or {}).get(k) for k in ("bound", "n", "discordance", "items_needed")}
                for b, c in result.chosen.items()}
     print(json.dumps({"run_dir": str(result.run_dir), "parent_run_id": result.parent_run_id,
-                      "report": str(result.run_dir / "report" / "report.md"),
+                      "report": None if settings.args.server_config is not None
+                      else str(result.run_dir / "report" / "report.md"),
                       "certification": str(result.run_dir / "report" / "certification.md"), "chosen": summary},
                      indent=1, default=str), flush=True)
     log(f"run directory: {result.run_dir} (rerunning the same command resumes it)")
+    refused = {(c.get("screen") or {}).get("knob_check") for c in result.chosen.values()} - {None, "applied"}
+    if refused:  # a fixed server configuration whose settings showed no effect: never certified, said in one line
+        print(refused.pop(), file=sys.stderr)
+        return 3
     log(f"MLflow UI, from the checkout: .venv/bin/python -m jobs.tracking ui --run-dir "
         f"{shlex.quote(str(result.run_dir))}")
     return 0

@@ -212,6 +212,23 @@ def build_parser() -> SweepParser:
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="openai: seconds to wait for a server's next bytes")
     ap.add_argument("--retries", type=int, default=4, help="openai: retries per request (5xx, timeouts, drops)")
+    ap.add_argument("--server-config", type=dict[str, Any] | None, default=None,
+                    help="openai: certify the server at --base-url as it is configured, with no search: its lossy "
+                         "settings as you state them (a JSON object recorded in the certificate's scope, e.g. "
+                         "'{\"rejection_sample_method\": \"fly\", \"fly_window_size\": 6}'), against --reference-url")
+    ap.add_argument("--reference-url", type=str | None, default=None,
+                    help="openai, --server-config: the lossless server of the same model (default: --base-url, "
+                         "told apart by --reference-extra-body)")
+    ap.add_argument("--reference-model", type=str | None, default=None, help="openai: the reference's model name")
+    ap.add_argument("--reference-config", type=dict[str, Any] | None, default=None,
+                    help="openai, --server-config: the reference server's settings as you state them (JSON, recorded)")
+    ap.add_argument("--extra-body", type=dict[str, Any] | None, default=None,
+                    help="openai, --server-config: JSON fields every candidate request carries")
+    ap.add_argument("--reference-extra-body", type=dict[str, Any] | None, default=None,
+                    help="openai, --server-config: JSON fields every reference request carries")
+    ap.add_argument("--concurrency", type=str, default="1",
+                    help="openai, --server-config: requests in flight, comma separated; the evidence runs at the "
+                         "first (the deployment's), each further level is timed on --speed-items items")
     ap.add_argument("--gpu-memory-utilization", type=float | None, default=None,
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
     ap.add_argument("--max-model-len", type=int | None, default=None, help="vLLM: context length to plan for (default 4096)")

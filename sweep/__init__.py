@@ -13,6 +13,7 @@ Its rooms, one phase each, every phase taking the state and returning values:
 - ``references``: target-only and lossless on the same items, typed keys, the resumable record runner;
 - ``search``: ask / run / prune / tell per trial, the trials frame;
 - ``confirm`` (with ``certificates``): the attempt the ledger opens, each budget certified or not;
+- ``server``: a fixed server configuration (``--server-config``) certified as one candidate, no search;
 - ``report``: the report, the flips page and the frontier; ``progress``: the log and progress lines;
   ``tracking``: MLflow.
 """

@@ -65,6 +65,35 @@ def endpoint_settings(args: argparse.Namespace) -> None:
     args.pair, args.dtype = args.pair_id, "server"
 
 
+SERVER_FLAGS = ("server_config", "reference_url", "reference_model", "reference_config", "extra_body",
+                "reference_extra_body")
+
+
+def server_settings(args: argparse.Namespace) -> None:
+    """``--server-config`` (a fixed server configuration certified as one candidate, ``sweep.server``): its JSON
+    flags parsed into objects and ``--concurrency`` into levels, one line naming the flag otherwise; the fixed
+    configuration's flags refused without it (they would be ignored)."""
+    from workers.endpoint_cli import concurrency_values
+
+    given = getattr(args, "server_config", None)
+    if given is None:
+        extra = [f"--{k.replace('_', '-')}" for k in SERVER_FLAGS if getattr(args, k, None) is not None]
+        if extra or str(getattr(args, "concurrency", "1")) != "1":
+            raise ValueError(f"{', '.join(extra) or '--concurrency'}: only with --server-config (a fixed server "
+                             "configuration); a sweep of a server's per-request knobs runs at one request per actor")
+        return
+    if args.engine != "openai":
+        raise ValueError("--server-config goes with --engine openai (a running server)")
+    for flag in ("server_config", "reference_config", "extra_body", "reference_extra_body"):
+        value = getattr(args, flag)
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a JSON object, got {value!r}")
+    if not args.server_config:
+        raise ValueError("--server-config: state the configuration's settings (a non-empty JSON object): they are "
+                         "what the certificate's scope names")
+    concurrency_values(args.concurrency)  # one line naming the flag; sweep.server reads the levels
+
+
 def endpoint_options(args: argparse.Namespace) -> dict[str, Any]:
     """The pair actors' ``workers.endpoint.Endpoint`` fields (``--engine openai``)."""
     return {"base_url": args.base_url, "model": args.model, "api_key_env": args.api_key_env,
@@ -128,7 +157,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         from workers.engines import vllm_python
 
         args.vllm_python = vllm_python(args.vllm_python)
-    if args.engine == "openai" and args.cost_ratio is None:
+    server_settings(args)
+    if args.engine == "openai" and args.cost_ratio is None and args.server_config is None:
         raise ValueError("--engine openai needs --cost-ratio: a server's draft and target steps cannot be timed apart "
                          "from outside (measure c where the pair runs, or take it from the server's logs)")
     if args.engine == "vllm" and args.cost_ratio is None:

@@ -213,7 +213,8 @@ def _load_chunks(path: Path) -> list[dict[str, Any]]:
 
 
 def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], concurrency: int, stores: Any,
-            *, chunk: int | None = None, log: Callable[[str], None] = print, spec_key: str, **decode: Any) -> Comparison:
+            *, chunk: int | None = None, log: Callable[[str], None] = print, spec_key: str,
+            restart: str = "--fresh starts over", **decode: Any) -> Comparison:
     """Both sides on ``items`` at ``concurrency``, interleaved chunk by chunk (see the module). ``stores(label)``: that
     side's ``RecordStore`` and its chunk log; what a side already holds (records of a whole stored chunk) is not
     sent again."""
@@ -232,8 +233,7 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
     todo = [it for it in items if any(it.id not in runs[s.label].records for s in (reference, candidate))]
     if any(resumed.values()):
         log(f"concurrency {concurrency}: resuming: {resumed['reference']} reference and {resumed['candidate']} "
-            f"candidate records of {len(items)} items held ({held['candidate'][0].dir.parent.parent}); --fresh "
-            "starts over")
+            f"candidate records of {len(items)} items held ({held['candidate'][0].dir.parent.parent}); {restart}")
     t0, n_done = time.perf_counter(), 0
     for k, start in enumerate(range(0, len(todo), size)):
         part = todo[start: start + size]

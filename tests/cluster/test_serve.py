@@ -312,3 +312,25 @@ def test_a_sweep_against_this_server_searches_its_knobs_and_certifies_for_the_en
     records = [json.loads(line) for p in (run_dir / "trials").glob("*/records.jsonl") for line in p.read_text().splitlines()]
     assert records and all(r["error"] is None for r in records), [r["reason"] for r in records if r["error"]][:2]
     assert all(json.loads(r["params"])["reported"]["policy"] == "kl_judge" for r in records)
+
+
+def test_a_fixed_configuration_of_this_server_is_certified_as_one_candidate(server, tmp_path):
+    """``jobs/sweep.py --engine openai --server-config``: no search; the candidate is this server with a rule fixed in
+    its request fields, the reference the same server with speculation off; the rule reports show the settings were
+    applied, and the certificate names the configuration, the reference and the concurrency its speed came from."""
+    from jobs import sweep as sweep_job
+
+    run_dir = tmp_path / "fixed"
+    rule = {"spec_decode": {"policy": "kl_judge", "params": {"threshold": 2.0}, "draft_len": 3}}
+    rc = sweep_job.main(["--engine", "openai", "--base-url", f"{server}/v1", "--model", MODEL, "--pair-id",
+                         "tiny-served", "--server-config", json.dumps({"note": "kl_judge fixed in the request"}),
+                         "--extra-body", json.dumps(rule), "--reference-extra-body",
+                         json.dumps({"spec_decode": {"policy": "off"}}), "--benchmark", "gsm8k", "--items", "2",
+                         "--confirm-items", "4", "--max-new-tokens", "8", "--budgets", "0.9", "--concurrency", "2",
+                         "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
+    assert rc == 0
+    chosen = json.loads((run_dir / "report" / "chosen-budget-0.9.json").read_text())
+    assert chosen["screen"]["knob_check"] == "applied" and chosen["endpoint"]["extra_body"] == rule
+    assert chosen["certification"]["n"] == 4 and chosen["speed"]["concurrency"] == 2
+    assert chosen["speed"]["candidate"]["failed"] == 0 and chosen["speed"]["reference"]["failed"] == 0
+    assert chosen["certified"] is True, chosen["certification"]["reason"]  # 4 items bound a 90% budget

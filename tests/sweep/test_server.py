@@ -1,0 +1,103 @@
+"""A fixed server configuration certified as one candidate (``jobs/sweep.py --engine openai --server-config``),
+against two small fake OpenAI-compatible servers on 127.0.0.1 (a lossless reference and a lossy candidate, each
+with vLLM-style speculative-decoding counters): the screen's knob check refuses a server whose acceptance did not
+move before the ledger opens anything, an accepted one is decided per budget with its evidence, its scope and its
+speed at the stated concurrency, and a rerun resumes from the records without sending a request."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from tests.workers.fake_openai import FakeServer
+
+
+@pytest.fixture
+def servers():
+    with FakeServer() as reference, FakeServer() as candidate:
+        for fake in (reference, candidate):
+            fake.b.metrics = True
+        candidate.b.accepted_per_request = 6  # the lossy mode accepts more of the same drafts
+        yield reference, candidate
+
+
+def argv(reference: FakeServer, candidate: FakeServer, tmp_path, *extra: str) -> list[str]:
+    return ["--engine", "openai", "--base-url", candidate.url, "--model", candidate.model, "--pair-id", "fake-pair",
+            "--reference-url", reference.url, "--server-config", '{"rejection_sample_method": "fly", "fly_window_size": 6}',
+            "--reference-config", '{"rejection_sample_method": "standard"}',
+            "--benchmark", "gsm8k", "--items", "6", "--confirm-items", "12", "--budgets", "0.3,0.5",
+            "--max-new-tokens", "8", "--concurrency", "4,2", "--speed-items", "4",
+            "--runs-root", str(tmp_path), "--run-dir", str(tmp_path / "run"), *extra]
+
+
+def test_a_fixed_configuration_is_certified_with_its_scope_evidence_and_speed(servers, tmp_path, capsys):
+    from jobs import sweep as sweep_job
+    from workers.results.ledger import AttemptLedger
+
+    reference, candidate = servers
+    assert sweep_job.main(argv(reference, candidate, tmp_path)) == 0
+    out = tmp_path / "run" / "report"
+    chosen = json.loads((out / "chosen-budget-0.3.json").read_text())
+    # same outputs on both sides: no item lost, so 12 items certify a 30% budget
+    assert chosen["certified"] is True and chosen["mode"] == "server-config", chosen["certification"]["reason"]
+    assert chosen["endpoint"]["server_config"] == {"rejection_sample_method": "fly", "fly_window_size": 6}
+    assert chosen["reference"]["base_url"] == reference.url and chosen["pair_fingerprint"] == "endpoint:fake-pair"
+    assert chosen["concurrency"] == 4 and chosen["certification"]["evidence_concurrency"] == 4
+    speed = chosen["speed"]
+    assert speed["concurrency"] == 4 and speed["candidate"]["acceptance"] == pytest.approx(60 / 80)
+    assert speed["reference"]["acceptance"] == pytest.approx(30 / 80) and speed["tokens_per_s_ratio"] > 0
+    assert chosen["speed_at"]["2"]["items"] == 4
+    assert chosen["screen"]["items"] == 6 and chosen["screen"]["knob_check"] == "applied"
+    rows = list(csv.DictReader((out / chosen["certification"]["evidence"]).open()))
+    assert len(rows) == chosen["certification"]["n"] and all(r["candidate"] == "ok" for r in rows)
+    # the screen ran on search items, the evidence on confirmation items: the two never share one
+    ledger = AttemptLedger("gsm8k", "endpoint:fake-pair")
+    (attempt,) = ledger.attempts().values()
+    assert not set(attempt["items"]) & set(attempt["search_items"]) and len(attempt["search_items"]) == 6
+    assert set(attempt["decided"]) == {"0.3", "0.5"}
+    assert "CERTIFIED" in (out / "certification.md").read_text()
+    sent = reference.b.requests + candidate.b.requests
+    # a rerun resumes from the records: nothing is sent again, the ledger adds nothing
+    assert sweep_job.main(argv(reference, candidate, tmp_path)) == 0
+    assert reference.b.requests + candidate.b.requests == sent
+    assert len(AttemptLedger("gsm8k", "endpoint:fake-pair").attempts()) == 1
+
+
+def test_a_server_whose_acceptance_did_not_move_is_refused_before_any_confirmation_item(servers, tmp_path, capsys):
+    from jobs import sweep as sweep_job
+    from workers.results.ledger import AttemptLedger
+
+    reference, candidate = servers
+    candidate.b.accepted_per_request = reference.b.accepted_per_request  # the server ignored its lossy settings
+    assert sweep_job.main(argv(reference, candidate, tmp_path)) == 3
+    err = capsys.readouterr().err
+    assert "refused: acceptance did not move between the sides" in err
+    chosen = json.loads((tmp_path / "run" / "report" / "chosen-budget-0.5.json").read_text())
+    assert chosen["certified"] is False and chosen["certification"]["reason"].startswith("refused")
+    assert not AttemptLedger("gsm8k", "endpoint:fake-pair").attempts()  # no confirmation item was spent
+    assert reference.b.requests == 6 and candidate.b.requests == 6  # the screen only
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--reference-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1: Connection refused"),
+    (["--server-config", "{}"], "--server-config: state the configuration's settings"),
+    (["--reference-url", "SAME"], "the reference and the candidate are the same requests to the same server"),
+])
+def test_bad_fixed_configurations_get_one_line(servers, tmp_path, capsys, extra, words):
+    from jobs import sweep as sweep_job
+
+    reference, candidate = servers
+    extra = [candidate.url if v == "SAME" else v for v in extra]
+    assert sweep_job.main(argv(reference, candidate, tmp_path, *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and words in err[-1], err
+
+
+def test_the_fixed_configuration_flags_need_server_config(tmp_path, capsys):
+    from jobs import sweep as sweep_job
+
+    rc = sweep_job.main(["--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--pair-id", "p",
+                         "--cost-ratio", "0.4", "--concurrency", "4"])
+    assert rc == 2 and "--concurrency: only with --server-config" in capsys.readouterr().err
