@@ -107,6 +107,31 @@ class PairWorker:
                     arm.append(evaluate_item(self.engine, bench, item, spec))
         return out
 
+    def time_concurrent(self, benchmark: str, specs: list[DecodeSpec], items: list[Item], concurrency: int
+                        ) -> tuple[list[list[Record]], list[float]]:
+        """Like-for-like timing at a concurrency: the items in chunks; in each chunk every spec in turn (the one
+        that goes first rotating), its requests ``concurrency`` at a time: a server's clients keep that many in
+        flight (``EndpointEngine.time_concurrent``), the vLLM engine decodes each group of ``concurrency`` items as
+        one batch. The records per spec in item order, and each spec's wall seconds over its own chunks."""
+        bench = get_benchmark(benchmark)
+        timer = getattr(self.engine, "time_concurrent", None)
+        if timer is not None:
+            return timer(bench, specs, items, concurrency)
+        if self.engine_kind != "vllm":
+            raise ValueError(f"the {self.engine_kind} engine decodes one request at a time: no concurrency to time")
+        import time
+
+        out: list[list[Record]] = [[] for _ in specs]
+        walls = [0.0] * len(specs)
+        for k, start in enumerate(range(0, len(items), concurrency)):
+            group = items[start: start + concurrency]
+            turn = k % len(specs)
+            for j in [*range(turn, len(specs)), *range(turn)]:
+                t0 = time.perf_counter()
+                out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}))
+                walls[j] += time.perf_counter() - t0
+        return out, walls
+
     def consume(self, tag: str, benchmark: str, spec: DecodeSpec, shard: Any, references: dict[str, list[str]]
                 ) -> list[Record]:
         """Evaluate one shard (a small Ray Data dataset of items); stop early if asked. On the vLLM

@@ -65,12 +65,18 @@ def _run_bundles(workers: Sequence[Any], benchmark: str, specs: Sequence[DecodeS
             on_records(list(per_spec))
 
 
-def time_items(worker: Any, benchmark: str, specs: Sequence[DecodeSpec], items: Sequence[Item]) -> Timed:
-    """``specs`` (target-only, lossless, candidate) decoded in full on ``items`` one after another per item on
-    ``worker`` (batch 1), with the machine's 1-minute load before and after."""
+def time_items(worker: Any, benchmark: str, specs: Sequence[DecodeSpec], items: Sequence[Item],
+               concurrency: int = 1) -> Timed:
+    """``specs`` (target-only, lossless, candidate) decoded in full on ``items`` on ``worker``, with the machine's
+    1-minute load before and after: one after another per item (batch 1), or, at a ``concurrency`` above 1, chunk
+    by chunk with each arm's requests that many at a time (``PairWorker.time_concurrent``: each arm's walls)."""
     before = os.getloadavg()[0]
     try:
-        arms = ray.get(worker.time_items.remote(benchmark, list(specs), list(items)))
+        if concurrency > 1:
+            arms, walls = ray.get(worker.time_concurrent.remote(benchmark, list(specs), list(items), concurrency))
+        else:
+            arms, walls = ray.get(worker.time_items.remote(benchmark, list(specs), list(items))), None
     except ray.exceptions.RayError as err:  # a lost actor loses the timing, never the certificate
         return Timed(None, error=f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
-    return Timed(tuple(list(arm) for arm in arms), (before, os.getloadavg()[0]))
+    return Timed(tuple(list(arm) for arm in arms), (before, os.getloadavg()[0]), concurrency,
+                 walls=None if walls is None else tuple(walls))

@@ -227,8 +227,9 @@ def build_parser() -> SweepParser:
     ap.add_argument("--reference-extra-body", type=dict[str, Any] | None, default=None,
                     help="openai, --server-config: JSON fields every reference request carries")
     ap.add_argument("--concurrency", type=str, default="1",
-                    help="openai, --server-config: requests in flight, comma separated; the evidence runs at the "
-                         "first (the deployment's), each further level is timed on --speed-items items")
+                    help="requests in flight. A sweep (--engine openai or vllm): the speed phase's, one value. "
+                         "--server-config: comma separated; the evidence runs at the first (the deployment's), each "
+                         "further level is timed on --speed-items items")
     ap.add_argument("--gpu-memory-utilization", type=float | None, default=None,
                     help="vLLM: fraction of each GPU for weights + KV cache (default 0.85)")
     ap.add_argument("--max-model-len", type=int | None, default=None, help="vLLM: context length to plan for (default 4096)")

@@ -256,7 +256,7 @@ def speed_over_lossless(state: SweepState, attempt: Attempt, row: dict[str, Any]
         # place like any arm (the two target-only runs also show the timing's own spread).
         fastest = state.refs.lossless_spec(draft_len) if draft_len else state.refs.target_only_spec()
         specs = [state.refs.target_only_spec(), fastest, spec]
-        timed = time_items(state.workers[0], s.bench.ref, specs, order)
+        timed = time_items(state.workers[0], s.bench.ref, specs, order, int(str(s.args.concurrency)))
     return over_lossless(records, lossless, reference, draft_len, state.cost, timed)
 
 
@@ -411,7 +411,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             timed = vl.get("timed") or {}
             log(f"budget {budget * 100:g}%: speed over the best lossless ({baseline_name(vl['draft_len'])}): modelled "
                   f"{vl['modelled']:.3f}x on {vl['items']} items, measured {vl['measured']:.3f}x"
-                  + (f" on {timed['items']} items at batch {timed['concurrency']}, interleaved" if timed else
+                  + (f" on {timed['items']} items at concurrency {timed['concurrency']}, interleaved" if timed else
                      " (not timed: --speed-items 0)")
                   + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x"
                 + f"; stated: {vl.get('stated', math.nan):.3f}x, {vl.get('stated_from', 'modelled')}")

@@ -78,9 +78,12 @@ def server_settings(args: argparse.Namespace) -> None:
     given = getattr(args, "server_config", None)
     if given is None:
         extra = [f"--{k.replace('_', '-')}" for k in SERVER_FLAGS if getattr(args, k, None) is not None]
-        if extra or str(getattr(args, "concurrency", "1")) != "1":
-            raise ValueError(f"{', '.join(extra) or '--concurrency'}: only with --server-config (a fixed server "
-                             "configuration); a sweep of a server's per-request knobs runs at one request per actor")
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: only with --server-config (a fixed server configuration)")
+        levels = concurrency_values(getattr(args, "concurrency", "1"))
+        if levels != [1] and (args.engine not in ("openai", "vllm") or len(levels) > 1):
+            raise ValueError(f"--concurrency {args.concurrency}: a sweep times its speed phase at one concurrency, on "
+                             "--engine openai or vllm (the cpu engine decodes one request at a time)")
         return
     if args.engine != "openai":
         raise ValueError("--server-config goes with --engine openai (a running server)")

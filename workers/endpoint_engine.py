@@ -7,7 +7,8 @@ an engine the sweep's pair actors host: the actors become clients, and every ``D
 Every reply must report the rule it ran (``spec_decode`` in the reply): one that reports another rule, knobs or
 draft length, or none, makes the item's record fail with that reason, so a server that ignores the knobs can
 never produce evidence for a certificate (a failed candidate item counts against it). c is not measured through
-a server: the sweep asks for ``--cost-ratio``, and speed is timed request by request (batch 1 per actor).
+a server: the sweep asks for ``--cost-ratio``, and speed is timed request by request (batch 1 per actor), or
+at ``--concurrency`` C with C requests in flight (:meth:`EndpointEngine.time_concurrent`).
 """
 
 from __future__ import annotations
@@ -56,17 +57,48 @@ class EndpointEngine:
                 "endpoint": self.endpoint.describe(),
                 "model_card": self.card}
 
-    def evaluate_item(self, bench: Any, item: Any, spec: DecodeSpec, reference: Any = None) -> Record:
+    def time_concurrent(self, bench: Any, specs: list[DecodeSpec], items: list[Any], concurrency: int
+                        ) -> tuple[list[list[Record]], list[float]]:
+        """The speed phase at a concurrency: the items in chunks of 8 x ``concurrency`` (at least 16); in each chunk
+        every spec in turn, the one that goes first rotating (a server's prefix cache warms each arm's prompts for
+        the others alike), its requests ``concurrency`` at a time. Scoring runs after each arm's clock stops. The
+        records per spec in item order, and each spec's wall seconds over its own chunks."""
+        import time
+
+        from workers.endpoint import run_concurrently
+
+        out: list[list[Record]] = [[] for _ in specs]
+        walls = [0.0] * len(specs)
+        size = max(8 * concurrency, 16)
+        for k, start in enumerate(range(0, len(items), size)):
+            chunk = items[start: start + size]
+            turn = k % len(specs)
+            for j in [*range(turn, len(specs)), *range(turn)]:
+                spec = specs[j]
+                t0 = time.perf_counter()
+                got = run_concurrently(lambda it, spec=spec: self._fetch(bench, it, spec), chunk, concurrency)
+                walls[j] += time.perf_counter() - t0
+                out[j].extend(self._record(bench, g, spec, None) for g in got)
+        return out, walls
+
+    def _fetch(self, bench: Any, item: Any, spec: DecodeSpec) -> Any:
+        return fetch(self._side(spec), bench, item, shots=spec.shots, max_new_tokens=spec.max_new_tokens,
+                     temperature=spec.temperature, seed=spec.seed)
+
+    def _side(self, spec: DecodeSpec) -> Side:
         label = "reference" if spec.policy == TARGET_ONLY else "candidate"
         ep = replace(self.endpoint, extra_body={**self.endpoint.extra_body, **spec_body(spec)})
-        side = Side(label, ep, spec.policy, spec.params_dict, spec.draft_len)
-        got = fetch(side, bench, item, shots=spec.shots, max_new_tokens=spec.max_new_tokens,
-                    temperature=spec.temperature, seed=spec.seed)
+        return Side(label, ep, spec.policy, spec.params_dict, spec.draft_len)
+
+    def _record(self, bench: Any, got: Any, spec: DecodeSpec, reference: Any) -> Record:
         refs = reference.get("outputs") if isinstance(reference, dict) else reference
-        record = record_of(side, bench, got, spec.key(), refs)
+        record = record_of(self._side(spec), bench, got, spec.key(), refs)
         if not record.failed:
             wrong = ran_as_asked(spec, reported(record))
             if wrong is not None:
                 record.score, record.error = math.nan, f"KnobsIgnored: {wrong}"
                 record.reason = f"failed: {wrong}"
         return record
+
+    def evaluate_item(self, bench: Any, item: Any, spec: DecodeSpec, reference: Any = None) -> Record:
+        return self._record(bench, self._fetch(bench, item, spec), spec, reference)

@@ -302,9 +302,12 @@ def test_a_sweep_against_this_server_searches_its_knobs_and_certifies_for_the_en
                          "tiny-served", "--benchmark", "gsm8k", "--items", "4", "--confirm-items", "4",
                          "--max-new-tokens", "8", "--budgets", "0.5", "--policies", "kl_judge", "--draft-len", "2,3",
                          "--trials", "1", "--cost-ratio", "0.4", "--actors", "1", "--cpus-per-actor", "0.2",
-                         "--speed-items", "1", "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
+                         "--speed-items", "3", "--concurrency", "2", "--runs-root", str(tmp_path),
+                         "--run-dir", str(run_dir)])
     assert rc == 0
     chosen = json.loads((run_dir / "report" / "chosen-budget-0.5.json").read_text())
+    timed = chosen["vs_lossless"]["timed"]  # the speed phase at the stated concurrency: tokens over each arm's walls
+    assert timed["concurrency"] == 2 and timed["items"] == 3 and timed["tokens_per_s"]["candidate"] > 0, timed
     assert chosen["engine"] == "openai" and chosen["dtype"] == "server" and chosen["pair"] == "tiny-served"
     assert chosen["pair_fingerprint"] == "endpoint:tiny-served"
     assert chosen["endpoint"]["base_url"] == f"{server}/v1" and chosen["endpoint"]["model_card"]["id"] == MODEL

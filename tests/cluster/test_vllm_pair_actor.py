@@ -47,6 +47,22 @@ def test_a_trial_runs_on_a_vllm_pair_actor(worker):
     assert profile["engine"] == "vllm" and profile["cost_ratio"] is None  # the sweep asks for --cost-ratio
 
 
+def test_the_speed_phase_at_a_concurrency_times_each_arm_in_batches(worker):
+    """``--concurrency C`` on the vLLM engine: each group of C items is one batch per arm, the arm that goes first
+    rotating; each arm's records in item order and its walls (what a certificate's measured speed is made of)."""
+    from cluster.pool import time_items
+
+    items = get_benchmark("gsm8k").items(limit=4)
+    settings = dict(max_new_tokens=8, temperature=0.0, seed=0, shots=0)
+    specs = [DecodeSpec.make(TARGET_ONLY, **settings), DecodeSpec.make("lossless", {}, 3, **settings),
+             DecodeSpec.make("kl_judge", {"threshold": 2.0}, 3, **settings)]
+    timed = time_items(worker[0], "gsm8k", specs, items, concurrency=2)
+    assert timed.error is None and timed.concurrency == 2 and len(timed.walls) == 3 and min(timed.walls) > 0
+    assert [[r.item_id for r in arm] for arm in timed.arms] == [[it.id for it in items]] * 3
+    assert all(r.error is None for arm in timed.arms for r in arm)
+    assert [r.outputs for r in timed.arms[0]] == [r.outputs for r in timed.arms[1]], "greedy lossless = target-only"
+
+
 def test_a_rule_the_engine_cannot_run_fails_the_item_not_the_actor(worker):
     items = get_benchmark("gsm8k").items(limit=1)
     spec = DecodeSpec.make("lossless", {}, 5, max_new_tokens=8, temperature=0.0, seed=0, shots=0)

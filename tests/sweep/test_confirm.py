@@ -240,3 +240,19 @@ def test_the_timed_full_decodes_check_the_records_they_time():
     one_side = [rec("a", 1.0, ids=[[1, 2, 3]]), rec("b", math.nan, error="boom")]
     assert replay_check(arms(one_side), held, lossless)["replayed_differ"] == ["candidate:b"]
     assert replay_check(Timed(None, error="lost"), held, lossless)["status"] == "unchecked"
+
+
+def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls():
+    """Concurrent requests overlap, so a record's own seconds are not its share of the server: with walls, measured
+    speed is each arm's output tokens over its walls (a failed item's tokens count for nothing, its time counts)."""
+    from workers.metrics.cost import CostModel
+    from workers.metrics.speed import Timed, over_lossless
+
+    held = {k: rec(k, 1.0, tokens=10) for k in "ab"}
+    arms = tuple([rec(k, 1.0, tokens=10) for k in "ab"] for _ in range(3))
+    arms[2][1] = rec("b", math.nan, tokens=10, error="boom")
+    out = over_lossless(held, held, held, 3, CostModel(0.4), Timed(arms, concurrency=4, walls=(4.0, 2.0, 1.0)))
+    timed = out["vs_lossless"]["timed"]
+    assert timed["concurrency"] == 4 and timed["items"] == 2
+    assert timed["tokens_per_s"] == {"target_only": 5.0, "lossless": 10.0, "candidate": 10.0}
+    assert out["vs_lossless"]["measured"] == pytest.approx(1.0) and out["vs_target_only"]["measured"] == pytest.approx(2.0)

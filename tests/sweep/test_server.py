@@ -98,6 +98,11 @@ def test_bad_fixed_configurations_get_one_line(servers, tmp_path, capsys, extra,
 def test_the_fixed_configuration_flags_need_server_config(tmp_path, capsys):
     from jobs import sweep as sweep_job
 
-    rc = sweep_job.main(["--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--pair-id", "p",
-                         "--cost-ratio", "0.4", "--concurrency", "4"])
-    assert rc == 2 and "--concurrency: only with --server-config" in capsys.readouterr().err
+    base = ["--engine", "openai", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--pair-id", "p",
+            "--cost-ratio", "0.4"]
+    assert sweep_job.main([*base, "--reference-url", "http://127.0.0.1:8/v1"]) == 2
+    assert "--reference-url: only with --server-config" in capsys.readouterr().err
+    assert sweep_job.main([*base, "--concurrency", "4,8"]) == 2  # a sweep's speed phase: one concurrency
+    assert "a sweep times its speed phase at one concurrency" in capsys.readouterr().err
+    assert sweep_job.main(["--pair", "tiny-random", "--concurrency", "4"]) == 2
+    assert "the cpu engine decodes one request at a time" in capsys.readouterr().err
