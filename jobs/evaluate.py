@@ -23,6 +23,8 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
+from typing import Any
 
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.cli import parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
@@ -33,26 +35,33 @@ from workers.models.calibrate import CostProfile, get_profile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
 
 
-def run_items(engine: SpecDecoder, bench: Benchmark, items: list[Item], spec: DecodeSpec, store: RecordStore,
-              label: str, references: dict[str, Record] | None = None) -> dict[str, Record]:
-    """Evaluate the items the store lacks, appending each record as it is made; show progress."""
+def run_items(engine: Any, bench: Benchmark, items: list[Item], spec: DecodeSpec, store: RecordStore,
+              label: str, references: dict[str, Record] | None = None, batch: int = 1) -> dict[str, Record]:
+    """Evaluate the items the store lacks, appending each record as it is made; show progress. ``batch`` > 1: the
+    vLLM engine, that many items per batched ``generate`` (continuous batching; each item keeps its own record)."""
     done = store.load()
     todo = [it for it in items if it.id not in done]
     if not todo:
         print(f"{label}: {len(items)} items cached in {store.dir}", file=sys.stderr)
     t0 = time.perf_counter()
-    tokens = 0
-    for n, item in enumerate(todo, 1):
-        refs = references[item.id].outputs if references and item.id in references else None
-        record = evaluate_item(engine, bench, item, spec, reference_outputs=refs)
-        store.append(record)
-        done[item.id] = record
-        tokens += record.tokens
-        elapsed = time.perf_counter() - t0
-        eta = elapsed / n * (len(todo) - n)
-        status = "FAILED " + record.reason if record.failed else f"score {record.score:.2f}"
-        print(f"{label} [{n}/{len(todo)}] {item.id} {status} | {tokens / elapsed:.2f} tok/s | "
-              f"ETA {eta:.0f}s", file=sys.stderr, flush=True)
+    tokens, n = 0, 0
+    for start in range(0, len(todo), batch):
+        group = todo[start: start + batch]
+        refs = {it.id: references[it.id].outputs for it in group if references and it.id in references}
+        if batch > 1:
+            made = engine.evaluate_items(bench, group, spec, refs)
+        else:
+            made = [evaluate_item(engine, bench, group[0], spec, reference_outputs=refs.get(group[0].id))]
+        for item, record in zip(group, made, strict=True):
+            n += 1
+            store.append(record)
+            done[item.id] = record
+            tokens += record.tokens
+            elapsed = time.perf_counter() - t0
+            eta = elapsed / n * (len(todo) - n)
+            status = "FAILED " + record.reason if record.failed else f"score {record.score:.2f}"
+            print(f"{label} [{n}/{len(todo)}] {item.id} {status} | {tokens / elapsed:.2f} tok/s | "
+                  f"ETA {eta:.0f}s", file=sys.stderr, flush=True)
     ordered = {it.id: done[it.id] for it in items}
     store.write_parquet(ordered.values())
     return ordered
@@ -111,9 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
     ap.add_argument("--runs-root", default=None, help="where runs and reference caches live (default ./runs)")
     ap.add_argument("--no-lossless-ref", action="store_true", help="skip the lossless reference run")
+    vl = ap.add_argument_group("the vLLM engine (--engine vllm): docs/vllm-engine.md")
+    vl.add_argument("--batch", type=int, default=32, help="vllm: items per batched generate (continuous batching)")
+    vl.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of each GPU")
+    vl.add_argument("--max-model-len", type=int, default=None, help="vllm: context length to plan for")
+    vl.add_argument("--enforce-eager", action="store_true", help="vllm: no CUDA graphs")
+    vl.add_argument("--kv-cache-gb", type=float, default=None, help="vllm: KV cache size (vLLM-CPU needs one)")
+    vl.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per pair")
+    vl.add_argument("--vllm-python", default=None,
+                    help="vllm: the interpreter that imports vllm (default: this one, $SPECTUNE_VLLM_PYTHON or the "
+                         "checkout's .vllm-venv); the command reruns itself there")
     ep = ap.add_argument_group("an OpenAI-compatible server (--engine openai): docs/endpoints.md")
-    ep.add_argument("--engine", choices=("cpu", "openai"), default="cpu",
-                    help="cpu: the pair in this process (default); openai: a running server at --base-url")
+    ep.add_argument("--engine", choices=("cpu", "vllm", "openai"), default="cpu",
+                    help="cpu: the pair in this process (default); vllm: the pair in vLLM with spectune's rules "
+                         "inside, in this process (GPU nodes; vLLM-CPU here); openai: a running server at --base-url")
     ep.add_argument("--base-url", help="the candidate's server, e.g. http://127.0.0.1:8000/v1")
     ep.add_argument("--model", help="the model name the server serves (as /v1/models lists it)")
     ep.add_argument("--api-key-env", help="the environment variable holding the server's API key")
@@ -141,10 +161,46 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.engine == "vllm":
+            _in_vllm_python(args, sys.argv[1:] if argv is None else argv)
         return _main(args)
     except ValueError as err:  # bad names/values, an unreachable server: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _in_vllm_python(args: argparse.Namespace, argv: list[str]) -> None:
+    """``--engine vllm`` where this interpreter lacks vllm: rerun the same command in the one that has it (the
+    checkout's .vllm-venv on CPU machines: vLLM pins its own torch and transformers). A ValueError naming the fix
+    where there is none."""
+    from workers.engines import vllm_python
+
+    python = vllm_python(args.vllm_python)
+    if python is not None and os.path.abspath(python) != os.path.abspath(sys.executable):  # venvs share a binary
+        print(f"--engine vllm: rerunning in {python}", file=sys.stderr, flush=True)
+        os.execv(python, [python, "-m", "jobs.evaluate", *argv])
+
+
+def vllm_engine(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
+    """The vLLM engine of ``args.pair`` at ``args.draft_len``, and what the report reads of a profile: c is not
+    timed through vLLM (``--cost-ratio`` is required) and a verify pass counts one target step."""
+    from workers.engines import make_engine
+    from workers.metrics.cost import unit_verify
+
+    if args.cost_ratio is None:
+        raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
+                         "(python -m workers.calibrate --engine vllm --pair ...)")
+    if args.batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    options = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
+               "enforce_eager": args.enforce_eager or None,
+               "kv_cache_memory_bytes": None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)}
+    engine = make_engine("vllm", args.pair, dtype, draft_len=args.draft_len,
+                         tensor_parallel_size=args.tensor_parallel_size,
+                         vllm={k: v for k, v in options.items() if v is not None})
+    profile = SimpleNamespace(dtype=f"vllm {dtype}", cost_ratio=args.cost_ratio, verify_factor=unit_verify,
+                              to_json=lambda: {"engine": "vllm", "dtype": dtype, "cost_ratio": args.cost_ratio})
+    return engine, profile
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -155,7 +211,14 @@ def _main(args: argparse.Namespace) -> int:
     from workers.models.assets import AssetError
     from workers.models.pair import auto_dtype, load_pair
 
-    dtype = auto_dtype() if args.dtype == "auto" else args.dtype
+    if args.engine == "vllm":  # vLLM runs bf16 where the device has it (a GPU, an avx512_bf16 CPU), else fp32
+        from workers.models.pair import native_dtype
+
+        dtype = native_dtype() if args.dtype == "auto" else args.dtype
+        if dtype == "int8":
+            raise ValueError("--dtype int8 is the CPU engine's fast path; --engine vllm runs bf16, fp16 or fp32")
+    else:
+        dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     if args.judge_url:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url
     bench = get_benchmark(args.benchmark)
@@ -165,37 +228,48 @@ def _main(args: argparse.Namespace) -> int:
     settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots)
     spec = DecodeSpec.make(args.policy, parse_params(args.param), args.draft_len, **settings)
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
+    batch = 1
     try:
-        pair = load_pair(args.pair, dtype=dtype)
+        if args.engine == "vllm":
+            engine, profile = vllm_engine(args, dtype)
+            batch, tag = args.batch, f"vllm-{dtype}"  # vLLM's records are its own: never the CPU engine's cache
+        else:
+            pair = load_pair(args.pair, dtype=dtype)
+            profile = get_profile(pair)
+            engine, tag = SpecDecoder(pair), dtype
     except AssetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    profile = get_profile(pair)
     cost_ratio = args.cost_ratio if args.cost_ratio is not None else profile.cost_ratio
-    engine = SpecDecoder(pair)
     root = runs_root(args.runs_root)
 
     ar_spec = DecodeSpec.make(TARGET_ONLY, **settings)
     ar = run_items(engine, bench, items, ar_spec,
-                   RecordStore(reference_dir(root, args.pair, dtype, bench.key, ar_spec)), TARGET_ONLY)
+                   RecordStore(reference_dir(root, args.pair, tag, bench.key, ar_spec)), TARGET_ONLY, batch=batch)
     lossless = None
     if spec.policy != TARGET_ONLY and not args.no_lossless_ref:
         ll_spec = DecodeSpec.make("lossless", {}, args.draft_len, **settings)
         lossless = run_items(engine, bench, items, ll_spec,
-                             RecordStore(reference_dir(root, args.pair, dtype, bench.key, ll_spec)),
-                             f"lossless L={args.draft_len}", references=ar)
+                             RecordStore(reference_dir(root, args.pair, tag, bench.key, ll_spec)),
+                             f"lossless L={args.draft_len}", references=ar, batch=batch)
     if spec.policy == TARGET_ONLY:
         records = ar
     elif spec.policy == "lossless" and lossless is not None and not spec.params:
         records = lossless
     else:
-        run_dir = root / "eval" / slug(f"{bench.key}-{args.pair}-{dtype}") / f"{slug(spec.label())}-{spec.key()}"
-        records = run_items(engine, bench, items, spec, RecordStore(run_dir), spec.label(), references=ar)
+        run_dir = root / "eval" / slug(f"{bench.key}-{args.pair}-{tag}") / f"{slug(spec.label())}-{spec.key()}"
+        records = run_items(engine, bench, items, spec, RecordStore(run_dir), spec.label(), references=ar, batch=batch)
     metrics = aggregate(list(records.values()), list(ar.values()), list(lossless.values()) if lossless else None,
                         cost_ratio=cost_ratio, verify_factor=profile.verify_factor)
     floor = noise_floor(list(lossless.values()), list(ar.values())) if lossless else None
     text = report(args, metrics, floor, profile)
     print(text)
+    if batch > 1:
+        print(f"  (vLLM: {batch} items per batch, so a record's seconds overlap others': the measured speedups "
+              "compare batched runs, not one request's latency)")
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
     out = root / "eval" / "summaries"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{slug(bench.name + '-' + spec.label())}-{spec.key()}-{len(items)}.json"

@@ -19,7 +19,7 @@ import os
 VLLM_ONLY = ["workers/vllm/test_engine.py", "workers/vllm/test_engine_start.py", "workers/vllm/test_faults.py",
              "workers/vllm/test_eagle3.py",
              "cluster/test_vllm_pair_actor.py", "cluster/test_vllm_serve.py", "workers/models/test_calibrate_vllm.py",
-             "workers/vllm/test_vllm_serve_cli.py"]
+             "workers/vllm/test_vllm_serve_cli.py", "jobs/test_evaluate_vllm.py"]
 collect_ignore = [] if importlib.util.find_spec("vllm") else VLLM_ONLY
 
 

@@ -113,3 +113,26 @@ def test_decode_spec_keys_separate_settings():
     c = DecodeSpec.make("kl_judge", {"threshold": 0.5}, 5, temperature=0.0, seed=0, max_new_tokens=8, shots=0)
     assert a.key() != b.key() and a.key() == c.key()
     assert not math.isnan(float(a.draft_len))
+
+
+def test_the_vllm_engine_reruns_itself_where_vllm_imports(tmp_path):
+    """``--engine vllm`` from the main environment (no vllm here): the command reruns itself in the interpreter that
+    has it (the checkout's .vllm-venv), which then answers; without one, a line that names the fix."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    got = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "vllm", "--pair", "tiny-random",
+                          "--benchmark", "gsm8k", "--runs-root", str(tmp_path)],
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert got.returncode == 2, got.stderr[-2000:]
+    if (root / ".vllm-venv" / "bin" / "python").is_file():
+        assert f"--engine vllm: rerunning in {root / '.vllm-venv' / 'bin' / 'python'}" in got.stderr
+        assert got.stderr.strip().splitlines()[-1] == ("error: --engine vllm needs --cost-ratio: vLLM does not time "
+                                                       "draft and target steps apart (python -m workers.calibrate "
+                                                       "--engine vllm --pair ...)")
+    else:
+        assert got.stderr.strip().splitlines()[-1].startswith("error: the vLLM engine needs vllm: `make vllm-env`")
+    bad = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "vllm", "--vllm-python", "/nonexistent",
+                          "--benchmark", "gsm8k"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: --vllm-python /nonexistent: not an executable file"

@@ -127,7 +127,7 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
     port = free_port()
     got = subprocess.run([sys.executable, "-m", "jobs.export_rule", "--chosen", str(chosen), "--out",
                           str(tmp_path / "export" / "rule.json"), "--json", "--port", str(port), "--cpu",
-                          "--kv-cache-gb", "1", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager"],
+                          "--kv-cache-gb", "1", "--max-model-len", "2048", "--max-num-seqs", "4", "--enforce-eager"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert got.returncode == 0, got.stderr
     export = json.loads(got.stdout)
@@ -225,6 +225,18 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
                              for c in calls), [(c["spec"], c["decided_by"], c["fallback"]) for c in calls]
         (entry,) = ledger["requests"].values()
         assert entry["steps"] > 0 and entry["lossless_fallback_steps"] == 0
+
+        # (e) `jobs.evaluate --engine openai --knobs vllm` against this stock server: the candidate's rule goes as
+        # vllm_xargs, the reference runs vLLM's own lossless rule, both at concurrency 2, and the knob check reads
+        # vLLM's /metrics, where acceptance moved (a lenient rule on a random pair against lossless)
+        got = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "openai", "--knobs", "vllm",
+                              "--base-url", f"{base}/v1", "--model", "spectune", "--benchmark", "gsm8k", "--limit", "4",
+                              "--max-new-tokens", "24", "--concurrency", "2", "--policy", "kl_judge", "--param",
+                              "threshold=5", "--runs-root", str(tmp_path / "runs")],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert got.returncode == 0, (got.stdout[-2000:], got.stderr[-3000:])
+        assert "concurrency 2:" in got.stdout and got.stdout.count("failed 0") == 2, got.stdout
+        assert "acceptance" in got.stdout and "candidate over reference" in got.stdout, got.stdout
     finally:
         sid = server.pid
         try:
