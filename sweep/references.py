@@ -174,12 +174,17 @@ class References:
         return {it.id: done[it.id] for it in items if it.id in done}
 
     def held(self, store: RecordStore, confirm: bool = False) -> tuple[dict[str, Record], dict[str, Record]]:
-        """What ``store`` holds, and what of it a run may keep: for what a certificate is decided on where replay
-        is not exact, only records decoded in full (a shared store's replayed records, another sweep's search,
-        are made again)."""
+        """What ``store`` holds, and what of it a run may keep: for what a certificate is decided on, only records
+        decoded in full where replay is not exact (a shared store's replayed records, another sweep's search, are
+        made again), and where it is, replayed records only if made at a thread count where it is (a record that
+        does not say, made before records did, is made again)."""
         held = store.load()
         if confirm and not self.replays(True):
             return held, {k: r for k, r in held.items() if r.timed}
+        if confirm:  # replay is exact here, but a shared store's replayed record may have been made where it is not
+            from workers.replay import exact_for
+
+            return held, {k: r for k, r in held.items() if r.timed or exact_for(self.settings.args.dtype, r.threads)}
         return held, dict(held)
 
     def replays(self, confirm: bool = False) -> bool:

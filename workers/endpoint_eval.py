@@ -33,7 +33,7 @@ from workers.endpoint import (
     run_concurrently,
     spec_counters,
 )
-from workers.evaluation import Record
+from workers.evaluation import Record, code_version
 from workers.prompts import plain_prompt
 
 
@@ -118,7 +118,7 @@ def record_of(side: Side, bench: Any, got: Fetched, spec_key: str, reference_out
                   prefill_time_s=sum(r.ttft_s for r in replies), draft_time_s=0.0, verify_time_s=0.0,
                   policy_time_s=0.0, wall_time_s=sum(r.seconds for r in replies),
                   finish_reasons=[r.finish for r in replies], error=error,
-                  retries=sum(r.attempts - 1 for r in replies))
+                  retries=sum(r.attempts - 1 for r in replies), code=code_version())
 
 
 def reported(record: Record) -> dict[str, Any] | None:

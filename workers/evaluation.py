@@ -7,6 +7,7 @@ records are stored, Ray, Optuna or MLflow. The evaluate job and the sweep's pair
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -104,6 +105,11 @@ class Record:
     # output, nothing decoded), "diverged@t" / "past-the-pass@g" / "near-tie@g" / "look-ahead@g" (decoded live from generated index g)
     replay: str = ""
     retries: int = 0  # requests sent again (the endpoint engine: 5xx, timeouts, broken streams, 429s waited out)
+    # how it was made, for whoever audits the evidence: the torch threads of the process that decoded it (replay is
+    # exact only at some, ``workers.replay.exact_for``; 0: unknown, an older record, or a server's) and spectune's
+    # code version (:func:`code_version`; "": an older record)
+    threads: int = 0
+    code: str = ""
 
     @property
     def timed(self) -> bool:
@@ -129,6 +135,36 @@ class Record:
     @staticmethod
     def from_row(row: dict[str, Any]) -> Record:
         return Record(**{k: row[k] for k in Record.__dataclass_fields__ if k in row})
+
+
+@functools.cache
+def code_version() -> str:
+    """spectune's code as a record names it: the checkout's git commit (``+dirty`` with uncommitted changes to
+    tracked files), else the installed package's version (a Ray job's working_dir copy has no ``.git``)."""
+    import importlib.metadata
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return f"git:{head.stdout.strip()}{'+dirty' if dirty else ''}"
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        return f"spectune {importlib.metadata.version('spectune')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())
 
 
 def _replayable(engine: Any, spec: DecodeSpec, reference: dict[str, Any] | None) -> bool:
@@ -235,5 +271,5 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         prefill_time_s=total.prefill_time_s, draft_time_s=total.draft_time_s, verify_time_s=total.verify_time_s,
         policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
         output_token_ids=token_ids, error=error, lossless_fallback_steps=total.lossless_fallback_steps,
-        replay=";".join(how),
+        replay=";".join(how), threads=_threads(), code=code_version(),
     )

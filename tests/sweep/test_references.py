@@ -56,9 +56,25 @@ def test_a_shared_stores_replayed_records_are_redone_before_confirmation_reads_t
     store = RecordStore(tmp_path / "store")
     replayed, full, failed = rec("a", 1.0), rec("b", 1.0), rec("c", 1.0)
     replayed.replay, failed.replay = "exact", "full (replay failed: IndexError)"
+    replayed.threads = 1
     for r in (replayed, full, failed):
         store.append(r)
     held, kept = _refs("bf16").held(store, confirm=True)
     assert set(held) == {"a", "b", "c"} and set(kept) == {"b", "c"}
     assert set(_refs("bf16").held(store)[1]) == {"a", "b", "c"}, "the search keeps them"
     assert set(_refs("int8").held(store, confirm=True)[1]) == {"a", "b", "c"}
+
+
+def test_int8_confirmation_keeps_a_replayed_record_only_if_it_was_made_at_one_thread(tmp_path):
+    """Replay is exact on int8 at one thread only: a shared store's replayed record made at two threads, or one
+    that does not say (made before records did), is made again for a certificate; the search keeps both."""
+    from workers.results.store import RecordStore
+
+    store = RecordStore(tmp_path / "store")
+    for item, threads in (("one", 1), ("two", 2), ("unsaid", 0)):
+        r = rec(item, 1.0)
+        r.replay, r.threads = "diverged@3", threads
+        store.append(r)
+    assert set(_refs("int8").held(store, confirm=True)[1]) == {"one"}
+    assert set(_refs("int8").held(store)[1]) == {"one", "two", "unsaid"}
+    assert RecordStore(tmp_path / "store").load()["two"].threads == 2, "the field survives the store"
