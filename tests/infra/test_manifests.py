@@ -274,3 +274,18 @@ def test_the_endpoint_rayjob_certifies_the_rayservices_server_with_flags_the_swe
     (service,) = [d for d in docs("rayservice.yaml") if d["kind"] == "RayService"]
     assert args.base_url.startswith(f"http://{service['metadata']['name']}-serve-svc:8000/"), "the RayService's server"
     assert job["spec"]["runtimeEnvYAML"].count("SPECTUNE_LEDGER: /runs/ledger") == 1
+
+
+def test_the_server_config_rayjob_certifies_a_fixed_configuration_with_flags_the_sweep_accepts():
+    from jobs import sweep as sweep_job
+    from sweep.server import levels
+    from sweep.settings import parse_settings
+
+    (job,) = docs("rayjob-certify-server-config.yaml")
+    argv = sweep_argv(job)
+    settings = parse_settings(sweep_job.build_parser().parse_args(argv[2:]))
+    args = settings.args
+    assert args.engine == "openai" and args.server_config["rejection_sample_method"] == "fly"
+    assert args.reference_url and args.reference_url != args.base_url and levels(args) == [16, 1]
+    assert args.new_items and args.confirm_items >= 300
+    assert job["spec"]["runtimeEnvYAML"].count("SPECTUNE_LEDGER: /runs/ledger") == 1
