@@ -354,11 +354,20 @@ def run_concurrently(fn: Callable[[T], R], jobs: Iterable[T], concurrency: int,
 
 SPEC_COUNTERS = {"draft_tokens": "vllm:spec_decode_num_draft_tokens", "accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
                  "drafts": "vllm:spec_decode_num_drafts"}
+# SGLang exposes no counters, only gauges of its last logged decode window (every ``decode_log_interval`` steps)
+SPEC_GAUGE = "sglang:spec_accept_rate"
 
 
 def spec_counters(endpoint: Endpoint) -> dict[str, float] | None:
-    """The server's speculative-decoding counters from Prometheus ``/metrics`` (vLLM's names, summed over
-    label sets), or None where it exposes none (or no ``/metrics``)."""
+    """The server's speculative-decoding figures from ``/metrics``, or None where it exposes none (or no
+    ``/metrics``):
+
+    - vLLM's Prometheus counters (summed over label sets): ``draft_tokens``, ``accepted_tokens``, ``drafts``;
+    - TensorRT-LLM's JSON iteration stats (``trtllm-serve`` with ``enable_iter_perf_stats``): each read returns the
+      iterations since the previous one, so their ``specDecodingStats`` sums are marked ``drained`` (counts of what
+      ran since the last read, not running totals); attention-DP copies of rank 0's row are skipped;
+    - SGLang's gauge of its last decode window's acceptance: ``accept_rate_gauge`` (a sample, not a count).
+    """
     import requests
 
     try:
@@ -367,7 +376,10 @@ def spec_counters(endpoint: Endpoint) -> dict[str, float] | None:
         return None
     if resp.status_code != 200:
         return None
-    return parse_counters(resp.text)
+    text = resp.text
+    if text.lstrip().startswith("["):
+        return parse_iteration_stats(text)
+    return parse_counters(text)
 
 
 def parse_counters(text: str) -> dict[str, float] | None:
@@ -381,13 +393,45 @@ def parse_counters(text: str) -> dict[str, float] | None:
                     out[key] = out.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
                 except (ValueError, IndexError):
                     continue
+        if not out and (line.startswith(SPEC_GAUGE + "{") or line.startswith(SPEC_GAUGE + " ")):
+            try:
+                out["accept_rate_gauge"] = float(line.rsplit(" ", 1)[1])
+            except (ValueError, IndexError):
+                continue
+    if "draft_tokens" in out:
+        out.pop("accept_rate_gauge", None)
     return out or None
 
 
+def parse_iteration_stats(text: str) -> dict[str, float] | None:
+    """TensorRT-LLM's ``/metrics`` (a JSON list of iteration stats): the draft and accepted tokens of the iterations
+    it returned, or None where no row carries ``specDecodingStats``."""
+    import json
+
+    try:
+        rows = json.loads(text)
+    except ValueError:
+        return None
+    drafted = accepted = 0.0
+    seen = False
+    for row in rows if isinstance(rows, list) else []:
+        spec = row.get("specDecodingStats") if isinstance(row, dict) else None
+        if not isinstance(spec, dict) or row.get("attentionDpRank", 0) not in (0, None):
+            continue
+        seen = True
+        drafted += float(spec.get("numDraftTokens") or 0)
+        accepted += float(spec.get("numAcceptedTokens") or 0)
+    return {"draft_tokens": drafted, "accepted_tokens": accepted, "drained": 1.0} if seen else \
+        ({"draft_tokens": 0.0, "accepted_tokens": 0.0, "drained": 1.0} if isinstance(rows, list) else None)
+
+
 def counts_between(before: dict[str, float] | None, after: dict[str, float] | None) -> tuple[float, float] | None:
-    """(accepted, drafted) tokens between two :func:`spec_counters` reads; None where unknown (no counters, or
-    a counter that went down: the server restarted between the reads)."""
-    if not before or not after:
+    """(accepted, drafted) tokens between two :func:`spec_counters` reads; None where unknown (no counters, a
+    gauge only, or a counter that went down: the server restarted between the reads). A draining server's second
+    read is itself what ran between them."""
+    if after and after.get("drained"):
+        return after.get("accepted_tokens", 0.0), after.get("draft_tokens", 0.0)
+    if not before or not after or "draft_tokens" not in after:
         return None
     drafted = after.get("draft_tokens", 0.0) - before.get("draft_tokens", 0.0)
     accepted = after.get("accepted_tokens", 0.0) - before.get("accepted_tokens", 0.0)

@@ -170,6 +170,10 @@ class SideRun:
                and all(i in self.records for i in c["items"])]
         return (sum(a for a, _ in got), sum(d for _, d in got)) if got else None
 
+    def gauge(self) -> list[float]:
+        """The gauge samples (:class:`GaugeSampler`) of this run's chunks: a server without acceptance counters."""
+        return [v for c in self.chunks if all(i in self.records for i in c["items"]) for v in c.get("gauge") or []]
+
     def figures(self) -> dict[str, Any]:
         recs = list(self.records.values())
         timed, wall = self.timed()
@@ -183,7 +187,8 @@ class SideRun:
                 "retries": sum(r.retries for r in recs),
                 "tpot_p50_s": percentile(tpot, 0.5), "tpot_p90_s": percentile(tpot, 0.9),
                 "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
-                "acceptance": counts[0] / counts[1] if counts and counts[1] > 0 else None,
+                "acceptance": counts[0] / counts[1] if counts and counts[1] > 0 else
+                (sum(self.gauge()) / len(self.gauge()) if self.gauge() else None),
                 "accepted_tokens": counts[0] if counts else None, "drafted_tokens": counts[1] if counts else None}
 
 
@@ -210,6 +215,31 @@ def _load_chunks(path: Path) -> list[dict[str, Any]]:
             except ValueError:
                 continue  # a line torn by a crash: its chunk's items are sent again
     return out
+
+
+class GaugeSampler:
+    """A server whose acceptance is only a gauge of its last decode window (SGLang's ``sglang:spec_accept_rate``),
+    read every ``every_s`` while a chunk runs: the distinct consecutive values (one per window the server logged)."""
+
+    def __init__(self, endpoint: Endpoint, every_s: float = 0.5) -> None:
+        import threading
+
+        self.endpoint, self.every_s, self.values = endpoint, every_s, []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            got = spec_counters(self.endpoint)
+            value = (got or {}).get("accept_rate_gauge")
+            if value is not None and (not self.values or self.values[-1] != value):
+                self.values.append(float(value))
+
+    def stop(self) -> list[float]:
+        self._done.set()
+        self._thread.join()
+        return self.values
 
 
 def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], concurrency: int, stores: Any,
@@ -245,9 +275,11 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
             if not missing:
                 continue
             before = spec_counters(side.endpoint)
+            sampler = GaugeSampler(side.endpoint) if before and "accept_rate_gauge" in before else None
             t1 = time.perf_counter()
             got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency)
             wall = time.perf_counter() - t1
+            gauge = sampler.stop() if sampler is not None else None
             counts = counts_between(before, spec_counters(side.endpoint))
             refs = runs["reference"].records if side is candidate else {}
             for g in got:  # scored after the clock stopped
@@ -255,7 +287,8 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
                 rec = record_of(side, bench, g, spec_key, ref.outputs if ref is not None and not ref.failed else None)
                 store.append(rec)
                 run.records[rec.item_id] = rec
-            line = {"items": [it.id for it in missing], "wall_s": wall, "counts": counts}
+            line = {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
+                    **({"gauge": gauge} if gauge is not None else {})}
             run.chunks.append(line)
             walls.parent.mkdir(parents=True, exist_ok=True)
             with walls.open("a") as fh:  # after its records: a chunk without its wall line is sent again
@@ -318,6 +351,28 @@ def _differs(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return abs(p1 - p2) >= 0.01 and abs(p1 - p2) / se > 3.0
 
 
+def _gauge_check(candidate: list[float], reference: list[float]) -> str | None:
+    """A server with an acceptance gauge only (SGLang): its distinct window values on each side must differ in mean
+    by at least two points and by more than 3 standard errors (Welch), with at least 5 windows a side; a reference
+    without a gauge (no speculation) counts as accepting nothing."""
+    import statistics
+
+    if len(candidate) < 5 or (reference and len(reference) < 5):
+        return (f"refused: cannot tell whether the server applied the candidate's settings: its acceptance gauge "
+                f"changed {len(candidate)} / {len(reference)} times (candidate / reference) during the run, 5 a side "
+                "are needed (more items, or the server's decode_log_interval lower)")
+    mc = statistics.fmean(candidate)
+    if not reference:
+        return None if mc >= 0.02 else "refused: the candidate's acceptance gauge stayed at 0"
+    mr = statistics.fmean(reference)
+    se = math.sqrt(statistics.variance(candidate) / len(candidate) + statistics.variance(reference) / len(reference))
+    if abs(mc - mr) >= 0.02 and abs(mc - mr) > 3 * max(se, 1e-12):
+        return None
+    return (f"refused: acceptance did not move between the sides ({mc:.4f} over {len(candidate)} gauge windows vs "
+            f"{mr:.4f} over {len(reference)}, from /metrics): the server ignores the candidate's settings, or they "
+            "do not change acceptance")
+
+
 def knob_check(reference: Side, candidate: Side, runs: dict[str, SideRun]) -> str | None:
     """Whether the server(s) applied each side's settings: None if so, else the one line that says what was
     checked. spectune's rule fields (``spec_decode``): every reply must report exactly the rule, knobs and draft
@@ -346,9 +401,13 @@ def knob_check(reference: Side, candidate: Side, runs: dict[str, SideRun]) -> st
                         "did not report it off")
         return None
     counts = {label: run.acceptance() for label, run in runs.items()}
-    if counts["candidate"] is None:
+    if counts["candidate"] is None or (counts["candidate"][1] <= 0 and (counts["reference"] or (0, 0))[1] <= 0):
+        gauges = {label: run.gauge() for label, run in runs.items()}
+        if counts["candidate"] is None and gauges["candidate"]:
+            return _gauge_check(gauges["candidate"], gauges["reference"])
         return ("refused: cannot tell whether the server applied the candidate's settings: its replies carry no rule "
-                "report and its /metrics has no speculative-decoding counters spectune reads (vLLM's)")
+                "report and its /metrics has no speculative-decoding counts spectune reads (vLLM's counters, "
+                "TensorRT-LLM's iteration stats with enable_iter_perf_stats, SGLang's spec_accept_rate gauge)")
     if not _differs(counts["candidate"], counts["reference"] or (0.0, 0.0)):
         (a, d), (ra, rd) = counts["candidate"], counts["reference"] or (0.0, 0.0)
         return (f"refused: acceptance did not move between the sides ({a / d:.4f} on {d:.0f} drafted tokens vs "

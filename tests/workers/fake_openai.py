@@ -24,7 +24,11 @@ class Behaviour:
     token_delay: float = 0.0
     api_key: str | None = None
     report_rule: bool = True  # False: ignores spec_decode (no rule report in the reply)
-    metrics: bool = False  # expose vLLM-style spec-decode counters on /metrics
+    metrics: bool = False  # expose spec-decode figures on /metrics, as metrics_kind names:
+    metrics_kind: str = "vllm"  # vLLM's Prometheus counters; "trt": TensorRT-LLM's JSON iteration stats, drained
+    # by each read; "sglang": SGLang's gauge of the last window's acceptance rate (here: the last request's)
+    pending: list = field(default_factory=list)  # trt: iteration rows not yet read
+    gauge: float = 0.0
     accepted_per_request: int = 3  # counters: accepted tokens a request adds (the same for every request: the
     # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
     words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
@@ -77,8 +81,14 @@ class FakeServer:
                 if self.path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": server.model, "object": "model"}]})
                 elif self.path == "/metrics" and server.b.metrics:
-                    text = (f"vllm:spec_decode_num_draft_tokens_total{{model=\"m\"}} {server.b.drafted}\n"
-                            f"vllm:spec_decode_num_accepted_tokens_total{{model=\"m\"}} {server.b.accepted}\n")
+                    with server.lock:
+                        if server.b.metrics_kind == "trt":
+                            text, server.b.pending = json.dumps(server.b.pending), []
+                        elif server.b.metrics_kind == "sglang":
+                            text = f"sglang:spec_accept_rate{{model_name=\"m\"}} {server.b.gauge}\n"
+                        else:
+                            text = (f"vllm:spec_decode_num_draft_tokens_total{{model=\"m\"}} {server.b.drafted}\n"
+                                    f"vllm:spec_decode_num_accepted_tokens_total{{model=\"m\"}} {server.b.accepted}\n")
                     data = text.encode()
                     self.send_response(200)
                     self.send_header("Content-Type", "text/plain")
@@ -179,7 +189,11 @@ class FakeServer:
                     b.drafted += 80
                     named = (isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"
                              or "vllm_xargs" in body)
-                    b.accepted += 10 * b.accepted_per_request + (20 if named and b.report_rule else 0)
+                    this = 10 * b.accepted_per_request + (20 if named and b.report_rule else 0)
+                    b.accepted += this
+                    b.pending.append({"iter": b.requests, "attentionDpRank": 0,
+                                      "specDecodingStats": {"numDraftTokens": 80, "numAcceptedTokens": this}})
+                    b.gauge = this / 80 + (b.requests % 7) * 0.003  # windows differ a little, as a real gauge's do
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True

@@ -142,7 +142,37 @@ def test_a_fixed_server_configuration_is_checked_by_its_metrics(fake, tmp_path, 
     assert "the reference and the candidate are the same configuration" in capsys.readouterr().err
     fake.b.metrics = False
     rc = evaluate(fake, tmp_path / "b", "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
-    assert rc == 3 and "no rule report and its /metrics has no speculative-decoding counters" in capsys.readouterr().err
+    assert rc == 3 and "no rule report and its /metrics has no speculative-decoding counts" in capsys.readouterr().err
+
+
+def test_tensorrt_llms_drained_iteration_stats_are_the_counts_of_what_ran_between_reads():
+    from workers.endpoint import counts_between, parse_iteration_stats
+
+    rows = [{"iter": 1, "specDecodingStats": {"numDraftTokens": 30, "numAcceptedTokens": 12}},
+            {"iter": 1, "attentionDpRank": 1, "specDecodingStats": {"numDraftTokens": 30, "numAcceptedTokens": 12}},
+            {"iter": 2, "specDecodingStats": {"numDraftTokens": 10, "numAcceptedTokens": 9}}, {"iter": 3}]
+    got = parse_iteration_stats(json.dumps(rows))
+    assert got == {"draft_tokens": 40.0, "accepted_tokens": 21.0, "drained": 1.0}, "an attention-DP copy is skipped"
+    assert counts_between({"draft_tokens": 999.0, "drained": 1.0}, got) == (21.0, 40.0)
+    assert parse_iteration_stats("[]") == {"draft_tokens": 0.0, "accepted_tokens": 0.0, "drained": 1.0}
+    assert parse_iteration_stats("not json") is None
+    assert parse_counters('sglang:spec_accept_rate{model_name="m"} 0.61\n') == {"accept_rate_gauge": 0.61}
+
+
+@pytest.mark.parametrize("kind", ["trt", "sglang"])
+def test_a_fixed_configuration_on_tensorrt_llm_or_sglang_is_checked_by_their_metrics(tmp_path, capsys, kind):
+    """TensorRT-LLM's iteration stats give counts per chunk; SGLang's gauge is sampled while each chunk runs (its
+    distinct windows on each side compared): where acceptance moved the check passes, where not it refuses."""
+    with FakeServer() as reference, FakeServer() as candidate:
+        for fake in (reference, candidate):
+            fake.b.metrics, fake.b.metrics_kind, fake.b.token_delay = True, kind, 0.05 if kind == "sglang" else 0.0
+        candidate.b.accepted_per_request = 6
+        args = ["--knobs", "none", "--reference-url", reference.url, "--limit", "16" if kind == "sglang" else "6"]
+        assert evaluate(candidate, tmp_path, *args) == 0, capsys.readouterr().err
+        assert "acceptance 0.75" in capsys.readouterr().out or kind == "sglang"
+        candidate.b.accepted_per_request = reference.b.accepted_per_request  # the settings did nothing
+        assert evaluate(candidate, tmp_path / "same", *args) == 3
+        assert "refused: acceptance did not move between the sides" in capsys.readouterr().err
 
 
 def test_a_stock_vllm_serve_gets_the_rule_as_a_json_string_in_vllm_xargs(fake, tmp_path, capsys):
