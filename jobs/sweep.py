@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                      indent=1, default=str), flush=True)
     log(f"run directory: {result.run_dir} (rerunning the same command resumes it)")
     refused = {(c.get("screen") or {}).get("knob_check") for c in result.chosen.values()} - {None, "applied"}
+    refused |= {c["certification"]["reason"] for c in result.chosen.values()
+                if c.get("mode") == "server-config" and c["certification"]["reason"].startswith("refused: acceptance")}
     if refused:  # a fixed server configuration whose settings showed no effect: never certified, said in one line
-        print(refused.pop(), file=sys.stderr)
+        print(sorted(refused)[0], file=sys.stderr)
         return 3
     log(f"MLflow UI, from the checkout: .venv/bin/python -m jobs.tracking ui --run-dir "
         f"{shlex.quote(str(result.run_dir))}")

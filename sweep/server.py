@@ -103,11 +103,18 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{bench.key}-{slug(args.pair_id)}-server-{digest}"
     run_dir = Path(args.run_dir) if args.run_dir else runs_root(args.runs_root) / "sweeps" / name
+    if getattr(bench, "needs_reference_outputs", False):
+        raise ValueError(f"--server-config: {bench.name} scores an output against the reference's, and the two sides "
+                         "run interleaved (the candidate sometimes first): use a benchmark scored on its own")
+    held = run_dir / "server.json"
+    if held.is_file() and json.loads(held.read_text()).get("digest") not in (None, digest):
+        raise ValueError(f"--run-dir {run_dir} holds another configuration's records (its server.json differs from "
+                         "these flags): give another --run-dir, or none (each configuration gets its own)")
     out = run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     write_text(run_dir / "config.yaml", f"# fixed server configuration {name}: rerunning the command resumes it\n"
                                         f"{config_yaml}")
-    write_json(run_dir / "server.json", {**ident, "models": cards})
+    write_json(held, {**ident, "digest": digest, "models": cards})
     level, decode = levels(args)[0], settings.decode
     cand_key = f"{KEY}-{digest}"
 
@@ -141,6 +148,10 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                     [score_of(screen.candidate.records[k]) for k in keys], args.alpha)
     speed = screen.candidate.tokens_per_s / screen.reference.tokens_per_s \
         if screen.reference.tokens_per_s > 0 else math.nan
+    if refused is None and screen.reference.figures()["acceptance"] is None and \
+            not isinstance(candidate.endpoint.extra_body.get("spec_decode"), dict):
+        log("screen: the reference reports no speculation, so the knob check shows only that the candidate "
+            "speculates, not that its lossy settings took effect: the configuration is recorded as stated")
     screen_fields = {"items": len(screen_items), "concurrency": level, "drop": sb.drop, "upper": sb.upper,
                      "lost": sb.losses, "won": sb.wins, "discordance": sb.discordance, "tokens_per_s_ratio": speed,
                      "reference": screen.reference.figures(), "candidate": screen.candidate.figures(),
@@ -152,7 +163,8 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     candidates = [] if refused else [cand]
     alpha_each = args.alpha / len(settings.budgets) if args.joint else args.alpha
     ledger = AttemptLedger(getattr(bench, "ledger_key", bench.key), f"endpoint:{args.pair_id}")
-    n_confirm = min(args.confirm_items or args.items or len(pool), len(pool))
+    wanted = args.items if args.confirm_items is None else args.confirm_items
+    n_confirm = min(wanted, len(pool)) if wanted else len(pool)
     attempt, items, earlier, refusal = None, pool[:n_confirm], [], refused
     plan_keys = tuple((cand_key,) if cand.search_drop <= b + 1e-9 else () for b in settings.budgets)
     if refused is None and any(plan_keys):
@@ -162,14 +174,18 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             attempt, ids, earlier = ledger.open(plan, [it.id for it in pool], bool(args.new_items), pair=args.pair_id,
                                                 dtype="server", search_items=[it.id for it in screen_items])
             by_id = {it.id: it for it in pool}
+            missing = [i for i in ids if i not in by_id]
+            if missing:
+                raise ValueError(f"attempt {attempt} resumes on {len(missing)} item(s) no longer in the pool (e.g. "
+                                 f"{missing[0]}): the benchmark's data changed since it opened")
             items = [by_id[i] for i in ids]
             log(f"confirmation attempt {attempt}: {len(items):,} items from the pool's fixed order"
                 + (" (the first no earlier attempt used)" if args.new_items else "")
                 + (f"; {len(earlier)} earlier attempt(s) on this pair and benchmark" if earlier else ""))
         except LedgerRefusal as err:
-            refusal = f"refused by the ledger ({ledger.path}): {err}"
+            refusal = f"the ledger ({ledger.path}) refused the attempt: {err}"
             log(f"confirmation {refusal}")
-    for row in pool_outlook(candidates, settings.budgets, 1, len(pool), len(items), args.alpha):
+    for row in pool_outlook(candidates, settings.budgets, 1, len(pool), len(items), alpha_each):
         if row.get("items_needed") is not None and "search_drop" in row:
             log(f"budget {row['budget'] * 100:g}%: a certificate needs ~{row['items_needed']:,} items at the screen's "
                 f"discordance {row['search_discordance']:.3f} (80% power, normal approximation; jobs.plan: exact)")
@@ -186,7 +202,13 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                 args.alpha, 1, [it.id for it in items], looks=args.looks)
     confirmation.plan_futility(candidates, settings.budgets, alpha_each)
     chosen: dict[str, Any] = {}
-    used_sources = pool_sources(it.id for it in items)
+
+    def evidence_n() -> int:
+        """The confirmation items the evidence ran on: up to a success stop's look, or a futility stop's, or all."""
+        return confirmation.stopped.get(cand_key) or (max(runs) if runs else 0)
+
+    statement = (f"joint: every certified budget at once, family alpha {args.alpha:g} (Bonferroni, {alpha_each:g} "
+                 f"each)") if alpha_each != args.alpha else f"per budget, alpha {args.alpha:g} each"
     for budget in settings.budgets:
         if refusal is not None:
             cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal.removeprefix('refused: ')}")
@@ -196,7 +218,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         else:
             cert = confirmation.certify(candidates, budget, alpha_each)
             if cert.steps:  # the knob check again, on the evidence's own run
-                last = runs[max(runs)]
+                last = upto(evidence_n())
                 late = knob_check(reference, candidate, last.sides)
                 if late is not None and cert.certified:
                     cert.certified, cert.reason = False, late
@@ -205,8 +227,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                 cert.certified = False
                 cert.reason = (f"not certified: attempt {attempt} decided this budget before ({prior['when']}: "
                                f"{prior['reason']}); a re-decision cannot overturn it")
-            used = confirmation.stopped.get(cand_key, len(items)) if cert.steps else 0
-            ledger.decide(attempt, budget, cert.certified, cert.reason, used)
+            ledger.decide(attempt, budget, cert.certified, cert.reason, evidence_n() if cert.steps else 0)
         choice = {"budget": budget, "pair": args.pair_id, "benchmark": bench.name, "dtype": "server", "sweep": name,
                   "parent_run_id": parent, "decode": decode, "engine": "openai", "mode": "server-config",
                   "pair_fingerprint": ledger.pair_id, "certified": bool(cert.certified),
@@ -219,14 +240,15 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                 "model_card": cards["reference"], "extra_body": reference.endpoint.extra_body,
                                 "server_config": reference.params},
                   "concurrency": level, "screen": screen_fields,
-                  "certification": {**certificate_fields(cert, {"pool": len(pool), "pool_sources": sources}, len(items),
-                                                         confirmation.counts, confirmation.plan(alpha_each, budget),
-                                                         confirmation.stopped, used_sources),
-                                    "attempt": attempt, "new_items": bool(args.new_items),
+                  "certification": {**certificate_fields(cert, {"pool": len(pool), "pool_sources": sources},
+                                                         evidence_n(), confirmation.counts,
+                                                         confirmation.plan(alpha_each, budget), confirmation.stopped,
+                                                         pool_sources(it.id for it in items[:evidence_n()])),
+                                    "attempt": attempt, "new_items": bool(args.new_items), "statement": statement,
                                     "earlier_attempts": [AttemptLedger.describe(a) for a in earlier],
                                     "evidence_concurrency": level}}
         if cert.steps and runs:
-            used = confirmation.stopped.get(cand_key, len(items))
+            used = evidence_n()
             cmp = upto(used)
             ref_f, cand_f = cmp.reference.figures(), cmp.candidate.figures()
             choice["speed"] = {"concurrency": level, "items": used, "endpoint": args.base_url,
@@ -250,8 +272,8 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
 
     # 3. speed at each further concurrency, on the first --speed-items confirmation items (a description)
     speed_at: dict[str, Any] = {}
-    if any(c.get("speed") for c in chosen.values()):
-        n = min(args.speed_items or len(items), len(items))
+    if any(c.get("speed") for c in chosen.values()) and args.speed_items > 0:
+        n = min(args.speed_items, evidence_n())  # never beyond the items the ledger was told the attempt used
         for at in levels(args)[1:]:
             cmp = run("speed", items[:n], at)
             ref_f, cand_f = cmp.reference.figures(), cmp.candidate.figures()
@@ -266,13 +288,19 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         write_json(out / f"chosen-budget-{choice['budget']}.json", choice)
     for key_, rows in confirmation.evidence.items():
         write_evidence(out / "evidence" / f"{key_}.csv", rows)
+    used_items = items[:evidence_n()]
     write_json(out / "certification.json", {"budgets": chosen, "screen": screen_fields,
                                             "pool": {"pool": len(pool), "pool_sources": sources,
-                                                     "confirm_used": len(items), "confirm_sources": used_sources}})
+                                                     "confirm_used": len(used_items),
+                                                     "confirm_sources": pool_sources(it.id for it in used_items)}})
     write_text(out / "certification.md", certification_page(name, chosen, speed_at))
-    tracker.log_report(out, chosen)
-    tracker.log_metrics({"screen.drop": sb.drop, "screen.tokens_per_s_ratio": speed})
-    tracker.end()
+    try:
+        tracker.log_report(out, chosen)
+        ratios = {f"confirm.budget_{b}.tokens_per_s_ratio": c["speed"]["tokens_per_s_ratio"]
+                  for b, c in chosen.items() if (c.get("speed") or {}).get("tokens_per_s_ratio")}
+        tracker.log_metrics({"screen.drop": sb.drop, "screen.tokens_per_s_ratio": speed, **ratios})
+    finally:
+        tracker.end()
     log(f"report: {out / 'certification.md'}")
     return SweepResult(run_dir.resolve(), parent, chosen)
 
@@ -289,8 +317,12 @@ def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, An
              f"- pair id (the ledger's key): `{first['pair_fingerprint']}`; evidence at concurrency "
              f"{first['concurrency']}; screen: {first['screen']['items']} search-split items, knobs "
              f"{first['screen']['knob_check']}", "",
-             "| budget | decision | upper bound | drop | n | lost / won | tokens/s over the reference | TPOT p50 ratio |",
-             "|---:|---|---:|---:|---:|---|---:|---:|"]
+             f"- statement: {first['certification'].get('statement')}; looks: "
+             f"{(first['certification'].get('sequential') or {}).get('looks', 1)}",
+             "",
+             "| budget | decision | upper bound | drop | p | n | lost / won | failed (reference / candidate) | "
+             "tokens/s over the reference | TPOT p50 ratio |",
+             "|---:|---|---:|---:|---:|---:|---|---|---:|---:|"]
     for b, c in chosen.items():
         cert, sp = c["certification"], c.get("speed") or {}
 
@@ -298,9 +330,11 @@ def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, An
             return f"{v * 100:.2f}%" if isinstance(v, float) and math.isfinite(v) else "-"
 
         step = (cert.get("steps") or [{}])[0]
+        p = cert.get("p_value")
         lines.append(f"| {float(b) * 100:g}% | {'CERTIFIED' if c['certified'] else cert['reason']} | "
-                     f"{pct(cert.get('bound'))} | {pct(cert.get('drop'))} | {cert.get('n') or '-'} | "
-                     f"{step.get('losses', '-')} / {step.get('wins', '-')} | "
+                     f"{pct(cert.get('bound'))} | {pct(cert.get('drop'))} | {f'{p:.3g}' if p is not None else '-'} | "
+                     f"{cert.get('n') or '-'} | {step.get('losses', '-')} / {step.get('wins', '-')} | "
+                     f"{cert.get('reference_failed', '-')} / {cert.get('candidate_failed', '-')} | "
                      + (f"{sp['tokens_per_s_ratio']:.3f}x" if sp.get("tokens_per_s_ratio") else "-") + " | "
                      + (f"{sp['tpot_p50_ratio']:.3f}" if sp.get("tpot_p50_ratio") else "-") + " |")
     if speed_at:

@@ -80,10 +80,27 @@ def test_a_server_whose_acceptance_did_not_move_is_refused_before_any_confirmati
     assert reference.b.requests == 6 and candidate.b.requests == 6  # the screen only
 
 
+def test_a_run_directory_of_another_configuration_is_refused_and_speed_items_0_times_nothing_more(servers, tmp_path,
+                                                                                                 capsys):
+    """Records resume only into the configuration that made them; ``--speed-items 0`` times no further concurrency
+    (the evidence's own run still gives the certificate its speed)."""
+    from jobs import sweep as sweep_job
+
+    reference, candidate = servers
+    assert sweep_job.main(argv(reference, candidate, tmp_path, "--speed-items", "0")) == 0
+    chosen = json.loads((tmp_path / "run" / "report" / "chosen-budget-0.5.json").read_text())
+    assert "speed_at" not in chosen and chosen["speed"]["items"] == chosen["certification"]["n"] == 12
+    assert chosen["certification"]["statement"] == "per budget, alpha 0.05 each"
+    other = argv(reference, candidate, tmp_path, "--speed-items", "0", "--server-config", '{"fly_window_size": 2}')
+    assert sweep_job.main(other) == 2
+    assert "holds another configuration's records" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--reference-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1: Connection refused"),
     (["--server-config", "{}"], "--server-config: state the configuration's settings"),
     (["--reference-url", "SAME"], "the reference and the candidate are the same requests to the same server"),
+    (["--benchmark", "mtbench"], "scores an output against the reference's"),
 ])
 def test_bad_fixed_configurations_get_one_line(servers, tmp_path, capsys, extra, words):
     from jobs import sweep as sweep_job
