@@ -203,7 +203,10 @@ def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: flo
     try:
         attempt, ids, earlier = ledger.open(plan, [it.id for it in state.pool], bool(args.new_items),
                                             pair=args.pair, dtype=args.dtype,
-                                            search_items=[it.id for it in state.items])
+                                            search_items=[it.id for it in state.items],
+                                            endpoint={"base_url": args.base_url, "model": args.model,
+                                                      "model_card": state.profile.get("model_card")}
+                                            if args.engine == "openai" else None)
     except LedgerRefusal as err:
         log(f"confirmation REFUSED by the ledger ({ledger.path}): {err}")
         return Attempt(ledger, None, planned, refusal=str(err))

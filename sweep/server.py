@@ -172,7 +172,11 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                     plan_keys, args.looks, n_confirm, str(run_dir.resolve()))
         try:
             attempt, ids, earlier = ledger.open(plan, [it.id for it in pool], bool(args.new_items), pair=args.pair_id,
-                                                dtype="server", search_items=[it.id for it in screen_items])
+                                                dtype="server", search_items=[it.id for it in screen_items],
+                                                endpoint={"candidate": {**candidate.endpoint.describe(),
+                                                                        "model_card": cards["candidate"]},
+                                                          "reference": {**reference.endpoint.describe(),
+                                                                        "model_card": cards["reference"]}})
             by_id = {it.id: it for it in pool}
             missing = [i for i in ids if i not in by_id]
             if missing:

@@ -57,6 +57,8 @@ def test_a_fixed_configuration_is_certified_with_its_scope_evidence_and_speed(se
     (attempt,) = ledger.attempts().values()
     assert not set(attempt["items"]) & set(attempt["search_items"]) and len(attempt["search_items"]) == 6
     assert set(attempt["decided"]) == {"0.3", "0.5"}
+    assert attempt["endpoint"]["candidate"]["base_url"] == candidate.url  # what the servers said, for an audit
+    assert attempt["endpoint"]["reference"]["model_card"]["id"] == reference.model
     assert "CERTIFIED" in (out / "certification.md").read_text()
     sent = reference.b.requests + candidate.b.requests
     # a rerun resumes from the records: nothing is sent again, the ledger adds nothing

@@ -212,9 +212,12 @@ class AttemptLedger:
             os.fsync(fh.fileno())
 
     def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str,
-             search_items: Sequence[str] = ()) -> tuple[str, list[str], list[dict[str, Any]]]:
+             search_items: Sequence[str] = (), endpoint: dict[str, Any] | None = None
+             ) -> tuple[str, list[str], list[dict[str, Any]]]:
         """Choose the attempt's items (:meth:`choose`) and, for a new attempt, write its ``opened`` row
-        before anything is evaluated. Returns (attempt id, items, earlier attempts)."""
+        before anything is evaluated. Returns (attempt id, items, earlier attempts). ``endpoint``: for a server's
+        pair (keyed on the id its user states), what the servers said they serve (urls and model cards), kept in the
+        row so an audit can tell two ids of one deployment apart from two deployments."""
         with self._locked():
             items, resumed, earlier = self.choose(plan, pool, fresh)
             if resumed is not None:
@@ -225,7 +228,8 @@ class AttemptLedger:
                           "budgets": list(plan.budgets), "alphas": list(plan.alphas),
                           "candidates": [list(c) for c in plan.candidates], "looks": plan.looks, "new_items": fresh,
                           "earlier": [a["attempt"] for a in earlier], "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                          "run_dir": plan.run_dir, "items": list(items), "search_items": list(search_items)})
+                          "run_dir": plan.run_dir, "items": list(items), "search_items": list(search_items),
+                          **({"endpoint": endpoint} if endpoint else {})})
             return aid, items, earlier
 
     def decide(self, attempt: str, budget: float, certified: bool, reason: str, items_used: int) -> None:
