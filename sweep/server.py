@@ -103,9 +103,6 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:10]
     name = f"{bench.key}-{slug(args.pair_id)}-server-{digest}"
     run_dir = Path(args.run_dir) if args.run_dir else runs_root(args.runs_root) / "sweeps" / name
-    if getattr(bench, "needs_reference_outputs", False):
-        raise ValueError(f"--server-config: {bench.name} scores an output against the reference's, and the two sides "
-                         "run interleaved (the candidate sometimes first): use a benchmark scored on its own")
     held = run_dir / "server.json"
     if held.is_file() and json.loads(held.read_text()).get("digest") not in (None, digest):
         raise ValueError(f"--run-dir {run_dir} holds another configuration's records (its server.json differs from "

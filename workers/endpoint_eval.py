@@ -268,8 +268,8 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
     for k, start in enumerate(range(0, len(todo), size)):
         part = todo[start: start + size]
         order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who warms whose prefixes
+        fetched: dict[str, tuple[list[Fetched], dict[str, Any]]] = {}
         for side in order:
-            store, walls = held[side.label]
             run = runs[side.label]
             missing = [it for it in part if it.id not in run.records]
             if not missing:
@@ -281,14 +281,22 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
             wall = time.perf_counter() - t1
             gauge = sampler.stop() if sampler is not None else None
             counts = counts_between(before, spec_counters(side.endpoint))
+            fetched[side.label] = (got, {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
+                                         **({"gauge": gauge} if gauge is not None else {})})
+        # scored after both clocks stopped, the reference first: a scorer that reads the reference's output
+        # (MT-bench's) has it whichever side ran first
+        for side in (reference, candidate):
+            if side.label not in fetched:
+                continue
+            got, line = fetched[side.label]
+            store, walls = held[side.label]
+            run = runs[side.label]
             refs = runs["reference"].records if side is candidate else {}
-            for g in got:  # scored after the clock stopped
+            for g in got:
                 ref = refs.get(g.item.id)
                 rec = record_of(side, bench, g, spec_key, ref.outputs if ref is not None and not ref.failed else None)
                 store.append(rec)
                 run.records[rec.item_id] = rec
-            line = {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
-                    **({"gauge": gauge} if gauge is not None else {})}
             run.chunks.append(line)
             walls.parent.mkdir(parents=True, exist_ok=True)
             with walls.open("a") as fh:  # after its records: a chunk without its wall line is sent again

@@ -98,11 +98,27 @@ def test_a_run_directory_of_another_configuration_is_refused_and_speed_items_0_t
     assert "holds another configuration's records" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_benchmark_scored_against_the_reference_is_scored_whichever_side_ran_first(servers, tmp_path):
+    """MT-bench scores the candidate's answer against the reference's (similarity): the sides run interleaved, the
+    candidate first in every other chunk, so each chunk is scored after both ran, the reference first."""
+    from jobs import sweep as sweep_job
+
+    reference, candidate = servers
+    extra = ["--benchmark", "mtbench", "--items", "4", "--confirm-items", "40", "--concurrency", "1", "--budgets", "0.5"]
+    assert sweep_job.main(argv(reference, candidate, tmp_path, *extra)) == 0
+    records = [json.loads(line) for p in (tmp_path / "run" / "confirm").rglob("records.jsonl")
+               for line in p.read_text().splitlines()]
+    assert len(records) == 80 and all(r["error"] is None and r["score"] > 0.99 for r in records), \
+        [r["reason"] for r in records if r["error"]][:2]
+    walls = [json.loads(line) for line in (tmp_path / "run" / "confirm" / "c1" / "candidate" / "walls.jsonl")
+             .read_text().splitlines()]
+    assert len(walls) >= 2, "more than one chunk: the candidate went first in one of them"
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--reference-url", "http://127.0.0.1:9/v1"], "cannot reach http://127.0.0.1:9/v1: Connection refused"),
     (["--server-config", "{}"], "--server-config: state the configuration's settings"),
     (["--reference-url", "SAME"], "the reference and the candidate are the same requests to the same server"),
-    (["--benchmark", "mtbench"], "scores an output against the reference's"),
 ])
 def test_bad_fixed_configurations_get_one_line(servers, tmp_path, capsys, extra, words):
     from jobs import sweep as sweep_job
