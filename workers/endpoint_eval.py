@@ -9,7 +9,9 @@ failed record (score NaN): it counts against its side, and the batch goes on.
 :func:`compare` runs both sides chunk by chunk at a concurrency, interleaved (the side that goes first alternates,
 so a server's prefix cache warms each side's prompts for the other alike), timing each chunk's requests only:
 scoring (a sandbox, a judge) runs after the chunk's clock stops. A chunk's records and its wall are stored together
-when it ends, so an interrupted chunk is sent again, whole, on the rerun. :func:`knob_check` says whether a server
+when it ends. A record once stored is never sent again (an item's outcome is drawn once: a rerun may not redraw it
+on a nondeterministic server); an interrupted chunk's stored records are kept untimed, and only its missing items
+are sent on the rerun. :func:`knob_check` says whether a server
 applied each side's settings, from its rule reports or its ``/metrics`` counters.
 """
 
@@ -213,7 +215,7 @@ def _load_chunks(path: Path) -> list[dict[str, Any]]:
             try:
                 out.append(json.loads(line))
             except ValueError:
-                continue  # a line torn by a crash: its chunk's items are sent again
+                continue  # a line torn by a crash: its chunk is untimed
     return out
 
 
@@ -254,9 +256,9 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
     for side in (reference, candidate):
         store, walls = stores(side.label)
         chunks = _load_chunks(walls)
-        stored = {i for c in chunks for i in c["items"]}
-        done = {k: r for k, r in store.load().items() if k in stored}  # a record without its chunk's wall: again
-        runs[side.label] = SideRun(done, chunks)
+        # every stored record is kept, never drawn again; one whose chunk has no wall line (a crash between the
+        # records and the line) is untimed: SideRun.timed counts only whole chunks with their walls
+        runs[side.label] = SideRun(store.load(), chunks)
         held[side.label] = (store, walls)
     wanted = {it.id for it in items}
     resumed = {label: len(wanted & set(run.records)) for label, run in runs.items()}
@@ -299,7 +301,7 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
                 run.records[rec.item_id] = rec
             run.chunks.append(line)
             walls.parent.mkdir(parents=True, exist_ok=True)
-            with walls.open("a") as fh:  # after its records: a chunk without its wall line is sent again
+            with walls.open("a") as fh:  # after its records: a chunk without its wall line is untimed
                 fh.write(json.dumps(line) + "\n")
         n_done += len(part)
         elapsed = time.perf_counter() - t0

@@ -261,6 +261,24 @@ def test_an_extra_body_may_not_change_how_requests_are_streamed_or_counted(fake)
         ep(fake, extra_body={"stream": False, "max_tokens": 3})
 
 
+def test_an_interrupted_chunks_stored_records_are_kept_untimed_and_never_drawn_again(fake, tmp_path, capsys):
+    """A crash between a chunk's records and its wall line: the rerun keeps those records (an item's outcome is drawn
+    once) and sends only what is missing; the untimed records do not count in tokens/s."""
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
+    sent = fake.b.requests
+    for side in ("reference", "candidate"):
+        walls = next(tmp_path.glob(f"eval-endpoint/*/*/c1/{side}/walls.jsonl"))
+        walls.write_text("")  # the crash came before any wall line
+        if side == "candidate":
+            records = next(tmp_path.glob("eval-endpoint/*/*/c1/candidate/records.jsonl"))
+            lines = records.read_text().splitlines()
+            records.write_text("\n".join(lines[:4]) + "\n")  # and after 4 of the candidate's 6 records
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
+    out = capsys.readouterr().out
+    assert fake.b.requests == sent + 2, "only the 2 candidate items never stored are sent"
+    assert "tokens/s counts 0 of 6 items" in out and "tokens/s counts 2 of 6 items" in out
+
+
 def test_a_rerun_over_other_items_times_only_the_chunks_wholly_its_own(fake, tmp_path, capsys):
     assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
     sent = fake.b.requests
@@ -268,6 +286,8 @@ def test_a_rerun_over_other_items_times_only_the_chunks_wholly_its_own(fake, tmp
     out = capsys.readouterr().out
     assert fake.b.requests == sent and "tokens/s counts 0 of 2 items" in out and "tokens/s      n/a" in out
     walls = next(tmp_path.glob("eval-endpoint/*/*/c1/candidate/walls.jsonl"))
-    walls.write_text(walls.read_text() + '{"items": ["x"], "wal')  # a line torn by a crash
+    walls.write_text(walls.read_text() + '{"items": ["x"], "wal')  # a line torn by a crash: skipped when read
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2") == 0
+    assert fake.b.requests == sent and "tokens/s counts 0 of 2 items" in capsys.readouterr().out
     assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2", "--fresh") == 0
     assert fake.b.requests == sent + 4 and "tokens/s counts" not in capsys.readouterr().out
