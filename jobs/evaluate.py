@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.engine == "vllm":
-            _in_vllm_python(args, sys.argv[1:] if argv is None else argv)
+        if args.engine == "vllm" and argv is None:  # the command line only: a caller's process is never replaced
+            _in_vllm_python(args, sys.argv[1:])
         return _main(args)
     except ValueError as err:  # bad names/values, an unreachable server: one clear line, no traceback
         print(f"error: {err}", file=sys.stderr)
@@ -173,11 +173,17 @@ def _in_vllm_python(args: argparse.Namespace, argv: list[str]) -> None:
     """``--engine vllm`` where this interpreter lacks vllm: rerun the same command in the one that has it (the
     checkout's .vllm-venv on CPU machines: vLLM pins its own torch and transformers). A ValueError naming the fix
     where there is none."""
+    import importlib.util
+
     from workers.engines import vllm_python
 
+    if args.vllm_python is None and importlib.util.find_spec("vllm") is not None:
+        return  # this interpreter runs it
     python = vllm_python(args.vllm_python)
     if python is not None and os.path.abspath(python) != os.path.abspath(sys.executable):  # venvs share a binary
         print(f"--engine vllm: rerunning in {python}", file=sys.stderr, flush=True)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout, wherever it is run from
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         os.execv(python, [python, "-m", "jobs.evaluate", *argv])
 
 
@@ -192,6 +198,11 @@ def vllm_engine(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
                          "(python -m workers.calibrate --engine vllm --pair ...)")
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:  # a caller's process (main(argv)) is never re-executed
+        raise ValueError("--engine vllm needs vllm in this interpreter: run `python -m jobs.evaluate ...` from a "
+                         "shell (it reruns itself in the vLLM environment) or use the vLLM environment's python")
     options = {"gpu_memory_utilization": args.gpu_memory_utilization, "max_model_len": args.max_model_len,
                "enforce_eager": args.enforce_eager or None,
                "kv_cache_memory_bytes": None if args.kv_cache_gb is None else int(args.kv_cache_gb * 2**30)}

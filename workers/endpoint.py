@@ -415,6 +415,11 @@ def parse_iteration_stats(text: str) -> dict[str, float] | None:
     drafted = accepted = 0.0
     seen = False
     for row in rows if isinstance(rows, list) else []:
+        if isinstance(row, str):  # some releases send each iteration as a JSON string
+            try:
+                row = json.loads(row)
+            except ValueError:
+                continue
         spec = row.get("specDecodingStats") if isinstance(row, dict) else None
         if not isinstance(spec, dict) or row.get("attentionDpRank", 0) not in (0, None):
             continue

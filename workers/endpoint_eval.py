@@ -223,20 +223,24 @@ class GaugeSampler:
     """A server whose acceptance is only a gauge of its last decode window (SGLang's ``sglang:spec_accept_rate``),
     read every ``every_s`` while a chunk runs: the distinct consecutive values (one per window the server logged)."""
 
-    def __init__(self, endpoint: Endpoint, every_s: float = 0.5) -> None:
+    def __init__(self, endpoint: Endpoint, every_s: float = 0.5, before: float | None = None) -> None:
         import threading
 
         self.endpoint, self.every_s, self.values = endpoint, every_s, []
+        self._last = before  # the value before the chunk: a window of earlier traffic, never a sample of this one
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._done.wait(self.every_s):
-            got = spec_counters(self.endpoint)
-            value = (got or {}).get("accept_rate_gauge")
-            if value is not None and (not self.values or self.values[-1] != value):
+            try:
+                value = (spec_counters(self.endpoint) or {}).get("accept_rate_gauge")
+            except Exception:  # noqa: BLE001 - a failed read is a missing sample, never the run's end
+                continue
+            if value is not None and value != self._last:
                 self.values.append(float(value))
+                self._last = value
 
     def stop(self) -> list[float]:
         self._done.set()
@@ -277,11 +281,14 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
             if not missing:
                 continue
             before = spec_counters(side.endpoint)
-            sampler = GaugeSampler(side.endpoint) if before and "accept_rate_gauge" in before else None
+            sampler = GaugeSampler(side.endpoint, before=before["accept_rate_gauge"]) \
+                if before and "accept_rate_gauge" in before else None
             t1 = time.perf_counter()
-            got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency)
+            try:
+                got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency)
+            finally:
+                gauge = sampler.stop() if sampler is not None else None
             wall = time.perf_counter() - t1
-            gauge = sampler.stop() if sampler is not None else None
             counts = counts_between(before, spec_counters(side.endpoint))
             fetched[side.label] = (got, {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
                                          **({"gauge": gauge} if gauge is not None else {})})
@@ -367,11 +374,13 @@ def _gauge_check(candidate: list[float], reference: list[float]) -> str | None:
     without a gauge (no speculation) counts as accepting nothing."""
     import statistics
 
-    if len(candidate) < 5 or (reference and len(reference) < 5):
+    if len(candidate) < 5 or (reference and len(reference) < 5 and max(reference) > 0.0):
         return (f"refused: cannot tell whether the server applied the candidate's settings: its acceptance gauge "
                 f"changed {len(candidate)} / {len(reference)} times (candidate / reference) during the run, 5 a side "
                 "are needed (more items, or the server's decode_log_interval lower)")
     mc = statistics.fmean(candidate)
+    if reference and max(reference) <= 0.0:  # a gauge at 0 throughout: a reference that does not speculate
+        reference = []
     if not reference:
         return None if mc >= 0.02 else "refused: the candidate's acceptance gauge stayed at 0"
     mr = statistics.fmean(reference)

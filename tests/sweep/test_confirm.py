@@ -244,15 +244,22 @@ def test_the_timed_full_decodes_check_the_records_they_time():
 
 def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls():
     """Concurrent requests overlap, so a record's own seconds are not its share of the server: with walls, measured
-    speed is each arm's output tokens over its walls (a failed item's tokens count for nothing, its time counts)."""
+    speed is each arm's output tokens over its walls: every record's tokens, its scoring failed or not (a request that
+    failed made none), and every item's time."""
     from workers.metrics.cost import CostModel
     from workers.metrics.speed import Timed, over_lossless
 
     held = {k: rec(k, 1.0, tokens=10) for k in "ab"}
     arms = tuple([rec(k, 1.0, tokens=10) for k in "ab"] for _ in range(3))
-    arms[2][1] = rec("b", math.nan, tokens=10, error="boom")
+    arms[2][1] = rec("b", math.nan, tokens=0, error="RequestFailed: HTTP 500")  # a request that failed: no tokens
     out = over_lossless(held, held, held, 3, CostModel(0.4), Timed(arms, concurrency=4, walls=(4.0, 2.0, 1.0)))
     timed = out["vs_lossless"]["timed"]
     assert timed["concurrency"] == 4 and timed["items"] == 2
     assert timed["tokens_per_s"] == {"target_only": 5.0, "lossless": 10.0, "candidate": 10.0}
     assert out["vs_lossless"]["measured"] == pytest.approx(1.0) and out["vs_target_only"]["measured"] == pytest.approx(2.0)
+    assert timed["in_flight"]["target_only"] == pytest.approx(sum(r.wall_time_s for r in arms[0]) / 4.0)
+    # an arm that made no tokens at all (every request failed): no ratio, never a crash
+    dead = ([rec(k, 1.0, tokens=10) for k in "ab"], [rec(k, math.nan, tokens=0, error="boom") for k in "ab"],
+            [rec(k, 1.0, tokens=10) for k in "ab"])
+    out = over_lossless(held, held, held, 3, CostModel(0.4), Timed(dead, concurrency=4, walls=(1.0, 1.0, 1.0)))
+    assert math.isnan(out["vs_lossless"]["measured"]) and out["vs_target_only"]["measured"] == pytest.approx(1.0)

@@ -156,7 +156,17 @@ def test_tensorrt_llms_drained_iteration_stats_are_the_counts_of_what_ran_betwee
     assert counts_between({"draft_tokens": 999.0, "drained": 1.0}, got) == (21.0, 40.0)
     assert parse_iteration_stats("[]") == {"draft_tokens": 0.0, "accepted_tokens": 0.0, "drained": 1.0}
     assert parse_iteration_stats("not json") is None
+    assert parse_iteration_stats(json.dumps([json.dumps(rows[0])]))["draft_tokens"] == 30.0, "rows as JSON strings"
     assert parse_counters('sglang:spec_accept_rate{model_name="m"} 0.61\n') == {"accept_rate_gauge": 0.61}
+
+
+def test_a_gauge_that_stayed_at_zero_is_a_reference_that_does_not_speculate():
+    from workers.endpoint_eval import _gauge_check
+
+    moving = [0.61, 0.63, 0.6, 0.64, 0.62, 0.65]
+    assert _gauge_check(moving, [0.0]) is None
+    assert _gauge_check(moving, [0.6, 0.62, 0.61, 0.63, 0.64]).startswith("refused: acceptance did not move")
+    assert _gauge_check(moving[:3], []).startswith("refused: cannot tell")
 
 
 @pytest.mark.parametrize("kind", ["trt", "sglang"])

@@ -92,9 +92,10 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
 def _ratio(records: list[Record], base: list[Record], unit: Callable[[Record], float]) -> float:
     """(Σ tokens / Σ unit) of ``records`` over the same of ``base``: a ratio of sums, never a mean of ratios."""
     mine, theirs = sum(unit(r) for r in records), sum(unit(r) for r in base)
-    if mine <= 0 or theirs <= 0:
+    base_tokens = sum(r.tokens for r in base)
+    if mine <= 0 or theirs <= 0 or base_tokens <= 0:
         return math.nan
-    return (sum(r.tokens for r in records) / mine) / (sum(r.tokens for r in base) / theirs)
+    return (sum(r.tokens for r in records) / mine) / (base_tokens / theirs)
 
 
 @dataclass(frozen=True)
@@ -181,15 +182,28 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
         like = {"items": len(ok), "concurrency": timed.concurrency,
                 "interleaved": "target-only, lossless, candidate per item", "load_1m": list(timed.load_1m)}
         measured_ll, measured_ar = _ratio(mine_t, ll_t, seconds), _ratio(mine_t, ar_t, seconds)
-        if timed.walls is not None:  # concurrent arms: output tokens over each arm's own walls, every item counted
-            rates = [sum(r.tokens for r in arm if not r.failed) / w if w > 0 else math.nan
+        modelled_ll, modelled_ar = _ratio(mine_t, ll_t, cost.cost), _ratio(mine_t, ar_t, cost.cost)
+        if timed.walls is not None:
+            # concurrent arms: output tokens over each arm's own walls, every item counted (a request that failed
+            # made no tokens; a record whose scoring failed still decoded its tokens in that wall)
+            rates = [sum(r.tokens for r in arm) / w if w > 0 else math.nan
                      for arm, w in zip(timed.arms, timed.walls, strict=True)]
-            measured_ll, measured_ar = rates[2] / rates[1], rates[2] / rates[0]
+
+            def over(a: float, b: float) -> float:
+                return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+            measured_ll, measured_ar = over(rates[2], rates[1]), over(rates[2], rates[0])
+            # the modelled figures on the same items as the measured ones: all of them
+            modelled_ll, modelled_ar = (_ratio(list(timed.arms[2]), list(timed.arms[i]), cost.cost) for i in (1, 0))
+            in_flight = [sum(r.wall_time_s for r in arm) / w if w > 0 else math.nan
+                         for arm, w in zip(timed.arms, timed.walls, strict=True)]
             like.update(items=n, interleaved=f"chunk by chunk, each arm's requests {timed.concurrency} at a time, the "
                         "arm that goes first rotating; output tokens over each arm's walls",
-                        tokens_per_s=dict(zip(("target_only", "lossless", "candidate"), rates, strict=True)))
-        out["vs_lossless"].update(measured=measured_ll, modelled_timed=_ratio(mine_t, ll_t, cost.cost), timed=like)
-        out["vs_target_only"].update(measured=measured_ar, modelled_timed=_ratio(mine_t, ar_t, cost.cost), timed=like)
+                        tokens_per_s=dict(zip(("target_only", "lossless", "candidate"), rates, strict=True)),
+                        # requests in flight on average: below the concurrency where items are few or chunks drain
+                        in_flight=dict(zip(("target_only", "lossless", "candidate"), in_flight, strict=True)))
+        out["vs_lossless"].update(measured=measured_ll, modelled_timed=modelled_ll, timed=like)
+        out["vs_target_only"].update(measured=measured_ar, modelled_timed=modelled_ar, timed=like)
         out["replay_check"] = replay_check(timed, records, lossless, reference)
     for side in ("vs_lossless", "vs_target_only"):
         out[side].update(stated_figure(out[side]))
