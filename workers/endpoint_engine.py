@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from workers.endpoint import Endpoint, check
-from workers.endpoint_eval import Side, fetch, record_of, reported
+from workers.endpoint_eval import Side, fetch, record_of, reported, warm
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record
 
 
@@ -72,6 +72,7 @@ class EndpointEngine:
         size = max(8 * concurrency, 16)
         for k, start in enumerate(range(0, len(items), size)):
             chunk = items[start: start + size]
+            warm([self.endpoint], bench, chunk, concurrency, shots=specs[0].shots)  # untimed: no arm runs colder
             turn = k % len(specs)
             for j in [*range(turn, len(specs)), *range(turn)]:
                 spec = specs[j]

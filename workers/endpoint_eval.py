@@ -7,7 +7,8 @@ the first token (``prefill_time_s``) and in all (``wall_time_s``), and, where th
 failed record (score NaN): it counts against its side, and the batch goes on.
 
 :func:`compare` runs both sides chunk by chunk at a concurrency, interleaved (the side that goes first alternates,
-so a server's prefix cache warms each side's prompts for the other alike), timing each chunk's requests only:
+and each chunk's first prompts are sent once, untimed, with one output token before either side's clock starts, so
+neither side runs on a colder prefix cache), timing each chunk's requests only:
 scoring (a sandbox, a judge) runs after the chunk's clock stops. A chunk's records and its wall are stored together
 when it ends. A record once stored is never sent again (an item's outcome is drawn once: a rerun may not redraw it
 on a nondeterministic server); an interrupted chunk's stored records are kept untimed, and only its missing items
@@ -22,7 +23,7 @@ import math
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,29 @@ def record_of(side: Side, bench: Any, got: Fetched, spec_key: str, reference_out
                   policy_time_s=0.0, wall_time_s=sum(r.seconds for r in replies),
                   finish_reasons=[r.finish for r in replies], error=error,
                   retries=sum(r.attempts - 1 for r in replies), code=code_version())
+
+
+def warm(endpoints: Sequence[Endpoint], bench: Any, items: Sequence[Any], concurrency: int, *, shots: int) -> None:
+    """Untimed, before a chunk's clocks start: each item's first prompt, one output token, once per server (by url
+    and model), so that no arm runs on a colder prefix cache than another because it went first. Failures are
+    ignored: a warm-up is never evidence."""
+    seen: set[tuple[str, str]] = set()
+    for endpoint in endpoints:
+        if (endpoint.base_url, endpoint.model) in seen:
+            continue
+        seen.add((endpoint.base_url, endpoint.model))
+        quick = replace(endpoint, retries=0)
+
+        def one(item: Any, quick: Endpoint = quick) -> None:
+            try:
+                messages = bench.messages(item, shots=shots, turn=0, previous=[])
+                chat = getattr(bench, "chat", None) is not False
+                complete(quick, messages if chat else None, None if chat else plain_prompt(messages), max_tokens=1,
+                         temperature=0.0)
+            except Exception:  # noqa: BLE001 - a warm-up that fails warms nothing, and that is all
+                return
+
+        run_concurrently(one, items, concurrency)
 
 
 def reported(record: Record) -> dict[str, Any] | None:
@@ -273,7 +297,10 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
     t0, n_done = time.perf_counter(), 0
     for k, start in enumerate(range(0, len(todo), size)):
         part = todo[start: start + size]
-        order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who warms whose prefixes
+        order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who goes first alternates
+        warm([reference.endpoint, candidate.endpoint], bench,
+             [it for it in part if any(it.id not in runs[s.label].records for s in order)], concurrency,
+             shots=decode.get("shots", 0))
         fetched: dict[str, tuple[list[Fetched], dict[str, Any]]] = {}
         for side in order:
             run = runs[side.label]

@@ -38,6 +38,7 @@ class Behaviour:
     stream_error: int | None = None  # the next stream carries an error event with this code instead of tokens
     ports: set = field(default_factory=set)  # client ports seen: one per connection
     requests: int = 0
+    warmups: int = 0  # one-token warm-up requests (not in requests, bodies, faults or counters)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -103,6 +104,10 @@ class FakeServer:
                 if not self._authorized():
                     return
                 b = server.b
+                if body.get("max_tokens") == 1:  # a warm-up (workers.endpoint_eval.warm): answered, counted apart
+                    with server.lock:
+                        b.warmups += 1
+                    return self._stream(body, drop=False, warmup=True)
                 with server.lock:
                     b.ports.add(self.client_address[1])
                     b.requests += 1
@@ -129,7 +134,7 @@ class FakeServer:
                     with server.lock:
                         b.in_flight -= 1
 
-            def _stream(self, body: dict[str, Any], drop: bool) -> None:
+            def _stream(self, body: dict[str, Any], drop: bool, warmup: bool = False) -> None:
                 b = server.b
                 chat = "messages" in body
                 self.send_response(200)
@@ -144,10 +149,11 @@ class FakeServer:
                     self.wfile.flush()
 
                 words = list(b.words)[: int(body.get("max_tokens") or 16)]
-                time.sleep(b.first_token_delay)
+                if not warmup:
+                    time.sleep(b.first_token_delay)
                 with server.lock:
-                    error, b.stream_error = b.stream_error, None
-                    abort = b.abort_next > 0
+                    error, b.stream_error = (b.stream_error, None) if not warmup else (None, b.stream_error)
+                    abort = b.abort_next > 0 and not warmup
                     b.abort_next -= int(abort)
                 if error is not None:
                     event({"error": {"message": "bad things", "code": error}})
@@ -185,6 +191,8 @@ class FakeServer:
                 event("[DONE]")
                 self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
+                if warmup:
+                    return
                 with server.lock:  # 80 drafted tokens a request; a named rule accepts 20 more of them
                     b.drafted += 80
                     named = (isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"

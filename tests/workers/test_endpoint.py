@@ -117,9 +117,11 @@ def test_evaluate_prints_both_sides_per_concurrency_and_resumes_without_sending_
     sent = [b for b in fake.b.bodies if b.get("spec_decode", {}).get("policy") == "kl_judge"]
     assert len(sent) == 12 and sent[0]["spec_decode"]["params"]["threshold"] == 0.5 and "seed" not in sent[0]
     assert sum(b["spec_decode"] == {"policy": "off"} for b in fake.b.bodies) == 12
+    # each chunk's prompts are sent once, untimed, one token, before either side's clock (one server: once per item)
+    assert fake.b.warmups == 12
     before = fake.b.requests
     assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--param", "threshold=0.5", "--concurrency", "1,4") == 0
-    assert fake.b.requests == before, "a rerun resumes from its records"
+    assert fake.b.requests == before and fake.b.warmups == 12, "a rerun resumes from its records"
     summary = json.loads(next(tmp_path.glob("eval-endpoint/*/*/summary.json")).read_text())
     assert summary["knobs_applied"] and summary["levels"]["4"]["candidate"]["items"] == 6
 
