@@ -121,12 +121,13 @@ class PairWorker:
             raise ValueError(f"the {self.engine_kind} engine decodes one request at a time: no concurrency to time")
         import time
 
+        from workers.metrics.speed import rotation
+
         out: list[list[Record]] = [[] for _ in specs]
         walls = [0.0] * len(specs)
         for k, start in enumerate(range(0, len(items), concurrency)):
             group = items[start: start + concurrency]
-            turn = k % len(specs)
-            for j in [*range(turn, len(specs)), *range(turn)]:
+            for j in rotation(k, len(specs)):
                 t0 = time.perf_counter()
                 out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}))
                 walls[j] += time.perf_counter() - t0

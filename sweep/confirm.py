@@ -210,19 +210,37 @@ def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: flo
     except LedgerRefusal as err:
         log(f"confirmation REFUSED by the ledger ({ledger.path}): {err}")
         return Attempt(ledger, None, planned, refusal=str(err))
-    by_id = {it.id: it for it in state.pool}
-    missing = [i for i in ids if i not in by_id]
-    if missing:
-        raise ValueError(f"attempt {attempt} resumes on {len(missing)} item(s) no longer in the pool "
-                         f"(e.g. {missing[0]}): the benchmark's data changed since it opened")
+    items = attempt_items(attempt, ids, state.pool, earlier, bool(args.new_items))
     where = {it.id: k for k, it in enumerate(state.pool)}
     chosen, last = set(ids), max(where[i] for i in ids) if ids else -1
     # the pool items before the last chosen one that earlier attempts had used: what recomputing the front needs
     skipped = [it.id for it in state.pool[: last + 1] if it.id not in chosen]
+    return Attempt(ledger, attempt, items, skipped, earlier)
+
+
+def attempt_items(attempt: str, ids: Sequence[str], pool: Sequence[Item], earlier: Sequence[Any],
+                  new_items: bool) -> list[Item]:
+    """The pool's items the ledger gave attempt ``attempt`` (``ids``), in its order, said in the log; a ValueError
+    where one left the pool (the benchmark's data changed since the attempt opened)."""
+    by_id = {it.id: it for it in pool}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise ValueError(f"attempt {attempt} resumes on {len(missing)} item(s) no longer in the pool "
+                         f"(e.g. {missing[0]}): the benchmark's data changed since it opened")
     log(f"confirmation attempt {attempt}: {len(ids):,} items from the pool's fixed order"
-        + (" (the first no earlier attempt used)" if args.new_items else "")
+        + (" (the first no earlier attempt used)" if new_items else "")
         + (f"; {len(earlier)} earlier attempt(s) on this pair and benchmark" if earlier else ""))
-    return Attempt(ledger, attempt, [by_id[i] for i in ids], skipped, earlier)
+    return [by_id[i] for i in ids]
+
+
+def prior_refusal(ledger: AttemptLedger, attempt: str, budget: float) -> str | None:
+    """Where a resumed attempt decided ``budget`` before without certifying it, why it is not certified now (that
+    decision is its ceiling: a re-decision cannot turn it into a certificate); else None."""
+    before = ledger.attempts().get(attempt, {}).get("decided", {}).get(str(float(budget)))
+    if before is None or before.get("certified"):
+        return None
+    return (f"not certified: attempt {attempt} decided this budget before ({before['when']}: {before['reason']}); "
+            "a re-decision cannot overturn it")
 
 
 def base_choice(state: SweepState, budget: float, attempt: Attempt) -> dict[str, Any]:
@@ -340,13 +358,9 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal}")
         else:
             cert = confirmation.certify(candidates, budget, alpha_each)
-            before = attempt.ledger.attempts().get(attempt.id, {}).get("decided", {}).get(str(float(budget))) \
-                if attempt.id is not None else None
-            if before is not None and cert.certified and not before.get("certified"):
-                # a resumed attempt decided this budget before: that decision is its ceiling
-                cert.certified = False
-                cert.reason = (f"not certified: attempt {attempt.id} decided this budget before ({before['when']}: "
-                               f"{before['reason']}); a re-decision cannot overturn it")
+            ceiling = prior_refusal(attempt.ledger, attempt.id, budget) if attempt.id is not None else None
+            if cert.certified and ceiling is not None:
+                cert.certified, cert.reason = False, ceiling
             # the replay audit, before the ledger hears the decision, whatever the decision is: the timed full
             # decodes against the confirmation records they time (workers.metrics.speed.replay_check)
             audited = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)

@@ -85,7 +85,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     file per budget, ``certification.json`` and ``.md``, the evidence CSV) under the run directory and logs them
     to MLflow. Returns the run directory, the MLflow run and the decision per budget."""
     from sweep.certificates import certificate_fields, pool_outlook
-    from sweep.confirm import Confirmation
+    from sweep.confirm import Confirmation, attempt_items, prior_refusal
     from sweep.tracking import SweepTracker
     from workers.benchmarks.base import pool_sources
     from workers.certify.decide import Candidate, Certificate, drop_bound
@@ -174,15 +174,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                                                         "model_card": cards["candidate"]},
                                                           "reference": {**reference.endpoint.describe(),
                                                                         "model_card": cards["reference"]}})
-            by_id = {it.id: it for it in pool}
-            missing = [i for i in ids if i not in by_id]
-            if missing:
-                raise ValueError(f"attempt {attempt} resumes on {len(missing)} item(s) no longer in the pool (e.g. "
-                                 f"{missing[0]}): the benchmark's data changed since it opened")
-            items = [by_id[i] for i in ids]
-            log(f"confirmation attempt {attempt}: {len(items):,} items from the pool's fixed order"
-                + (" (the first no earlier attempt used)" if args.new_items else "")
-                + (f"; {len(earlier)} earlier attempt(s) on this pair and benchmark" if earlier else ""))
+            items = attempt_items(attempt, ids, pool, earlier, bool(args.new_items))
         except LedgerRefusal as err:
             refusal = f"the ledger ({ledger.path}) refused the attempt: {err}"
             log(f"confirmation {refusal}")
@@ -223,11 +215,9 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                 late = knob_check(reference, candidate, last.sides)
                 if late is not None and cert.certified:
                     cert.certified, cert.reason = False, late
-            prior = ledger.attempts().get(attempt, {}).get("decided", {}).get(str(float(budget)))
-            if prior is not None and cert.certified and not prior.get("certified"):
-                cert.certified = False
-                cert.reason = (f"not certified: attempt {attempt} decided this budget before ({prior['when']}: "
-                               f"{prior['reason']}); a re-decision cannot overturn it")
+            ceiling = prior_refusal(ledger, attempt, budget)
+            if cert.certified and ceiling is not None:
+                cert.certified, cert.reason = False, ceiling
             ledger.decide(attempt, budget, cert.certified, cert.reason, evidence_n() if cert.steps else 0)
         choice = {"budget": budget, "pair": args.pair_id, "benchmark": bench.name, "dtype": "server", "sweep": name,
                   "parent_run_id": parent, "decode": decode, "engine": "openai", "mode": "server-config",

@@ -66,24 +66,27 @@ class EndpointEngine:
         import time
 
         from workers.endpoint import run_concurrently
+        from workers.metrics.speed import rotation
 
         out: list[list[Record]] = [[] for _ in specs]
         walls = [0.0] * len(specs)
+        sides = [self._side(spec) for spec in specs]
         size = max(8 * concurrency, 16)
         for k, start in enumerate(range(0, len(items), size)):
             chunk = items[start: start + size]
             warm([self.endpoint], bench, chunk, concurrency, shots=specs[0].shots)  # untimed: no arm runs colder
-            turn = k % len(specs)
-            for j in [*range(turn, len(specs)), *range(turn)]:
-                spec = specs[j]
+            for j in rotation(k, len(specs)):
+                spec, side = specs[j], sides[j]
                 t0 = time.perf_counter()
-                got = run_concurrently(lambda it, spec=spec: self._fetch(bench, it, spec), chunk, concurrency)
+                got = run_concurrently(lambda it, spec=spec, side=side: self._fetch(side, bench, it, spec), chunk,
+                                       concurrency)
                 walls[j] += time.perf_counter() - t0
-                out[j].extend(self._record(bench, g, spec, None) for g in got)
+                out[j].extend(self._record(side, bench, g, spec, None) for g in got)
         return out, walls
 
-    def _fetch(self, bench: Any, item: Any, spec: DecodeSpec) -> Any:
-        return fetch(self._side(spec), bench, item, shots=spec.shots, max_new_tokens=spec.max_new_tokens,
+    @staticmethod
+    def _fetch(side: Side, bench: Any, item: Any, spec: DecodeSpec) -> Any:
+        return fetch(side, bench, item, shots=spec.shots, max_new_tokens=spec.max_new_tokens,
                      temperature=spec.temperature, seed=spec.seed)
 
     def _side(self, spec: DecodeSpec) -> Side:
@@ -91,9 +94,10 @@ class EndpointEngine:
         ep = replace(self.endpoint, extra_body={**self.endpoint.extra_body, **spec_body(spec)})
         return Side(label, ep, spec.policy, spec.params_dict, spec.draft_len)
 
-    def _record(self, bench: Any, got: Any, spec: DecodeSpec, reference: Any) -> Record:
+    @staticmethod
+    def _record(side: Side, bench: Any, got: Any, spec: DecodeSpec, reference: Any) -> Record:
         refs = reference.get("outputs") if isinstance(reference, dict) else reference
-        record = record_of(self._side(spec), bench, got, spec.key(), refs)
+        record = record_of(side, bench, got, spec.key(), refs)
         if not record.failed:
             wrong = ran_as_asked(spec, reported(record))
             if wrong is not None:
@@ -102,4 +106,5 @@ class EndpointEngine:
         return record
 
     def evaluate_item(self, bench: Any, item: Any, spec: DecodeSpec, reference: Any = None) -> Record:
-        return self._record(bench, self._fetch(bench, item, spec), spec, reference)
+        side = self._side(spec)
+        return self._record(side, bench, self._fetch(side, bench, item, spec), spec, reference)

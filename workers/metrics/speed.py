@@ -98,6 +98,12 @@ def _ratio(records: list[Record], base: list[Record], unit: Callable[[Record], f
     return (sum(r.tokens for r in records) / mine) / (base_tokens / theirs)
 
 
+def rotation(k: int, arms: int) -> list[int]:
+    """The arms' order in chunk ``k`` of a concurrent timed run: the one that goes first rotates chunk by chunk."""
+    turn = k % arms
+    return [*range(turn, arms), *range(turn)]
+
+
 @dataclass(frozen=True)
 class Timed:
     """A like-for-like timed run: ``arms`` (target-only, lossless, candidate: each one record per timed item, the
