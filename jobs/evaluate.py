@@ -223,11 +223,11 @@ def _main(args: argparse.Namespace) -> int:
     from workers.models.pair import auto_dtype, load_pair
 
     if args.engine == "vllm":  # vLLM runs bf16 where the device has it (a GPU, an avx512_bf16 CPU), else fp32
-        from workers.models.pair import native_dtype
+        from workers.models.pair import fast_path, native_dtype
 
         dtype = native_dtype() if args.dtype == "auto" else args.dtype
-        if dtype == "int8":
-            raise ValueError("--dtype int8 is the CPU engine's fast path; --engine vllm runs bf16, fp16 or fp32")
+        if fast_path(dtype):
+            raise ValueError(f"--dtype {dtype} is the CPU engine's fast path; --engine vllm runs bf16, fp16 or fp32")
     else:
         dtype = auto_dtype() if args.dtype == "auto" else args.dtype
     if args.judge_url:

@@ -109,7 +109,7 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     if args.judge_url:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url  # before Ray starts: the actors inherit it
     bench = get_benchmark(args.benchmark)
-    from workers.models.pair import auto_dtype, check_pair_name
+    from workers.models.pair import auto_dtype, check_pair_name, fast_path
 
     if args.engine == "openai":
         endpoint_settings(args)
@@ -126,8 +126,9 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         else:
             args.dtype = "bf16"
             log("--dtype auto: bf16 for the vLLM engine's GPU workers (a GPU without bf16, e.g. V100 or T4: --dtype fp16)")
-    if args.dtype in ("int8",) and args.engine != "cpu":
-        raise ValueError(f"--dtype int8 is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 or fp32")
+    if fast_path(args.dtype) and args.engine != "cpu":
+        raise ValueError(f"--dtype {args.dtype} is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 "
+                         "or fp32")
 
     if args.engine != "openai":
         check_pair_name(args.pair)  # fail here, not inside every actor

@@ -49,12 +49,12 @@ NEAR_TIE = 1e-4  # a top-2 logit gap below this (relative to the top logit's sca
 # row-wise ops), so the teacher-forced pass holds the very numbers incremental decoding computes and a replayed
 # record is the full decode's. In bf16/fp32 the pass's GEMMs take other shapes and other roundings: a replayed
 # record there is an approximation (fine to steer a search, never what a certificate is decided on).
-ROW_EXACT_DTYPES = frozenset({"int8"})
+ROW_EXACT_DTYPES = frozenset({"int8", "int4+int8"})  # the 4-bit draft's GEMM too (fast.Q4Linear)
 
 
 def exact_for(dtype: str, threads: int = 1) -> bool:
     """Whether replay on a pair of ``dtype`` (a tag or a torch dtype name) run at ``threads`` torch threads equals
-    full decoding by construction: int8 at one thread. At more threads some elementwise kernels (silu) split a
+    full decoding by construction: the fast path (int8, int4+int8) at one thread. At more threads some elementwise kernels (silu) split a
     multi-row tensor at other offsets than a one-row one, and a one-ulp difference can move a quantisation level
     and flip a near-tie or a lossy statistic near its threshold (a statistician's check, 2026-12-04)."""
     from workers.models.pair import dtype_tag

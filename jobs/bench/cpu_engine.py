@@ -1,7 +1,7 @@
 """Benchmark: the CPU engine on the real pair — target-only vs lossless vs lossy rules, side by side, in one or
 more pair dtypes.
 
-    python -m jobs.bench.cpu_engine [--dtypes fp32,int8] [--items 6] [--max-new-tokens 128]
+    python -m jobs.bench.cpu_engine [--dtypes fp32,int4+int8] [--items 6] [--max-new-tokens 128]
 
 GSM8K test questions (zero-shot chat prompts), greedy. Every configuration of every dtype runs on each item
 before the next item starts, so load drifts hit all of them alike; speedups are paired per item
@@ -29,7 +29,7 @@ from workers.cli import one_line_errors
 from workers.cpu_engine import SpecDecoder
 from workers.metrics.cost import speedup_vs_target_only
 from workers.models.calibrate import get_profile, machine_key
-from workers.models.pair import load_pair, native_dtype, resolve_dtype
+from workers.models.pair import auto_dtype, load_pair, native_dtype, resolve_dtype
 from workers.prompts import encode_chat
 
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtypes", default=None,
                     help="comma-separated pair dtypes, baseline first, fast last (default: this machine's float "
-                         "dtype, then int8)")
+                         "dtype, then --dtype auto's fast path: int4+int8 with AVX-512, else int8)")
     ap.add_argument("--items", type=int, default=6, help="GSM8K test items (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation")
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for the modelled speedup (default: measured)")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.items < 1 or args.max_new_tokens < 1:
         ap.error("--items and --max-new-tokens must be >= 1")
     if args.dtypes is None:
-        args.dtypes = f"{native_dtype()},int8"
+        args.dtypes = f"{native_dtype()},{auto_dtype()}"
     for dtype in args.dtypes.split(","):
         if dtype.strip():
             resolve_dtype(dtype.strip())  # an unknown dtype fails here, before any model loads

@@ -166,19 +166,20 @@ def test_a_look_ahead_rule_decodes_from_the_round_whose_window_could_defer(engin
     assert "look-ahead" not in reasons[1], reasons
 
 
-@pytest.fixture(scope="module")
-def int8_engine() -> SpecDecoder:
-    return SpecDecoder(load_pair("tiny-random", dtype="int8"), proposal_size=128)
+@pytest.fixture(scope="module", params=["int8", "int4+int8"])
+def int8_engine(request) -> SpecDecoder:
+    return SpecDecoder(load_pair("tiny-random", dtype=request.param), proposal_size=128)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_on_the_int8_path_at_one_thread_replay_is_full_decoding_for_every_rule(int8_engine, name):
-    """What confirmation relies on (``workers.replay.exact_for``): on the row-exact int8 path, at the sweep
-    actors' one thread, the pass holds the numbers incremental decoding computes: no near-tie, and every
-    rule's replayed run is its full decode, token for token and count for count."""
+    """What confirmation relies on (``workers.replay.exact_for``): on the row-exact fast path (int8, and its 4-bit
+    draft), at the sweep actors' one thread, the pass holds the numbers incremental decoding computes: no near-tie,
+    and every rule's replayed run is its full decode, token for token and count for count."""
     from workers.replay import exact_for
 
-    assert exact_for("int8") and not exact_for("bf16") and not exact_for("fp32") and not exact_for("nonsense")
+    assert exact_for("int8") and exact_for("int4+int8") and not exact_for("bf16") and not exact_for("fp32")
+    assert not exact_for("nonsense") and not exact_for("int4+int8", threads=2)
     engine = int8_engine
     policy = make_policy(name, **LENIENT.get(name, dict(get_spec(name).example)))
     threads = torch.get_num_threads()

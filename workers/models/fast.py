@@ -108,6 +108,13 @@ class QLinear(torch.nn.Module):
     def from_state(cls, tensors: dict[str, Tensor], prefix: str) -> QLinear:
         return cls(tensors[f"{prefix}.q"], tensors[f"{prefix}.scale"], tensors.get(f"{prefix}.bias"))
 
+    def select(self, ids: Tensor) -> QLinear:
+        """The rows ``ids`` of this layer (a proposal head), the same numbers."""
+        state = self.state()
+        bias = state.get("bias")
+        return QLinear(state["q"].index_select(0, ids).contiguous(), state["scale"].index_select(0, ids).contiguous(),
+                       None if bias is None else bias.index_select(0, ids))
+
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
@@ -144,6 +151,126 @@ class QLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+Q4_GROUPS = (128, 64, 32)  # group sizes torch's int4 CPU GEMM takes, largest first
+Q4_CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75)  # shrinkings of a group's range tried when quantizing (least error wins)
+
+
+def _int4_ready() -> str | None:
+    """None where torch's int4 weight-only CPU GEMM runs here, else why not (one line)."""
+    op = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+    pack = getattr(torch, "_convert_weight_to_int4pack_for_cpu", None)
+    if op is None or pack is None:
+        return f"this PyTorch build ({torch.__version__}) has no int4 weight-only CPU GEMM"
+    return None
+
+
+class Q4Linear(torch.nn.Module):
+    """y = x W^T (+ b) with W in 4 bits per group of input channels (asymmetric: w = (q - 8) scale + zero) and x in
+    bf16: torch's int4 weight-only CPU GEMM, which unpacks each group to floats inside its tiles. Half of int8's
+    weight bytes; what a memory-bound one-token step reads is what it costs (the draft's step on the fast path).
+    A row's result does not depend on the rows beside it (the GEMM runs each row's dot products the same way
+    whatever the row count, checked in tests), as :class:`QLinear`'s."""
+
+    def __init__(self, nibbles: Tensor, scale: Tensor, zero: Tensor, bias: Tensor | None = None) -> None:
+        """``nibbles`` [out, in / 2] uint8 (the even column in the low 4 bits), ``scale`` and ``zero`` [out, groups]."""
+        super().__init__()
+        self.out_features, self.in_features = int(nibbles.shape[0]), int(nibbles.shape[1]) * 2
+        self.group = self.in_features // int(scale.shape[1])
+        self._nibbles, self._scale, self._zero = nibbles.contiguous(), scale.float().contiguous(), zero.float().contiguous()
+        pad = (-self.out_features) % 16  # the packed layout takes rows in sixteens: zero rows, sliced off after
+        q = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).reshape(self.out_features, self.in_features).to(torch.int32)
+        scale, zero = self._scale, self._zero
+        if pad:
+            q = torch.cat((q, q.new_full((pad, self.in_features), 8)))
+            scale = torch.cat((scale, scale.new_zeros(pad, scale.shape[1])))
+            zero = torch.cat((zero, zero.new_zeros(pad, zero.shape[1])))
+        self._packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+        self._scales_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self._bias = None if bias is None else bias.detach().float()
+
+    @classmethod
+    def quantized(cls, weight: Tensor, bias: Tensor | None = None) -> Q4Linear:
+        """From a float weight [out, in]: per group of the largest size in :data:`Q4_GROUPS` that divides ``in``,
+        min/max over the group's range shrunk by whichever of :data:`Q4_CLIPS` leaves the least squared error."""
+        weight = weight.detach().float()
+        out, width = weight.shape
+        group = next((g for g in Q4_GROUPS if width % g == 0), None)
+        if group is None:
+            raise ValueError(f"4-bit weights need in_features divisible by one of {Q4_GROUPS}, got {width}")
+        nibbles, scales, zeros = [], [], []
+        for rows in weight.split(8192):  # bounded scratch on a vocabulary-wide head
+            w = rows.reshape(rows.shape[0], width // group, group)
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+            best_err = best_q = best_scale = best_zero = None
+            for clip in Q4_CLIPS:
+                c_lo, c_hi = lo * clip, hi * clip
+                scale = ((c_hi - c_lo) / 15).clamp_min(1e-10)
+                q = ((w - c_lo) / scale).round_().clamp_(0, 15)
+                zero = c_lo + 8 * scale
+                # what the GEMM will use: scale and zero rounded to bf16
+                s16, z16 = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
+                err = ((q - 8) * s16 + z16 - w).square_().sum(-1, keepdim=True)
+                if best_err is None:
+                    best_err, best_q, best_scale, best_zero = err, q, scale, zero
+                else:
+                    better = err < best_err
+                    best_err = torch.where(better, err, best_err)
+                    best_q = torch.where(better, q, best_q)
+                    best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+            q = best_q.reshape(rows.shape[0], width).to(torch.uint8)
+            nibbles.append(q[:, 0::2] | (q[:, 1::2] << 4))
+            scales.append(best_scale.reshape(rows.shape[0], -1))
+            zeros.append(best_zero.reshape(rows.shape[0], -1))
+        return cls(torch.cat(nibbles), torch.cat(scales), torch.cat(zeros), bias)
+
+    def state(self) -> dict[str, Tensor]:
+        """The packed 4-bit weight [out, in / 2], its scales and zeros [out, groups] and the bias (:func:`save`)."""
+        out = {"q4": self._nibbles, "scale": self._scale, "zero": self._zero}
+        if self._bias is not None:
+            out["bias"] = self._bias
+        return out
+
+    @classmethod
+    def from_state(cls, tensors: dict[str, Tensor], prefix: str) -> Q4Linear:
+        return cls(tensors[f"{prefix}.q4"], tensors[f"{prefix}.scale"], tensors[f"{prefix}.zero"],
+                   tensors.get(f"{prefix}.bias"))
+
+    def select(self, ids: Tensor) -> Q4Linear:
+        """The rows ``ids`` of this layer (a proposal head), the same numbers."""
+        return Q4Linear(self._nibbles.index_select(0, ids), self._scale.index_select(0, ids),
+                        self._zero.index_select(0, ids), None if self._bias is None else self._bias.index_select(0, ids))
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group, self._scales_zeros)
+        out = out[:, :self.out_features].float()
+        if self._bias is not None:
+            out.add_(self._bias)
+        return out.view(*shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> Tensor:
+        """The dequantized weight [out, in] in fp32, with the bf16 scales and zeros the GEMM uses."""
+        q = torch.stack((self._nibbles & 15, self._nibbles >> 4), dim=-1).reshape(self.out_features, -1).float()
+        q = q.view(self.out_features, -1, self.group)
+        s16 = self._scale.to(torch.bfloat16).float().unsqueeze(-1)
+        z16 = self._zero.to(torch.bfloat16).float().unsqueeze(-1)
+        return ((q - 8) * s16 + z16).reshape(self.out_features, self.in_features)
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self._bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (group {self.group})"
+
+
+def linear_from_state(tensors: dict[str, Tensor], prefix: str) -> QLinear | Q4Linear:
+    """A stored linear of either kind (4-bit ones keep ``.q4``)."""
+    return Q4Linear.from_state(tensors, prefix) if f"{prefix}.q4" in tensors else QLinear.from_state(tensors, prefix)
 
 
 class KVCache:
@@ -187,7 +314,7 @@ class _Out:
 class _Layer(torch.nn.Module):
     NAMES = ("qkv", "o", "gate_up", "down")
 
-    def __init__(self, config: Any, linears: dict[str, QLinear], norm1: Tensor, norm2: Tensor) -> None:
+    def __init__(self, config: Any, linears: dict[str, QLinear | Q4Linear], norm1: Tensor, norm2: Tensor) -> None:
         super().__init__()
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -198,7 +325,9 @@ class _Layer(torch.nn.Module):
         self.norm1, self.norm2 = norm1, norm2
 
     @classmethod
-    def from_hf(cls, layer: Any, config: Any, absmax: dict[str, Tensor], alpha: float) -> _Layer:
+    def from_hf(cls, layer: Any, config: Any, absmax: dict[str, Tensor] | None, alpha: float) -> _Layer:
+        """``absmax`` None: 4-bit weights, bf16 activations (:class:`Q4Linear`), nothing to smooth; else int8
+        smoothed with SmoothQuant at ``alpha``."""
         attn, mlp = layer.self_attn, layer.mlp
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -209,6 +338,13 @@ class _Layer(torch.nn.Module):
         o_w, down_w = attn.o_proj.weight.detach().float(), mlp.down_proj.weight.detach().float()
         norm1 = layer.input_layernorm.weight.detach().float().clone()
         norm2 = layer.post_attention_layernorm.weight.detach().float().clone()
+        if absmax is None:
+            bias = None if all(b is None for b in biases) else torch.cat([
+                b if b is not None else torch.zeros(w.shape[0]) for b, w in zip(biases, (q_w, k_w, v_w), strict=True)])
+            return cls(config, {"qkv": Q4Linear.quantized(torch.cat([q_w, k_w, v_w]), bias),
+                                "o": Q4Linear.quantized(o_w, attn.o_proj.bias),
+                                "gate_up": Q4Linear.quantized(torch.cat([gate_w, up_w])),
+                                "down": Q4Linear.quantized(down_w)}, norm1, norm2)
         # SmoothQuant: divide each input channel of a linear by s (folded, exactly, into the op that makes that
         # input) and multiply the weight's column by s, so activation outliers move into the weights.
         s_qkv = _smoothing(absmax["qkv"], torch.cat([q_w, k_w, v_w]), alpha)
@@ -323,7 +459,7 @@ class _Decoder(torch.nn.Module):
 class Int8CausalLM(torch.nn.Module):
     """A Llama/Qwen2-family causal LM rebuilt on int8 linears (see the module docstring)."""
 
-    def __init__(self, config: Any, generation_config: Any, decoder: _Decoder, lm_head: QLinear) -> None:
+    def __init__(self, config: Any, generation_config: Any, decoder: _Decoder, lm_head: QLinear | Q4Linear) -> None:
         super().__init__()
         self.config = config
         self.generation_config = generation_config
@@ -332,14 +468,21 @@ class Int8CausalLM(torch.nn.Module):
         self._embedding = torch.nn.Embedding.from_pretrained(decoder.embed, freeze=True)
 
     @classmethod
-    def from_hf(cls, model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False) -> Int8CausalLM:
+    def from_hf(cls, model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False,
+                bits: int = 8) -> Int8CausalLM:
         """``model`` rebuilt; ``consume``: free each of its layers' weights once rebuilt (a model loaded only to be
-        converted: the peak stays near one float copy of it)."""
+        converted: the peak stays near one float copy of it). ``bits`` 4: every linear, the LM head included, in
+        4-bit weights (:class:`Q4Linear`; ``calibration`` and ``alpha`` unused)."""
         why = supported(model)
+        if why is None and bits == 4:
+            why = _int4_ready()
         if why is not None:
-            raise ValueError(f"dtype int8 (the fast CPU path) cannot run this model: {why}; use bf16 or fp32")
+            name = "int8 (the fast CPU path)" if bits == 8 else "int4+int8 (the fast CPU path's 4-bit draft)"
+            raise ValueError(f"dtype {name} cannot run this model: {why}; use bf16 or fp32")
+        if bits not in (4, 8):
+            raise ValueError(f"the fast CPU path has 8- and 4-bit weights, not {bits}")
         config = model.config
-        absmax = activation_absmax(model, calibration)
+        absmax = activation_absmax(model, calibration) if bits == 8 else [None] * len(model.get_decoder().layers)
         inner = model.get_decoder()
         layers = []
         for i, layer in enumerate(inner.layers):
@@ -350,13 +493,14 @@ class Int8CausalLM(torch.nn.Module):
         decoder = _Decoder(config, inner.embed_tokens.weight.detach().float().clone(), layers,
                            inner.norm.weight.detach().float().clone())
         head = model.get_output_embeddings()
+        linear = Q4Linear if bits == 4 else QLinear
         return cls(config, getattr(model, "generation_config", None), decoder,
-                   QLinear.quantized(head.weight, getattr(head, "bias", None)))
+                   linear.quantized(head.weight, getattr(head, "bias", None)))
 
     def get_decoder(self) -> _Decoder:
         return self.decoder
 
-    def get_output_embeddings(self) -> QLinear:
+    def get_output_embeddings(self) -> QLinear | Q4Linear:
         return self.lm_head
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
@@ -432,11 +576,13 @@ def activation_absmax(model: Any, calibration: Tensor) -> list[dict[str, Tensor]
     return found
 
 
-def quantize(model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False) -> Int8CausalLM:
-    """``model`` (a transformers causal LM, any float dtype) on the int8 path, smoothed with activation maxima
-    over ``calibration`` ids [1, n]; ValueError naming what it lacks. ``consume``: see ``Int8CausalLM.from_hf``."""
+def quantize(model: Any, calibration: Tensor, alpha: float = ALPHA, consume: bool = False,
+             bits: int = 8) -> Int8CausalLM:
+    """``model`` (a transformers causal LM, any float dtype) on the fast path: int8, smoothed with activation maxima
+    over ``calibration`` ids [1, n], or (``bits`` 4) 4-bit weights with bf16 activations; ValueError naming what it
+    lacks. ``consume``: see ``Int8CausalLM.from_hf``."""
     with torch.inference_mode(False), torch.no_grad():
-        fast = Int8CausalLM.from_hf(model, calibration, alpha, consume)
+        fast = Int8CausalLM.from_hf(model, calibration, alpha, consume, bits)
     fast.eval()
     fast.requires_grad_(False)
     return fast

@@ -1,4 +1,5 @@
-"""The int8 path's conversion, stored beside the pair (``<cache>/pairs/<pair>/int8/{draft,target}``): written once,
+"""The fast path's conversions, stored beside the pair (``<cache>/pairs/<pair>/int8/{draft,target}``, and
+``int4/draft`` for the 4-bit draft): written once,
 atomically, under a file lock, and loaded back bit-identical; converted again when the source weights, the
 format, the calibration or SmoothQuant's alpha change. The model itself: :mod:`workers.models.fast`."""
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from torch import Tensor
 
-from workers.models.fast import ALPHA, Int8CausalLM, QLinear, _Decoder, _Layer, quantize
+from workers.models.fast import ALPHA, Int8CausalLM, _Decoder, _Layer, linear_from_state, quantize
 
 FORMAT = 1  # bump when what is stored, or how it is made, changes: older stores are converted again
 
@@ -57,11 +58,11 @@ def load(directory: str | os.PathLike[str]) -> Int8CausalLM:
     if (directory / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
     tensors = load_file(str(directory / "model.safetensors"))
-    layers = [_Layer(config, {name: QLinear.from_state(tensors, f"layers.{i}.{name}") for name in _Layer.NAMES},
+    layers = [_Layer(config, {name: linear_from_state(tensors, f"layers.{i}.{name}") for name in _Layer.NAMES},
                      tensors[f"layers.{i}.norm1"], tensors[f"layers.{i}.norm2"])
               for i in range(int(config.num_hidden_layers))]
     decoder = _Decoder(config, tensors["embed"], layers, tensors["norm"])
-    model = Int8CausalLM(config, generation, decoder, QLinear.from_state(tensors, "lm_head"))
+    model = Int8CausalLM(config, generation, decoder, linear_from_state(tensors, "lm_head"))
     model.eval()
     model.requires_grad_(False)
     return model
@@ -75,15 +76,18 @@ def _source(model_dir: Path) -> list[list[Any]]:
 
 
 def load_cached(model_dir: str | os.PathLike[str], store: str | os.PathLike[str], calibration: Tensor,
-                load_float: Callable[[], Any]) -> Int8CausalLM:
-    """The int8 model of ``model_dir``: read from ``store`` when it holds this very conversion (same weights, format,
-    calibration, alpha), else converted from ``load_float()`` (the float model, loaded only then and consumed layer
+                load_float: Callable[[], Any], bits: int = 8) -> Int8CausalLM:
+    """The fast-path model of ``model_dir`` (``bits`` 8: int8; 4: 4-bit weights): read from ``store`` when it holds
+    this very conversion (same weights, format, bits, calibration, alpha), else converted from ``load_float()`` (the
+    float model, loaded only then and consumed layer
     by layer) and stored. One process converts at a time (a file lock beside the store): pair actors starting
     together load the fp32 model once, not once each. A store that cannot be written (a read-only asset volume)
     leaves the conversion in memory, said on stderr."""
     model_dir, store = Path(model_dir), Path(store)
     meta = {"format": FORMAT, "alpha": ALPHA, "source": _source(model_dir),
             "calibration": hashlib.sha256(json.dumps(calibration.flatten().tolist()).encode()).hexdigest()[:16]}
+    if bits != 8:  # an int8 store's meta stays what it was: stores written before 4-bit weights are still held
+        meta["bits"] = bits
 
     def held() -> bool:
         try:
@@ -98,12 +102,12 @@ def load_cached(model_dir: str | os.PathLike[str], store: str | os.PathLike[str]
         lock = open(store.with_name(store.name + ".lock"), "w")  # noqa: SIM115 - held until the store is written
     except OSError as err:
         print(f"fast path: {store} cannot be written ({err}); converting in memory", file=sys.stderr)
-        return quantize(load_float(), calibration, consume=True)
+        return quantize(load_float(), calibration, consume=True, bits=bits)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if held():  # another process converted it while this one waited
             return load(store)
-        model = quantize(load_float(), calibration, consume=True)
+        model = quantize(load_float(), calibration, consume=True, bits=bits)
         try:
             save(model, store, meta)
         except OSError as err:

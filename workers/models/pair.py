@@ -37,10 +37,24 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*(@[A
 # torch.int8 names the fast CPU path (``workers.models.fast``): int8 linear weights per output channel, activations
 # quantized per token on the fly, everything else fp32. It is a pair dtype, not a tensor dtype.
 INT8 = torch.int8
+# torch.quint4x2 names the same path with the draft in 4-bit weights and bf16 activations (``fast.Q4Linear``): half
+# the draft's bytes a step; the target, and so target-only decoding and every lossless output, is int8's.
+INT4_DRAFT = torch.quint4x2
+FAST_DTYPES = (INT8, INT4_DRAFT)
 _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "float": torch.float32,
-           "int8": INT8}
-DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", INT8: "int8"}
+           "int8": INT8, "int4+int8": INT4_DRAFT}
+DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", INT8: "int8",
+              INT4_DRAFT: "int4+int8"}
+FAST_TAGS = ("int8", "int4+int8")  # the CPU engine's fast path (workers.models.fast), nowhere else
+
+
+def fast_path(dtype: torch.dtype | str) -> bool:
+    """Whether a pair dtype is the CPU engine's fast path (``int8`` or ``int4+int8``)."""
+    try:
+        return resolve_dtype(dtype) in FAST_DTYPES
+    except ValueError:
+        return False
 
 
 @dataclass
@@ -51,7 +65,7 @@ class ModelPair:
     draft: torch.nn.Module  # transformers causal LM, eval mode, requires_grad off
     target: torch.nn.Module
     tokenizer: Any  # HF tokenizer: encode / decode / apply_chat_template / eos_token_id
-    dtype: torch.dtype  # torch.int8: the fast CPU path (workers.models.fast), both models
+    dtype: torch.dtype  # torch.int8: the fast CPU path (workers.models.fast), both models; INT4_DRAFT: 4-bit draft
     vocab_size: int  # the target's logits width (may exceed len(tokenizer), as for Qwen)
     eos_token_ids: tuple[int, ...]  # any of these ends a generation
     cache_dir: Path | None  # pair-level metadata (e.g. measured cost ratio); None for tiny-random
@@ -65,6 +79,7 @@ class ModelPair:
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 INT8_CPU_FLAGS = ("avx2", "avx512f")  # fbgemm's int8 GEMMs need one of these (x86)
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what ATen's AVX512 kernels (the int4 GEMM's fast one) need
 
 
 def _cpu_flags(cpuinfo: str | None) -> set[str] | None:
@@ -77,19 +92,25 @@ def _cpu_flags(cpuinfo: str | None) -> set[str] | None:
 
 
 def auto_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
-    """What ``--dtype auto`` means for the CPU engine: ``"int8"`` (the fast CPU path) on an x86 CPU that runs
-    fbgemm's int8 GEMMs, measured faster than both float dtypes on both of our VM kinds (docs/measurements.md);
-    on a GPU, or a CPU without them, the :func:`native_dtype`."""
+    """What ``--dtype auto`` means for the CPU engine: the fast CPU path on an x86 CPU that runs fbgemm's int8
+    GEMMs, measured faster than both float dtypes on both of our VM kinds (docs/measurements.md): ``"int4+int8"``
+    (the 4-bit draft) where ATen runs AVX-512 kernels, whose int4 GEMM reads half of int8's bytes in a draft step
+    (c 0.25 against int8's 0.40 on the EPYC avx512_bf16 VM); ``"int8"`` with AVX2 only, where the int4 GEMM is
+    slower than fbgemm's int8 one; on a GPU, or a CPU without them, the :func:`native_dtype`."""
     if torch.cuda.is_available() if cuda is None else cuda:
         return "bf16"
     flags = _cpu_flags(cpuinfo)
     if flags is not None and any(f in flags for f in INT8_CPU_FLAGS) and "fbgemm" in torch.backends.quantized.supported_engines:
-        return "int8"
+        from workers.models.fast import _int4_ready
+
+        forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()  # ATen told to use narrower kernels than the CPU has
+        avx512 = all(f in flags for f in AVX512_FLAGS) and forced in ("", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+        return "int4+int8" if avx512 and _int4_ready() is None else "int8"
     return native_dtype(cpuinfo, cuda=False)
 
 
 def dtype_tag(dtype: torch.dtype | str) -> str:
-    """The short name of a pair dtype (``bf16``, ``fp32``, ``fp16``, ``int8``)."""
+    """The short name of a pair dtype (``bf16``, ``fp32``, ``fp16``, ``int8``, ``int4+int8``)."""
     resolved = resolve_dtype(dtype)
     return DTYPE_TAGS.get(resolved, str(resolved).removeprefix("torch."))
 
@@ -132,32 +153,44 @@ def load_pair(name: str, dtype: torch.dtype | str = torch.bfloat16,
     ``ValueError`` for an unknown name or two models that do not share a vocabulary.
     """
     torch_dtype = resolve_dtype(dtype)
-    if torch_dtype == INT8:
-        _check_int8()
+    if torch_dtype in FAST_DTYPES:
+        _check_int8(torch_dtype)
     if name == TINY_PAIR:
-        pair = tiny_random_pair(torch.float32 if torch_dtype == INT8 else torch_dtype, seed=seed)
-        return to_int8(pair) if torch_dtype == INT8 else pair
+        pair = tiny_random_pair(torch.float32 if torch_dtype in FAST_DTYPES else torch_dtype, seed=seed)
+        return to_int8(pair, torch_dtype) if torch_dtype in FAST_DTYPES else pair
     draft_dir, target_dir, pair_cache = pair_dirs(name, cache_dir)
     return _load_dirs(name, draft_dir, target_dir, torch_dtype, pair_cache)
 
 
-def _check_int8() -> None:
+def _check_int8(dtype: torch.dtype = INT8) -> None:
+    tag = DTYPE_TAGS[dtype]
     if "fbgemm" not in torch.backends.quantized.supported_engines:
-        raise ValueError("dtype int8 needs PyTorch's fbgemm int8 kernels (an x86 CPU build); this build has "
+        raise ValueError(f"dtype {tag} needs PyTorch's fbgemm int8 kernels (an x86 CPU build); this build has "
                          f"{torch.backends.quantized.supported_engines}: use bf16 or fp32")
+    if dtype == INT4_DRAFT:
+        from workers.models.fast import _int4_ready
+
+        why = _int4_ready()
+        if why is not None:
+            raise ValueError(f"dtype {tag} needs PyTorch's int4 CPU GEMM: {why}; use int8")
 
 
-def to_int8(pair: ModelPair) -> ModelPair:
+def _draft_bits(dtype: torch.dtype) -> int:
+    return 4 if dtype == INT4_DRAFT else 8
+
+
+def to_int8(pair: ModelPair, dtype: torch.dtype = INT8) -> ModelPair:
     """``pair`` (loaded in fp32, in memory) on the fast CPU path: both models rebuilt by
-    ``workers.models.fast.quantize``, smoothed with activation maxima over its fixed calibration text. Pairs
-    loaded from directories convert once and keep the result with the pair (``fast_store.load_cached``)."""
+    ``workers.models.fast.quantize``, smoothed with activation maxima over its fixed calibration text (``dtype``
+    INT4_DRAFT: the draft in 4-bit weights). Pairs loaded from directories convert once and keep the result with
+    the pair (``fast_store.load_cached``)."""
     from workers.models import fast
 
-    _check_int8()
+    _check_int8(dtype)
     calibration = fast.calibration_ids(pair.tokenizer)
-    draft = fast.quantize(pair.draft, calibration)
+    draft = fast.quantize(pair.draft, calibration, bits=_draft_bits(dtype))
     target = fast.quantize(pair.target, calibration)
-    return ModelPair(name=pair.name, draft=draft, target=target, tokenizer=pair.tokenizer, dtype=INT8,
+    return ModelPair(name=pair.name, draft=draft, target=target, tokenizer=pair.tokenizer, dtype=dtype,
                      vocab_size=pair.vocab_size, eos_token_ids=pair.eos_token_ids, cache_dir=pair.cache_dir,
                      draft_width=pair.draft_width)
 
@@ -237,16 +270,17 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
         draft_tok = AutoTokenizer.from_pretrained(str(draft_dir), local_files_only=True)
         check_same_vocab(draft_tok.get_vocab(), tokenizer.get_vocab(), draft_dir, target_dir)
         check_same_specials(special_tokens(draft_tok), special_tokens(tokenizer), draft_dir, target_dir)
-    if dtype == INT8:  # the fast CPU path: converted once per pair and kept beside it
+    if dtype in FAST_DTYPES:  # the fast CPU path: converted once per pair and kept beside it
         from workers.models import fast, fast_store
 
         calibration = fast.calibration_ids(tokenizer)
 
-        def int8(model_dir: Path, role: str) -> Any:
-            return fast_store.load_cached(model_dir, pair_cache / "int8" / role, calibration, lambda: AutoModelForCausalLM.
-                                    from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True))
+        def convert(model_dir: Path, role: str, bits: int = 8) -> Any:
+            return fast_store.load_cached(model_dir, pair_cache / f"int{bits}" / role, calibration,
+                                          lambda: AutoModelForCausalLM.from_pretrained(
+                                              str(model_dir), dtype=torch.float32, local_files_only=True), bits)
 
-        draft, target = int8(draft_dir, "draft"), int8(target_dir, "target")
+        draft, target = convert(draft_dir, "draft", _draft_bits(dtype)), convert(target_dir, "target")
     else:
         draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dtype, local_files_only=True)
         target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)

@@ -41,18 +41,12 @@ def proposal_ids(tokenizer: Any, head_width: int, size: int = SIZE) -> Tensor | 
 
 
 class ProposalHead:
-    """``head`` (the draft's LM head: an ``nn.Linear`` or the int8 path's ``QLinear``) over ``ids`` only."""
+    """``head`` (the draft's LM head: an ``nn.Linear`` or the fast path's ``QLinear`` or ``Q4Linear``) over ``ids`` only."""
 
     def __init__(self, head: Any, ids: Tensor) -> None:
-        from workers.models.fast import QLinear
-
         self.ids = ids
-        if isinstance(head, QLinear):
-            state = head.state()
-            bias = state.get("bias")
-            self._linear: Any = QLinear(state["q"].index_select(0, ids).contiguous(),
-                                        state["scale"].index_select(0, ids).contiguous(),
-                                        None if bias is None else bias.index_select(0, ids))
+        if hasattr(head, "select"):  # the fast path's int8 or 4-bit head: its own rows, the same numbers
+            self._linear: Any = head.select(ids)
         else:
             weight = head.weight.detach().index_select(0, ids).contiguous()
             bias = None if getattr(head, "bias", None) is None else head.bias.detach().index_select(0, ids)

@@ -1,5 +1,6 @@
-"""The fast CPU path (dtype int8): close to fp32, a row's result independent of the rows beside it, lossless
-speculative decoding token-for-token equal to target-only decoding, the KV cache's crop and growth."""
+"""The fast CPU path (dtype int8, and int4+int8 with its 4-bit draft): close to fp32, a row's result independent of
+the rows beside it, lossless speculative decoding token-for-token equal to target-only decoding, the KV cache's crop
+and growth, stored conversions."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import torch
 
 from workers.cpu_engine import SpecDecoder
 from workers.models import fast, fast_store
-from workers.models.pair import INT8, auto_dtype, dtype_tag, load_pair, tiny_random_pair
+from workers.models.pair import (
+    INT4_DRAFT,
+    INT8,
+    auto_dtype,
+    dtype_tag,
+    fast_path,
+    load_pair,
+    tiny_random_pair,
+)
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +121,14 @@ def test_calibration_is_fixed_text_not_benchmark_items(fp32):
     assert torch.equal(ids, fast.calibration_ids(fp32.tokenizer))
 
 
-def test_auto_dtype_prefers_int8_on_x86_cpus():
+def test_auto_dtype_prefers_the_fast_path_on_x86_cpus(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     assert auto_dtype("flags : fpu sse avx2 fma", cuda=False) == "int8"
-    assert auto_dtype("flags : fpu sse avx2 avx512f avx512_bf16", cuda=False) == "int8"
+    assert auto_dtype("flags : fpu sse avx2 avx512f avx512_bf16", cuda=False) == "int8", "not all of AVX-512's kernels"
+    avx512 = "flags : fpu sse avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16"
+    assert auto_dtype(avx512, cuda=False) == "int4+int8"
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert auto_dtype(avx512, cuda=False) == "int8", "ATen held to AVX2: its int4 GEMM is slower than int8's"
     assert auto_dtype("flags : fpu sse", cuda=False) == "fp32", "no fbgemm kernels without AVX2: the float dtype"
     assert auto_dtype("flags : fpu sse avx2", cuda=True) == "bf16"
 
@@ -144,3 +158,92 @@ def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_pa
     (draft_dir / "config.json").touch()  # the weights' directory changed: its store is stale
     fast_store.load_cached(draft_dir, store, calibration, load_float)
     assert len(loads) == 2
+
+
+@pytest.fixture(scope="module")
+def int4():
+    return load_pair("tiny-random", dtype="int4+int8")
+
+
+def test_the_4bit_draft_pair_keeps_int8s_target_and_is_a_dtype_of_its_own(int4, int8):
+    assert int4.dtype is INT4_DRAFT and dtype_tag(int4.dtype) == "int4+int8" and dtype_tag("int4+int8") == "int4+int8"
+    assert fast_path("int4+int8") and fast_path("int8") and not fast_path("bf16") and not fast_path("nonsense")
+    layer = int4.draft.get_decoder().layers[0]
+    assert all(isinstance(getattr(layer, n), fast.Q4Linear) for n in fast._Layer.NAMES)
+    assert isinstance(int4.draft.get_output_embeddings(), fast.Q4Linear)
+    assert isinstance(int4.target.get_output_embeddings(), fast.QLinear)
+    ids = _ids(24, seed=3)
+    with torch.inference_mode():
+        assert torch.equal(int4.target(ids).logits, int8.target(ids).logits), "the target is int8's, bit for bit"
+        assert not torch.equal(int4.draft(ids).logits, int8.draft(ids).logits)
+    assert int4.draft.get_output_embeddings().weight.shape == (320, 64)
+
+
+@torch.inference_mode()
+def test_the_4bit_drafts_rows_do_not_depend_on_the_rows_beside_them(int4):
+    model = int4.draft
+    ids = _ids(30, seed=4)
+    full = model.lm_head(model.get_decoder()(ids, past_key_values=model.new_cache()).last_hidden_state)[0]
+    cache = model.new_cache()
+    model.get_decoder()(ids[:, :5], past_key_values=cache)
+    rows = [model.lm_head(model.get_decoder()(ids[:, j:j + 1], past_key_values=cache).last_hidden_state)[0, 0]
+            for j in range(5, 30)]
+    assert torch.equal(full[5:], torch.stack(rows))
+    g = torch.Generator().manual_seed(5)
+    lin = fast.Q4Linear.quantized(torch.randn(200, 96, generator=g) * 0.02)  # 200 rows: padded to sixteens inside
+    x = torch.randn(300, 96, generator=g)
+    y = lin(x)
+    assert y.shape == (300, 200) and lin.group == 32
+    for n in (1, 2, 15, 16, 17, 64, 299):
+        assert torch.equal(lin(x[:n]), y[:n]), n
+
+
+def test_4bit_weights_keep_the_least_error_clip_and_say_what_they_cannot_take():
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 256, generator=g) * 0.02
+    w[3, 7] = 0.5  # an outlier: its group's range is what the clip search weighs
+    lin = fast.Q4Linear.quantized(w)
+    assert lin.group == 128
+    err = (lin.weight - w).norm() / w.norm()
+    assert err < 0.12, f"4-bit relative error {err:.3f}"
+    x = torch.randn(4, 256, generator=g)
+    torch.testing.assert_close(lin(x), x.bfloat16().float() @ lin.weight.T, atol=2e-3, rtol=2e-2)
+    with pytest.raises(ValueError, match="divisible by one of"):
+        fast.Q4Linear.quantized(torch.randn(16, 40))
+
+
+@pytest.mark.parametrize("draft_len", [1, 4])
+def test_lossless_on_the_4bit_draft_equals_target_only_token_for_token(int4, draft_len):
+    engine = SpecDecoder(int4)
+    for seed in range(3):
+        prompt = _ids(12, seed=20 + seed)[0].tolist()
+        ar = engine.autoregressive(prompt, max_new_tokens=40)
+        sd = engine.generate(prompt, "lossless", draft_len=draft_len, max_new_tokens=40)
+        assert sd.token_ids == ar.token_ids, f"lossless at L={draft_len} left target-only output (seed {seed})"
+
+
+def test_a_stored_4bit_conversion_loads_back_bit_identical_beside_the_int8_one(fp32, tmp_path):
+    from workers.models.pair import save_tiny_pair
+
+    draft_dir, _ = save_tiny_pair(tmp_path / "pair", head_dim=16)
+    calibration = fast.calibration_ids(fp32.tokenizer)
+    loads = []
+
+    def load_float():
+        from transformers import AutoModelForCausalLM
+
+        loads.append(1)
+        return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
+
+    first = fast_store.load_cached(draft_dir, tmp_path / "int4" / "draft", calibration, load_float, bits=4)
+    again = fast_store.load_cached(draft_dir, tmp_path / "int4" / "draft", calibration, load_float, bits=4)
+    assert len(loads) == 1 and isinstance(again.lm_head, fast.Q4Linear)
+    ids = _ids(20, seed=7)
+    with torch.inference_mode():
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    # an int8 store's meta has no "bits": stores written before 4-bit weights existed are still read
+    fast_store.load_cached(draft_dir, tmp_path / "int8" / "draft", calibration, load_float)
+    import json
+
+    assert "bits" not in json.loads((tmp_path / "int8" / "draft" / "meta.json").read_text())
+    assert json.loads((tmp_path / "int4" / "draft" / "meta.json").read_text())["bits"] == 4

@@ -3,9 +3,10 @@ over them (bit for bit on the int8 path)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from workers.models.fast import QLinear
+from workers.models.fast import Q4Linear, QLinear
 from workers.models.proposal import ProposalHead, proposal_ids
 
 
@@ -48,9 +49,10 @@ def test_a_float_head_proposes_the_full_logits_argmax_among_its_ids():
     assert proposal.argmax(hidden).tolist() == _argmax_among(full, ids).tolist()
 
 
-def test_an_int8_head_row_is_bit_identical_to_the_full_heads_row():
+@pytest.mark.parametrize("linear", [QLinear, Q4Linear], ids=["int8", "int4"])
+def test_a_fast_heads_row_is_bit_identical_to_the_full_heads_row(linear):
     g = torch.Generator().manual_seed(1)
-    head = QLinear.quantized(torch.randn(128, 32, generator=g))
+    head = linear.quantized(torch.randn(128, 32, generator=g))
     ids = proposal_ids(_Tok(), 128, 40)
     proposal = ProposalHead(head, ids)
     hidden = torch.randn(5, 32, generator=g)
