@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--judge-url", default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name (or tiny-random, or DRAFT+TARGET: local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
-    ap.add_argument("--dtype", default="bf16", help="bf16, fp32, int8 (the fast CPU path) or auto (int8 on an x86 CPU)")
+    ap.add_argument("--dtype", default="bf16", help="bf16, fp32, int8 (the fast CPU path), int4+int8 (its 4-bit draft) or auto "
+                    "(int4+int8 with AVX-512, int8 with AVX2)")
     ap.add_argument("--policy", default="lossless", help=f"a registered rule, or {TARGET_ONLY}")
     ap.add_argument("--param", action="append", default=[], help="rule parameter NAME=VALUE (repeatable)")
     ap.add_argument("--draft-len", type=int, default=5, help="draft length L")

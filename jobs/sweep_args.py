@@ -137,8 +137,9 @@ def build_parser() -> SweepParser:
     ap.add_argument("--pair", type=str, default="qwen2.5-coder-0.5b+1.5b", help="pair name (tiny-random for tests) or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", type=str, default="auto",
                     help="bf16, fp32, int8 (the CPU engine's fast path: int8 weights, activations quantized per "
-                         "token) or auto (the CPU engine: int8 on an x86 CPU; vLLM: bf16 where the CPU has bf16 "
-                         "instructions or on a GPU, else fp32)")
+                         "token), int4+int8 (the same target with a 4-bit draft) or auto (the CPU engine: int4+int8 "
+                         "where ATen runs AVX-512 kernels, else int8 on an x86 CPU; vLLM: bf16 where the CPU has "
+                         "bf16 instructions or on a GPU, else fp32)")
     ap.add_argument("--judge-url", type=str | None, default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--budgets", type=comma_list, default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")

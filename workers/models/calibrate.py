@@ -235,7 +235,7 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Measure and store a pair's draft/target cost ratio on this machine.")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
-    ap.add_argument("--dtype", default="bf16", help="bf16, fp32 or int8 (the fast CPU path)")
+    ap.add_argument("--dtype", default="bf16", help="bf16, fp32, int8 or int4+int8 (the fast CPU path)")
     ap.add_argument("--cache-dir", default=None, help="asset cache (default: $SPECTUNE_CACHE or ~/.cache/spectune)")
     ap.add_argument("--context", type=int, default=128, help="KV-cache length the steps run against")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
