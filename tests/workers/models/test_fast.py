@@ -71,9 +71,10 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(int8):
     assert torch.equal(lin(x)[1:], torch.cat([lin(x[i:i + 1]) for i in range(1, 5)]))
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
 @pytest.mark.parametrize("draft_len", [1, 2, 4, 7])
-def test_lossless_equals_target_only_token_for_token(int8, draft_len):
-    engine = SpecDecoder(int8)
+def test_lossless_equals_target_only_token_for_token(request, dtype, draft_len):
+    engine = SpecDecoder(request.getfixturevalue(dtype))
     for seed in range(3):
         prompt = _ids(12, seed=10 + seed)[0].tolist()
         ar = engine.autoregressive(prompt, max_new_tokens=40)
@@ -133,14 +134,12 @@ def test_auto_dtype_prefers_the_fast_path_on_x86_cpus(monkeypatch):
     assert auto_dtype("flags : fpu sse avx2", cuda=True) == "bf16"
 
 
-def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_path):
-    """The pair cache keeps one conversion per model directory: loading it gives the same logits bit for bit, a
-    second load reads it back without the float model, and other weights convert again."""
+def _saved_draft(tmp_path):
+    """The tiny draft saved as a model directory, a loader of its float model, and the list each load appends to."""
     from workers.models.pair import save_tiny_pair
 
     draft_dir, _ = save_tiny_pair(tmp_path / "pair", head_dim=16)
-    calibration = fast.calibration_ids(fp32.tokenizer)
-    loads = []
+    loads: list[int] = []
 
     def load_float():
         from transformers import AutoModelForCausalLM
@@ -148,6 +147,14 @@ def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_pa
         loads.append(1)
         return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
 
+    return draft_dir, load_float, loads
+
+
+def test_a_stored_conversion_loads_back_bit_identical_and_is_reused(fp32, tmp_path):
+    """The pair cache keeps one conversion per model directory: loading it gives the same logits bit for bit, a
+    second load reads it back without the float model, and other weights convert again."""
+    draft_dir, load_float, loads = _saved_draft(tmp_path)
+    calibration = fast.calibration_ids(fp32.tokenizer)
     store = tmp_path / "cache" / "int8" / "draft"
     first = fast_store.load_cached(draft_dir, store, calibration, load_float)
     again = fast_store.load_cached(draft_dir, store, calibration, load_float)
@@ -212,29 +219,10 @@ def test_4bit_weights_keep_the_least_error_clip_and_say_what_they_cannot_take():
         fast.Q4Linear.quantized(torch.randn(16, 40))
 
 
-@pytest.mark.parametrize("draft_len", [1, 4])
-def test_lossless_on_the_4bit_draft_equals_target_only_token_for_token(int4, draft_len):
-    engine = SpecDecoder(int4)
-    for seed in range(3):
-        prompt = _ids(12, seed=20 + seed)[0].tolist()
-        ar = engine.autoregressive(prompt, max_new_tokens=40)
-        sd = engine.generate(prompt, "lossless", draft_len=draft_len, max_new_tokens=40)
-        assert sd.token_ids == ar.token_ids, f"lossless at L={draft_len} left target-only output (seed {seed})"
-
 
 def test_a_stored_4bit_conversion_loads_back_bit_identical_beside_the_int8_one(fp32, tmp_path):
-    from workers.models.pair import save_tiny_pair
-
-    draft_dir, _ = save_tiny_pair(tmp_path / "pair", head_dim=16)
+    draft_dir, load_float, loads = _saved_draft(tmp_path)
     calibration = fast.calibration_ids(fp32.tokenizer)
-    loads = []
-
-    def load_float():
-        from transformers import AutoModelForCausalLM
-
-        loads.append(1)
-        return AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=torch.float32)
-
     first = fast_store.load_cached(draft_dir, tmp_path / "int4" / "draft", calibration, load_float, bits=4)
     again = fast_store.load_cached(draft_dir, tmp_path / "int4" / "draft", calibration, load_float, bits=4)
     assert len(loads) == 1 and isinstance(again.lm_head, fast.Q4Linear)
