@@ -22,7 +22,7 @@ def _refs(dtype: str, replay: str = "auto", engine: str = "cpu", temperature: fl
     return References(settings, root=None, workers=[], items=[])
 
 
-@pytest.mark.parametrize("dtype,search,confirm", [("int8", True, True), ("bf16", True, False), ("fp32", True, False),
+@pytest.mark.parametrize("dtype,search,confirm", [("int8", True, True), ("int4+int8", True, True), ("bf16", True, False), ("fp32", True, False),
                                                    ("bfloat16", True, False)])
 def test_confirmation_replays_only_where_replay_is_exact(dtype, search, confirm):
     refs = _refs(dtype)

@@ -166,6 +166,16 @@ def _int4_ready() -> str | None:
     return None
 
 
+def _q4_widths(config: Any) -> str | None:
+    """None where every linear's input width takes a 4-bit group (:data:`Q4_GROUPS`), else which does not."""
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    widths = {"hidden_size": int(config.hidden_size), "intermediate_size": int(config.intermediate_size),
+              "num_attention_heads x head_dim": heads * head_dim}
+    bad = [f"{k} {v}" for k, v in widths.items() if v % min(Q4_GROUPS)]
+    return f"4-bit groups need input widths divisible by {min(Q4_GROUPS)}: {', '.join(bad)}" if bad else None
+
+
 class Q4Linear(torch.nn.Module):
     """y = x W^T (+ b) with W in 4 bits per group of input channels (asymmetric: w = (q - 8) scale + zero) and x in
     bf16: torch's int4 weight-only CPU GEMM, which unpacks each group to floats inside its tiles. Half of int8's
@@ -209,7 +219,8 @@ class Q4Linear(torch.nn.Module):
                 scale = ((c_hi - c_lo) / 15).clamp_min(1e-10)
                 q = ((w - c_lo) / scale).round_().clamp_(0, 15)
                 zero = c_lo + 8 * scale
-                # what the GEMM will use: scale and zero rounded to bf16
+                # the error with what the GEMM will use: scale and zero rounded to bf16 (the levels are set from the
+                # unrounded ones: a stored draft's recipe, kept so that studies made on it stay one draft)
                 s16, z16 = scale.to(torch.bfloat16).float(), zero.to(torch.bfloat16).float()
                 err = ((q - 8) * s16 + z16 - w).square_().sum(-1, keepdim=True)
                 if best_err is None:
@@ -244,7 +255,7 @@ class Q4Linear(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+        x = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self._packed, self.group, self._scales_zeros)
         out = out[:, :self.out_features].float()
         if self._bias is not None:
@@ -475,7 +486,7 @@ class Int8CausalLM(torch.nn.Module):
         4-bit weights (:class:`Q4Linear`; ``calibration`` and ``alpha`` unused)."""
         why = supported(model)
         if why is None and bits == 4:
-            why = _int4_ready()
+            why = _int4_ready() or _q4_widths(model.config)
         if why is not None:
             name = "int8 (the fast CPU path)" if bits == 8 else "int4+int8 (the fast CPU path's 4-bit draft)"
             raise ValueError(f"dtype {name} cannot run this model: {why}; use bf16 or fp32")

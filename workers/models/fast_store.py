@@ -17,7 +17,16 @@ from typing import Any
 
 from torch import Tensor
 
-from workers.models.fast import ALPHA, Int8CausalLM, _Decoder, _Layer, linear_from_state, quantize
+from workers.models.fast import (
+    ALPHA,
+    Q4_CLIPS,
+    Q4_GROUPS,
+    Int8CausalLM,
+    _Decoder,
+    _Layer,
+    linear_from_state,
+    quantize,
+)
 
 FORMAT = 1  # bump when what is stored, or how it is made, changes: older stores are converted again
 
@@ -88,6 +97,7 @@ def load_cached(model_dir: str | os.PathLike[str], store: str | os.PathLike[str]
             "calibration": hashlib.sha256(json.dumps(calibration.flatten().tolist()).encode()).hexdigest()[:16]}
     if bits != 8:  # an int8 store's meta stays what it was: stores written before 4-bit weights are still held
         meta["bits"] = bits
+        meta["q4"] = {"groups": list(Q4_GROUPS), "clips": list(Q4_CLIPS)}  # the recipe: a change converts again
 
     def held() -> bool:
         try:

@@ -103,8 +103,12 @@ def auto_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
     if flags is not None and any(f in flags for f in INT8_CPU_FLAGS) and "fbgemm" in torch.backends.quantized.supported_engines:
         from workers.models.fast import _int4_ready
 
-        forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()  # ATen told to use narrower kernels than the CPU has
-        avx512 = all(f in flags for f in AVX512_FLAGS) and forced in ("", "avx512", "avx512_vnni", "avx512_bf16", "amx")
+        if cpuinfo is None:  # this machine: what ATen itself dispatches to (ATEN_CPU_CAPABILITY included)
+            avx512 = torch.backends.cpu.get_cpu_capability().upper().startswith(("AVX512", "AMX"))
+        else:
+            forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()  # ATen held to narrower kernels than the CPU's
+            avx512 = all(f in flags for f in AVX512_FLAGS) and forced in ("", "avx512", "avx512_vnni", "avx512_bf16",
+                                                                          "amx")
         return "int4+int8" if avx512 and _int4_ready() is None else "int8"
     return native_dtype(cpuinfo, cuda=False)
 

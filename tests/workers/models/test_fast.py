@@ -205,6 +205,25 @@ def test_the_4bit_drafts_rows_do_not_depend_on_the_rows_beside_them(int4):
         assert torch.equal(lin(x[:n]), y[:n]), n
 
 
+def test_a_4bit_rows_result_is_the_same_in_a_long_pass_at_the_real_drafts_widths():
+    """Group 128 at the 0.5B draft's widths, a teacher-forced pass's row count (over a thousand), one and two
+    threads: what replay's exactness on int4+int8 rests on."""
+    g = torch.Generator().manual_seed(8)
+    lin = fast.Q4Linear.quantized(torch.randn(1152, 896, generator=g) * 0.02)
+    assert lin.group == 128
+    x = torch.randn(1100, 896, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = lin(x)
+            assert torch.equal(torch.cat([lin(x[i:i + 1]) for i in range(0, 1100, 97)]), y[::97]), n
+            assert torch.equal(lin(x[:333]), y[:333]), n
+            assert torch.equal(lin(x.T.contiguous().T), y), "a strided input: the same numbers"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_4bit_weights_keep_the_least_error_clip_and_say_what_they_cannot_take():
     g = torch.Generator().manual_seed(6)
     w = torch.randn(64, 256, generator=g) * 0.02
@@ -217,6 +236,11 @@ def test_4bit_weights_keep_the_least_error_clip_and_say_what_they_cannot_take():
     torch.testing.assert_close(lin(x), x.bfloat16().float() @ lin.weight.T, atol=2e-3, rtol=2e-2)
     with pytest.raises(ValueError, match="divisible by one of"):
         fast.Q4Linear.quantized(torch.randn(16, 40))
+
+    class Config:
+        model_type, num_attention_heads, hidden_size, intermediate_size = "qwen2", 4, 64, 100
+
+    assert "intermediate_size 100" in fast._q4_widths(Config())
 
 
 
@@ -234,4 +258,5 @@ def test_a_stored_4bit_conversion_loads_back_bit_identical_beside_the_int8_one(f
     import json
 
     assert "bits" not in json.loads((tmp_path / "int8" / "draft" / "meta.json").read_text())
-    assert json.loads((tmp_path / "int4" / "draft" / "meta.json").read_text())["bits"] == 4
+    meta = json.loads((tmp_path / "int4" / "draft" / "meta.json").read_text())
+    assert meta["bits"] == 4 and meta["q4"]["groups"] == list(fast.Q4_GROUPS), "the recipe is part of what is matched"
