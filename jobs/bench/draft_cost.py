@@ -1,8 +1,9 @@
-"""Benchmark: where the int8 path's cost ratio c comes from — the draft step with its whole LM head and with the
-proposal head, beside the target step, interleaved in one run, and the share of each step spent in the int8
-GEMMs (fbgemm's ``quantized::linear_dynamic``, from the profiler).
+"""Benchmark: where the fast path's cost ratio c comes from — the draft step with its whole LM head and with the
+proposal head, beside the target step, interleaved in one run, and the share of each step spent in the GEMMs
+(fbgemm's ``quantized::linear_dynamic`` for int8 weights, ``aten::_weight_int4pack_mm_for_cpu`` for the 4-bit
+draft of ``--dtype int4+int8``, from the profiler).
 
-    python -m jobs.bench.draft_cost [--pair qwen2.5-coder-0.5b+1.5b] [--context 300] [--rounds 60]
+    python -m jobs.bench.draft_cost [--pair qwen2.5-coder-0.5b+1.5b] [--dtype int8|int4+int8] [--context 300] [--rounds 60]
 
 Prints the machine, its load before and after, the median step times and c with each head, and per model the
 step body's time with the GEMMs' part of it.
@@ -19,6 +20,8 @@ import torch
 
 from workers.cli import one_line_errors
 
+GEMMS = ("quantized::linear_dynamic", "aten::_weight_int4pack_mm_for_cpu")  # the fast path's int8 and int4 GEMMs
+
 
 def _profiled_gemm_share(decoder, cache, context: int, steps: int = 5) -> tuple[float, float]:
     """(body ms, GEMM ms) per one-token step, from the profiler's self CPU times over ``steps`` steps."""
@@ -30,20 +33,26 @@ def _profiled_gemm_share(decoder, cache, context: int, steps: int = 5) -> tuple[
             decoder(input_ids=torch.tensor([[100 + i]]), past_key_values=cache)
     events = prof.key_averages()
     total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
-    gemm = sum(e.self_cpu_time_total for e in events if e.key == "quantized::linear_dynamic") / 1e3 / steps
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1e3 / steps
     return total, gemm
 
 
 @one_line_errors
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Benchmark: the int8 draft step with its whole head and with the "
+    ap = argparse.ArgumentParser(description="Benchmark: the fast path's draft step with its whole head and with the "
                                              "proposal head, beside the target step (one interleaved run).")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET")
+    ap.add_argument("--dtype", default="int8", help="a fast-path dtype: int8 or int4+int8 (the 4-bit draft)")
     ap.add_argument("--context", type=int, default=300, help="tokens in the KV cache before each step")
     ap.add_argument("--rounds", type=int, default=60, help="interleaved rounds (the first 10 are warm-up)")
     args = ap.parse_args(argv)
     if args.context < 1 or args.rounds < 12:
         raise ValueError(f"--context must be >= 1 and --rounds >= 12, got {args.context} and {args.rounds}")
+    from workers.models.pair import dtype_tag, fast_path
+
+    if not fast_path(args.dtype):
+        raise ValueError(f"--dtype must be a fast-path dtype (int8, int4+int8), got {args.dtype!r}")
+    tag = dtype_tag(args.dtype)
 
     from workers.models.calibrate import machine_key
     from workers.models.fast import new_cache
@@ -51,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.models.proposal import for_pair
 
     load_before = os.getloadavg()[0]
-    pair = load_pair(args.pair, dtype="int8")
+    pair = load_pair(args.pair, dtype=tag)
     proposal = for_pair(pair)
     if proposal is None:
         raise ValueError(f"pair {args.pair!r} has no proposal vocabulary (its tokenizer is within the proposal size)")
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         med = {k: statistics.median(v[10:]) * 1e3 for k, v in times.items()}
         parts = {name: _profiled_gemm_share(pair.draft.get_decoder() if name == "draft" else pair.target.get_decoder(),
                                             caches[name], args.context) for name in ("draft", "target")}
-    print(f"pair {args.pair}, int8, machine {machine_key()}, {torch.get_num_threads()} threads, context "
+    print(f"pair {args.pair}, {tag}, machine {machine_key()}, {torch.get_num_threads()} threads, context "
           f"{args.context}, {args.rounds - 10} rounds (median); load(1m) {load_before:.2f} before, "
           f"{os.getloadavg()[0]:.2f} after; proposal vocabulary {len(proposal.ids)} ids")
     for name, ms in med.items():
@@ -86,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cost ratio c, whole head: {med['draft, whole head'] / med['target']:.3f}")
     print(f"cost ratio c, proposal head: {med['draft, proposal head'] / med['target']:.3f}")
     for name, (body, gemm) in parts.items():
-        print(f"{name} step body (profiled, no LM head): {body:.1f} ms, int8 GEMMs {gemm:.1f} ms ({gemm / body:.0%})")
+        print(f"{name} step body (profiled, no LM head): {body:.1f} ms, GEMMs {gemm:.1f} ms ({gemm / body:.0%})")
     print(f"draft GEMMs / target GEMMs: {parts['draft'][1] / parts['target'][1]:.2f}")
     return 0
 
