@@ -29,6 +29,7 @@ from workers.models import calibrate
     (bench_step.main, ["--chunk-mib", "0"], "--chunk-mib must be > 0"),
     (bench_draft_cost.main, ["--rounds", "5"], "--rounds >= 12"),
     (bench_draft_cost.main, ["--pair", "nope"], "unknown pair 'nope'"),
+    (bench_draft_cost.main, ["--dtype", "bf16"], "--dtype must be a fast-path dtype"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
