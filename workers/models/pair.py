@@ -95,7 +95,7 @@ def auto_dtype(cpuinfo: str | None = None, cuda: bool | None = None) -> str:
     """What ``--dtype auto`` means for the CPU engine: the fast CPU path on an x86 CPU that runs fbgemm's int8
     GEMMs, measured faster than both float dtypes on both of our VM kinds (docs/measurements.md): ``"int4+int8"``
     (the 4-bit draft) where ATen runs AVX-512 kernels, whose int4 GEMM reads half of int8's bytes in a draft step
-    (c 0.25 against int8's 0.40 on the EPYC avx512_bf16 VM); ``"int8"`` with AVX2 only, where the int4 GEMM is
+    (17.6 ms against 26.4 ms a draft step on the EPYC avx512_bf16 VM); ``"int8"`` with AVX2 only, where the int4 GEMM is
     slower than fbgemm's int8 one; on a GPU, or a CPU without them, the :func:`native_dtype`."""
     if torch.cuda.is_available() if cuda is None else cuda:
         return "bf16"
