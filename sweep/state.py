@@ -95,6 +95,9 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                            vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
                            python=getattr(args, "vllm_python", None))
     profile = profile_of(workers[0])
+    meta = run_dir / "sweep.json"
+    before = json.loads(meta.read_text()) if meta.is_file() else {}
+    profile = _study_profile(before.get("profile"), profile, args.engine)
     cost = CostModel.from_profile(profile, args.cost_ratio, getattr(args, "verify_factor", None))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=name, storage=f"sqlite:///{run_dir / 'optuna.db'}", load_if_exists=True,
@@ -102,8 +105,6 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
     if study.trials:
         study.sampler = make_sampler(args.seed, len(study.trials), args.trials)
     tracker = SweepTracker(run_dir)
-    meta = run_dir / "sweep.json"
-    before = json.loads(meta.read_text()) if meta.is_file() else {}
     parent = tracker.start_parent(
         name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(items),
                "confirm_items": n_confirm, "alpha": args.alpha,
@@ -113,13 +114,28 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n},
         {"machine": platform.node(), "python": platform.python_version(), "study": name,
          "run_dir": str(run_dir), **_versions()}, before.get("parent_run_id"))
-    write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args)}, indent=1,
-                                default=str))  # default: the --config files' paths
+    write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args), "profile": profile},
+                                indent=1, default=str))  # default: the --config files' paths
     _save_config(run_dir, name, config_yaml, tracker)
     refs = References(settings, root, workers, items)
     return SweepState(settings=settings, name=name, root=root, dir=run_dir, items=items, pool=pool,
                       n_confirm=n_confirm, split=split, workers=workers, profile=profile, cost=cost, study=study,
                       tracker=tracker, refs=refs)
+
+
+def _study_profile(recorded: dict[str, Any] | None, fresh: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The calibration a study models speed with: on the CPU engine, the one its first start recorded, so every trial
+    of a resumed study is scored with one c and one v(L) (a profile measured again on resume, or the machine's
+    memory rate moving between sessions, would otherwise score its later trials on another scale); said when this
+    start's profile differs. Other engines take this start's (their c comes from --cost-ratio; an endpoint's profile
+    carries what the server says it serves)."""
+    if engine != "cpu" or not isinstance(recorded, dict) or "cost_ratio" not in recorded:
+        return fresh
+    if recorded != fresh:
+        log(f"resumed with the study's own calibration (c = {float(recorded['cost_ratio']):.3f}, measured at load "
+            f"{float(recorded.get('load_1m') or 0):.2f}); this start's profile says c = {float(fresh['cost_ratio']):.3f}: "
+            "one study, one cost model")
+    return recorded
 
 
 def _save_config(run_dir: Path, name: str, config_yaml: str, tracker: SweepTracker) -> None:

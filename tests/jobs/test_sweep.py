@@ -115,6 +115,9 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     numbers_before = {t.number for t in finished}
     meta2 = sweep(tmp_path, "--trials", "5")
     assert meta2["parent_run_id"] == meta["parent_run_id"]
+    # the tiny pair is calibrated afresh at each start: the resumed study keeps the calibration its trials were
+    # scored with
+    assert meta["profile"]["cost_ratio"] > 0 and meta2["profile"] == meta["profile"]
     after = [t for t in trials(run_dir) if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(after) == 5 and numbers_before <= {t.number for t in after}
     nested = [r for r in mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")
