@@ -370,11 +370,9 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                                                           confirmation.records.get(audited.key, {}),
                                                           confirmation.reference_upto(used_), used_)
             check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
-            if cert.certified and check.get("replayed_differ"):
-                cert.certified = False
-                cert.reason = (f"not certified: a replayed confirmation record differs from its full decode "
-                               f"({', '.join(check['replayed_differ'][:4])}): replay was not exact on this machine, "
-                               "so the evidence is not full decoding's; rerun with --replay off")
+            withheld = audit_withholds(check, confirmation.records.get(audited.key, {}) if audited is not None else {})
+            if cert.certified and withheld:
+                cert.certified, cert.reason = False, withheld
             if attempt.id is not None:  # the items this budget's candidates (and its noise floor) used
                 used = max((confirmation.stopped.get(k, len(items)) for k, _, _ in cert.steps), default=0)
                 attempt.ledger.decide(attempt.id, budget, cert.certified, cert.reason, used)
@@ -465,3 +463,22 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                                             "outlook": outlook})
     table = certification_table(list(chosen.values()), [f for f in floors.values() if not f.get("skipped")])
     return Certification(chosen, table, confirmed, flips)
+
+
+def audit_withholds(check: dict[str, Any], records: dict[str, Any]) -> str | None:
+    """Why a certificate must not stand on its replay audit (``workers.metrics.speed.replay_check`` of the timed
+    items), or None: a replayed confirmation record that differs from its full decode (replay was not exact on this
+    machine), or replayed records that no full decode audited (nothing timed: ``--speed-items 0``, or the timing
+    was lost). Replay's errors are one-sided (a pass that wrongly keeps a round on the target-only output is never
+    decoded again, and moves the candidate toward the reference), so an unaudited replay is no evidence."""
+    if check.get("replayed_differ"):
+        return (f"not certified: a replayed confirmation record differs from its full decode "
+                f"({', '.join(check['replayed_differ'][:4])}): replay was not exact on this machine, so the evidence "
+                "is not full decoding's; rerun with --replay off")
+    replayed = sum(not getattr(r, "timed", True) for r in records.values())
+    if replayed and not check.get("items"):
+        return (f"not certified: {replayed} of its confirmation records were replayed and no full decode audited "
+                "them (nothing timed: --speed-items 0, or the timing was lost); rerun with --speed-items N > 0, or "
+                "--replay off")
+    return None
+

@@ -149,7 +149,7 @@ class References:
         is exact (:meth:`replays`)."""
         from cluster.pair_actor import run_trial
 
-        held, done = self.held(store, confirm)
+        held, done = self.held(store, confirm, spec)
         missing = [it for it in items if it.id not in done or (retry_failed and done[it.id].failed)]
         retried = sum(it.id in done for it in missing)
         if retried:
@@ -166,20 +166,21 @@ class References:
                 return bool(stop is not None and stop({it.id: done[it.id] for it in items if it.id in done}))
 
             run = run_trial(self.workers, f"{label}-{spec.key()}", self.settings.bench.ref, spec, missing,
-                            self.payload(against, confirm), on_record=on_record,
+                            self.payload(against, confirm, spec), on_record=on_record,
                             timeout_s=self.settings.args.trial_timeout if timeout else None,
                             shard_size=self.shard_size(missing))
             bar.close("stopped early: the bound rules it out" if run.stopped_early else "")
         store.write_parquet({**held, **done}.values())  # the whole store: a shared reference may hold both splits' items
         return {it.id: done[it.id] for it in items if it.id in done}
 
-    def held(self, store: RecordStore, confirm: bool = False) -> tuple[dict[str, Record], dict[str, Record]]:
+    def held(self, store: RecordStore, confirm: bool = False, spec: DecodeSpec | None = None
+             ) -> tuple[dict[str, Record], dict[str, Record]]:
         """What ``store`` holds, and what of it a run may keep: for what a certificate is decided on, only records
         decoded in full where replay is not exact (a shared store's replayed records, another sweep's search, are
         made again), and where it is, replayed records only if made at a thread count where it is (a record that
         does not say, made before records did, is made again)."""
         held = store.load()
-        if confirm and not self.replays(True):
+        if confirm and not self.replays(True, spec):
             return held, {k: r for k, r in held.items() if r.timed}
         if confirm:  # replay is exact here, but a shared store's replayed record may have been made where it is not
             from workers.replay import exact_for
@@ -187,24 +188,27 @@ class References:
             return held, {k: r for k, r in held.items() if r.timed or exact_for(self.settings.args.dtype, r.threads)}
         return held, dict(held)
 
-    def replays(self, confirm: bool = False) -> bool:
+    def replays(self, confirm: bool = False, spec: DecodeSpec | None = None) -> bool:
         """Whether rules are replayed from the target-only output (``workers.replay``): on the CPU engine at
         T = 0 unless ``--replay off``; for what a certificate is decided on (``confirm``: confirmation and its
         lossless reference) only where replay is full decoding by construction (``workers.replay.exact_for``: the
-        int8 path at one thread per actor), else those items decode in full."""
-        from workers.replay import exact_for
+        int8 path at one thread per actor) and for a rule whose own arithmetic keeps it so (``spec``'s:
+        ``workers.replay.exact_rule``), else those items decode in full."""
+        from workers.replay import exact_for, exact_rule
 
         args = self.settings.args
         on = args.replay != "off" and args.engine == "cpu" and self.settings.decode["temperature"] == 0.0
         threads = max(1, int(getattr(args, "cpus_per_actor", 1) or 1))  # the actors' torch threads (make_workers)
-        return on and (not confirm or exact_for(args.dtype, threads))
+        rule_ok = spec is None or spec.policy == TARGET_ONLY or exact_rule(spec.policy, spec.params_dict)
+        return on and (not confirm or (exact_for(args.dtype, threads) and rule_ok))
 
-    def payload(self, references: dict[str, Record], confirm: bool = False) -> dict[str, Any]:
+    def payload(self, references: dict[str, Record], confirm: bool = False, spec: DecodeSpec | None = None
+                ) -> dict[str, Any]:
         """What the actors get of the target-only records: where rules replay (:meth:`replays`), each record's
         tokens, so the rule is replayed from them; else its outputs."""
         from workers.evaluation import reference_payload
 
-        on = self.replays(confirm)
+        on = self.replays(confirm, spec)
         return {k: reference_payload(r) if on and not r.failed else r.outputs for k, r in references.items()}
 
     def shard_size(self, items: list[Item]) -> int | None:

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy
 from policies.randomness import PositionStreams
+from policies.registry import needs_draft_logits
 from workers.cpu_engine import resets_on_error
 from workers.stats import Generation, GenerationStats
 
@@ -63,6 +64,19 @@ def exact_for(dtype: str, threads: int = 1) -> bool:
         return dtype_tag(dtype) in ROW_EXACT_DTYPES and int(threads) == 1
     except (ValueError, KeyError, TypeError):
         return False
+
+
+def exact_rule(policy: Policy | str, params: dict[str, Any] | None = None) -> bool:
+    """Whether a rule's own arithmetic keeps replay exact where the models do (:func:`exact_for`): False for
+    DropMatch's ``mode="exact"`` with dropout on, whose K full-vocabulary heads are one GEMM over every row of the
+    block ([K x rows, d] x [d, V]), a live round's few rows or the pass's hundreds, and a float GEMM's row need not
+    come out the same at another row count; an ``any_of`` holding such a member. Candidate mode multiplies each
+    position's heads by its own candidates apart (checked by the replay tests)."""
+    rule = make_policy(policy, **(params or {})) if isinstance(policy, str) else policy
+    config = getattr(rule, "config", None)
+    if rule.name == "any_of":
+        return all(exact_rule(member) for member in config.members)
+    return not (rule.name == "dropmatch" and config.mode == "exact" and config.p_drop > 0)
 
 
 class NotReplayable(ValueError):
@@ -194,7 +208,11 @@ def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> Decided
     target = torch.cat([forced.target_logits, forced.target_logits[-1:]])  # the bonus slot: never read
     hidden = torch.cat([forced.target_hidden, forced.target_hidden[-1:]])
     positions = torch.arange(forced.prompt_len, forced.prompt_len + forced.positions).unsqueeze(0)
-    batch = VerifyBatch(draft_token_ids=draft_tokens.unsqueeze(0), draft_logits=forced.draft_logits.unsqueeze(0),
+    # the draft's distribution exactly where a live round hands it to the rule (``SpecDecoder.generate``'s ``full`` at
+    # T = 0): a rule that does not read it gets None, as live, so the same statistics kernel decides both
+    full = getattr(engine, "proposal", None) is None or needs_draft_logits(policy)
+    batch = VerifyBatch(draft_token_ids=draft_tokens.unsqueeze(0),
+                        draft_logits=forced.draft_logits.unsqueeze(0) if full else None,
                         target_logits=target.unsqueeze(0), target_hidden=hidden.unsqueeze(0),
                         lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
                         generator=None, streams=PositionStreams(seed, positions))

@@ -175,3 +175,33 @@ def test_a_failed_stream_kernel_leaves_the_statistics_kernels_on(monkeypatch, ca
 
 def _raises(*args):
     raise RuntimeError("no C++ compiler")
+
+
+@pytest.mark.parametrize("with_draft", [False, True], ids=["target", "pair_at_one"])
+def test_a_rows_statistics_do_not_depend_on_the_block_height_at_one_thread(with_draft):
+    """Replay's exactness on the fast path (workers.replay.exact_for: one thread) needs a row's T = 0 statistics
+    to be the same numbers in a live round's block ([1, L, V], L = 1 compiles a kernel of its own) and in the
+    teacher-forced pass's ([1, T + 1, V]): checked bit for bit at the real pair's vocabulary."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(7)
+        vocab = 151_936
+        target = torch.randn(1, 70, vocab, generator=gen) * 4
+        draft = (torch.randn(1, 70, vocab, generator=gen) * 4) if with_draft else None
+        with fused.forced("1"):
+            whole = fused.row_stats(target, draft, 0.0)
+            assert whole is not None, fused.failure()
+            for height in (1, 2, 5, 64):
+                for start in (0, 70 - height):
+                    rows = slice(start, start + height)
+                    part = fused.row_stats(target[:, rows].contiguous(),
+                                           None if draft is None else draft[:, rows].contiguous(), 0.0)
+                    for field in ("target_lse1", "max_prob1", "draft_lse1", "kl1"):
+                        a, b = getattr(whole, field), getattr(part, field)
+                        if a is None:
+                            assert b is None
+                            continue
+                        assert torch.equal(a[:, rows], b), (field, height, start)
+    finally:
+        torch.set_num_threads(threads)

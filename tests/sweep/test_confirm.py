@@ -263,3 +263,18 @@ def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls()
             [rec(k, 1.0, tokens=10) for k in "ab"])
     out = over_lossless(held, held, held, 3, CostModel(0.4), Timed(dead, concurrency=4, walls=(1.0, 1.0, 1.0)))
     assert math.isnan(out["vs_lossless"]["measured"]) and out["vs_target_only"]["measured"] == pytest.approx(1.0)
+
+
+def test_a_certificate_never_stands_on_an_unaudited_or_contradicted_replay():
+    from dataclasses import replace
+
+    from sweep.confirm import audit_withholds
+
+    full, replayed = rec("a", 1.0), replace(rec("b", 1.0), replay="exact")
+    audited = {"items": 3, "replayed": 1, "replayed_differ": [], "full_differ": []}
+    assert audit_withholds(audited, {"a": full, "b": replayed}) is None
+    assert audit_withholds({}, {"a": full}) is None, "nothing replayed: nothing to audit"
+    reason = audit_withholds({"status": "unchecked", "items": 0}, {"a": full, "b": replayed})
+    assert reason and "1 of its confirmation records were replayed" in reason and "--speed-items" in reason
+    reason = audit_withholds({**audited, "replayed_differ": ["candidate:b"]}, {"b": replayed})
+    assert reason and "candidate:b" in reason and "--replay off" in reason

@@ -41,6 +41,27 @@ def test_nothing_replays_off_the_cpu_engine_at_t0_or_with_replay_off(kw):
     assert refs.payload({"a": rec("a", 1.0)}) == {"a": ["x"]}
 
 
+def test_a_rule_whose_own_gemm_is_not_row_exact_is_decoded_in_full_in_confirmation():
+    """DropMatch's exact mode runs its K full-vocabulary heads as one GEMM over the block's rows: a live round's few
+    or the pass's hundreds. Confirmation decodes it in full (an any_of holding it too); the search still replays it."""
+    from workers.evaluation import DecodeSpec
+
+    refs = _refs("int4+int8")
+    reference = {"a": rec("a", 1.0, ids=[[5, 6]])}
+    exact = DecodeSpec.make("dropmatch", {"mode": "exact", "k": 3, "p_drop": 0.2}, 3, max_new_tokens=8)
+    inside = DecodeSpec.make("any_of", {"members": [["top_k", {"k": 2}], ["dropmatch", {"mode": "exact"}]]}, 3,
+                             max_new_tokens=8)
+    candidate = DecodeSpec.make("dropmatch", {"k": 3}, 3, max_new_tokens=8)
+    no_dropout = DecodeSpec.make("dropmatch", {"mode": "exact", "p_drop": 0.0}, 3, max_new_tokens=8)
+    for spec in (exact, inside):
+        assert refs.replays() and not refs.replays(confirm=True, spec=spec), spec.policy
+        assert refs.payload(reference, confirm=True, spec=spec) == {"a": ["x"]}
+        assert isinstance(refs.payload(reference, spec=spec)["a"], dict), "the search replays it"
+    for spec in (candidate, no_dropout):
+        assert refs.replays(confirm=True, spec=spec)
+        assert isinstance(refs.payload(reference, confirm=True, spec=spec)["a"], dict)
+
+
 def test_int8_confirmation_replays_only_at_one_thread_per_actor():
     """At more threads some kernels split rows at other offsets: replay there is not exact by construction."""
     assert _refs("int8", cpus_per_actor=1.5).replays(confirm=True)

@@ -260,3 +260,47 @@ def test_a_stored_4bit_conversion_loads_back_bit_identical_beside_the_int8_one(f
     assert "bits" not in json.loads((tmp_path / "int8" / "draft" / "meta.json").read_text())
     meta = json.loads((tmp_path / "int4" / "draft" / "meta.json").read_text())
     assert meta["bits"] == 4 and meta["q4"]["groups"] == list(fast.Q4_GROUPS), "the recipe is part of what is matched"
+
+
+def _qwen_shaped(hidden: int, intermediate: int, heads: int, layers: int = 2) -> torch.nn.Module:
+    """A random Qwen2 at the real pair's widths (its vocabulary, heads, KV heads and MLP), few layers."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=151_936, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=2,
+                         max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1_000_000.0)
+    torch.manual_seed(11)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # the attention biases Qwen2 has, non-zero as the real ones
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["target-int8", "draft-int4"])
+def test_a_pass_of_300_rows_equals_one_token_steps_at_the_real_pairs_widths_at_one_thread(which):
+    """What replay's exactness in confirmation rests on (``workers.replay.exact_for``: the fast path at one thread):
+    a teacher-forced pass's rows equal, bit for bit, the one-token steps a live run makes, through every layer kind
+    (attention over a growing cache, norms, the MLP, the >64-row activation path) and the vocabulary-wide head, at
+    the 1.5B target's widths in int8 and the 0.5B draft's in 4 bits."""
+    hidden, intermediate, heads, bits = (1536, 8960, 12, 8) if which == "target-int8" else (896, 4864, 14, 4)
+    model = fast.quantize(_qwen_shaped(hidden, intermediate, heads), _ids(64, seed=2), bits=bits)
+    ids = torch.randint(0, 151_936, (1, 300), generator=torch.Generator().manual_seed(12))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            decoder = model.get_decoder()
+            full = model.lm_head(decoder(ids, past_key_values=model.new_cache()).last_hidden_state)[0]
+            cache = model.new_cache()
+            decoder(ids[:, :40], past_key_values=cache)  # a prompt's prefill, then steps
+            steps = torch.stack([model.lm_head(decoder(ids[:, j:j + 1], past_key_values=cache).last_hidden_state)[0, 0]
+                                 for j in range(40, 300)])
+            assert torch.equal(full[40:], steps), "a pass's rows must equal one-token steps exactly"
+            cache.crop(120)  # a rejected round's rows dropped, then a verify block of 6 over them
+            block = model.lm_head(decoder(ids[:, 120:126], past_key_values=cache).last_hidden_state)[0]
+            assert torch.equal(block, full[120:126])
+    finally:
+        torch.set_num_threads(threads)
