@@ -281,6 +281,46 @@ def speed_over_lossless(state: SweepState, attempt: Attempt, row: dict[str, Any]
     return over_lossless(records, lossless, reference, draft_len, state.cost, timed)
 
 
+AUDIT_MIN = 30  # replayed confirmation records of a candidate decoded in full to audit them, at least
+AUDIT_SHARE = 0.1  # ... or this share of the items its decision used, whichever is more
+
+
+def audit_replayed(state: SweepState, attempt: Attempt, row: dict[str, Any], records: dict[str, Record],
+                   reference: dict[str, Record], used: int, check: dict[str, Any]) -> dict[str, Any]:
+    """The replay audit beyond the timed items: the candidate of trial ``row`` decoded in full on its replayed
+    confirmation records, in the confirmation order (fixed before any outcome), until ``max(AUDIT_MIN, AUDIT_SHARE x
+    used)`` of its records are audited with the timed ones (``check``, :func:`workers.metrics.speed.replay_check`),
+    each compared token for token and count for count with the record the certificate reads. Replay's misses are
+    one-sided (toward the reference), so the audit is aimed at the records replay made; records decoded in full
+    need none. An audit that cannot run (no actor left) adds nothing: ``audit_withholds`` then decides on what was
+    audited."""
+    from cluster.pair_actor import run_trial
+    from workers.metrics.speed import audit_against, settle
+
+    check = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [], "candidate_items": [], **check}
+    done = set(check["candidate_items"])
+    want = max(AUDIT_MIN, math.ceil(AUDIT_SHARE * used))
+    todo = [it for it in attempt.items[:used] if it.id in records and not records[it.id].timed
+            and it.id not in done][:max(0, want - len(done))]
+    check["extra_items"] = 0
+    if not todo:
+        return check
+    s = state.settings
+    spec = spec_of(s, row)
+    log(f"replay audit: decoding {len(todo)} more of {spec.label()}'s replayed confirmation records in full "
+        f"({len(done)} audited by the timed run; at least {want} in all)")
+    try:
+        run = run_trial(state.workers, f"audit-{spec.key()}", s.bench.ref, spec, todo,
+                        {k: r.outputs for k, r in reference.items()})
+    except Exception as err:  # noqa: BLE001 - a lost audit is reported and decides nothing by itself
+        log(f"replay audit: lost ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+        return check
+    decoded = [run.records[it.id] for it in todo if it.id in run.records]
+    audit_against(check, decoded, records, "candidate")
+    check["extra_items"] = len(decoded)
+    return settle(check)
+
+
 def certify(state: SweepState, frame: Any, out: Path) -> Certification:
     """Confirm every budget of the sweep on items the search never saw and write what was decided:
     ``<out>/chosen-budget-<b>.json``, ``certification.json`` and the per-item evidence. Returns the chosen
@@ -369,6 +409,9 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                 speeds[audited.key] = speed_over_lossless(state, attempt, audited.payload,
                                                           confirmation.records.get(audited.key, {}),
                                                           confirmation.reference_upto(used_), used_)
+                speeds[audited.key]["replay_check"] = audit_replayed(
+                    state, attempt, audited.payload, confirmation.records.get(audited.key, {}),
+                    confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {})
             check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
             withheld = audit_withholds(check, confirmation.records.get(audited.key, {}) if audited is not None else {})
             if cert.certified and withheld:
@@ -433,8 +476,9 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             check = choice.get("replay_check") or {}
             if check.get("items"):
                 differ = check["replayed_differ"] + check["full_differ"]
-                log(f"budget {budget * 100:g}%: replay audit: the timed full decodes against the records they time "
-                    f"(candidate, lossless, target-only): {check['items'] - len(differ)}/{check['items']} identical "
+                log(f"budget {budget * 100:g}%: replay audit: full decodes against the records they decode again "
+                    f"(the timed items' three arms, then {check.get('extra_items', 0)} more of the candidate's replayed "
+                    f"records): {check['items'] - len(differ)}/{check['items']} identical "
                     f"({check['replayed']} of those records replayed)"
                     + (f"; REPLAYED RECORDS DIFFER: {', '.join(check['replayed_differ'][:6])}: not certified"
                        if check["replayed_differ"] else "")

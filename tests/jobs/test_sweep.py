@@ -390,6 +390,10 @@ def test_on_the_int8_path_a_replayed_sweep_certifies_on_the_evidence_full_decodi
             if check:
                 assert check["identical"] and check["items"] > 0, check
                 assert (check["replayed"] > 0) is (mode == "auto"), check
+                # beyond the 2 timed items, every other replayed record of the candidate is decoded in full (at 8
+                # items, fewer than the audit's minimum); decoded in full, nothing needs it
+                assert (check["extra_items"] > 0) is (mode == "auto"), check
+                assert len(set(check["candidate_items"])) == len(check["candidate_items"]) > 2 or mode == "off", check
                 checked += 1
     assert checked, "a chosen candidate was timed, and its timing checked its records"
     assert evidence["auto"] and evidence["auto"].keys() == evidence["off"].keys()

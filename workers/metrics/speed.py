@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,24 +128,39 @@ def replay_check(timed: Timed, records: dict[str, Record], lossless: dict[str, R
     which a certificate must not rest on; ``full_differ``: pairs of two full decodes that differ (nondeterminism
     between actors or runs: noted, not acted on). ``status``: "identical", "replay differs", "full decodes
     differ" or "unchecked" (nothing timed)."""
-    out: dict[str, Any] = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": []}
+    out: dict[str, Any] = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [], "candidate_items": []}
     if timed.arms is None:
         out["status"] = "unchecked"
         return out
-    fields = ("output_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")
     arms = ((timed.arms[2], records, "candidate"), (timed.arms[1], lossless, "lossless"),
             (timed.arms[0], reference or {}, "target-only"))
     for arm, held, name in arms:
-        for full in arm:
-            made = held.get(full.item_id)
-            if made is None:
-                continue
-            out["items"] += 1
-            out["replayed"] += int(not made.timed)
-            differ = made.failed != full.failed or (not made.failed and any(getattr(full, f) != getattr(made, f)
-                                                                             for f in fields))
-            if differ:
-                out["full_differ" if made.timed else "replayed_differ"].append(f"{name}:{full.item_id}")
+        audit_against(out, arm, held, name)
+    return settle(out)
+
+
+AUDITED_FIELDS = ("output_token_ids", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position")
+
+
+def audit_against(out: dict[str, Any], decoded: Sequence[Record], held: dict[str, Record], arm: str) -> None:
+    """Add to ``out`` (a :func:`replay_check` result) the full decodes ``decoded`` of arm ``arm`` against the records
+    ``held`` for the same items: tokens and every acceptance count equal, a failure on one side only a difference."""
+    for full in decoded:
+        made = held.get(full.item_id)
+        if made is None:
+            continue
+        out["items"] += 1
+        out["replayed"] += int(not made.timed)
+        if arm == "candidate":
+            out.setdefault("candidate_items", []).append(full.item_id)
+        differ = made.failed != full.failed or (not made.failed and any(getattr(full, f) != getattr(made, f)
+                                                                         for f in AUDITED_FIELDS))
+        if differ:
+            out["full_differ" if made.timed else "replayed_differ"].append(f"{arm}:{full.item_id}")
+
+
+def settle(out: dict[str, Any]) -> dict[str, Any]:
+    """``out``'s status from what it holds."""
     out["status"] = ("unchecked" if not out["items"] else "replay differs" if out["replayed_differ"]
                      else "full decodes differ" if out["full_differ"] else "identical")
     out["identical"] = out["status"] == "identical"
@@ -172,7 +187,8 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
         "vs_target_only": {"modelled": _ratio(mine, ar, cost.cost) if keys else math.nan, "measured": math.nan,
                            "items": len(keys)},
     }
-    out["replay_check"] = {"status": "unchecked", "items": 0, "replayed": 0, "replayed_differ": [], "full_differ": []}
+    out["replay_check"] = {"status": "unchecked", "items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [],
+                           "candidate_items": []}
     if timed is not None and timed.error is not None:
         for side in ("vs_lossless", "vs_target_only"):
             out[side]["timed"] = {"error": timed.error}
