@@ -114,7 +114,8 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n},
         {"machine": platform.node(), "python": platform.python_version(), "study": name,
          "run_dir": str(run_dir), **_versions()}, before.get("parent_run_id"))
-    write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args), "profile": profile},
+    write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args), "profile": profile,
+                                 "runs_root": str(root.resolve())},  # where its references are (jobs.carry)
                                 indent=1, default=str))  # default: the --config files' paths
     _save_config(run_dir, name, config_yaml, tracker)
     refs = References(settings, root, workers, items)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs.test_sweep import BASE, ROOT, sweep, trials
+from tests.jobs.test_sweep import ROOT, sweep, trials
 
 pytestmark = pytest.mark.slow
 
@@ -32,13 +32,13 @@ def test_a_packed_sweep_resumes_on_a_bare_machine(tmp_path, capsys):
     for gone in (run_dir, tmp_path / "references", ledger):  # a new machine: none of it is there
         shutil.rmtree(gone, ignore_errors=True)
     assert carry.main(["unpack", str(archive)]) == 0
-    assert "rerun the sweep's command" in capsys.readouterr().out
+    assert "jobs/sweep.py --config" in capsys.readouterr().out
     # the references came back, so the resumed study evaluates no reference again
     assert list((tmp_path / "references").rglob("records.jsonl"))
     # resumed in a new process, as on the new machine (this one's MLflow client still holds the wiped database open)
-    done = subprocess.run([sys.executable, str(ROOT / "jobs" / "sweep.py"), *BASE, "--runs-root", str(tmp_path),
-                           "--run-dir", str(run_dir), "--trials", "3", "--search-only"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+    # with the command unpack printed (the study's own config.yaml), one more trial asked for
+    done = subprocess.run([sys.executable, str(ROOT / "jobs" / "sweep.py"), "--config", str(run_dir / "config.yaml"),
+                           "--trials", "3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     meta2 = json.loads((run_dir / "sweep.json").read_text())
     assert meta2["parent_run_id"] == meta["parent_run_id"] and meta2["profile"] == meta["profile"]

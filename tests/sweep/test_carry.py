@@ -18,8 +18,8 @@ from workers.results.store import slug
 def make_study(root: Path, ledger: Path) -> Path:
     run = root / "sweeps" / "study-a"
     (run / "trials" / "t0").mkdir(parents=True)
-    (run / "sweep.json").write_text(json.dumps({"study": "study-a", "args": {
-        "pair": "tiny-random", "dtype": "int8", "engine": "cpu", "runs_root": str(root)}}))
+    (run / "sweep.json").write_text(json.dumps({"study": "study-a", "runs_root": str(root), "args": {
+        "pair": "tiny-random", "dtype": "int8", "engine": "cpu"}}))
     with sqlite3.connect(run / "optuna.db") as db:  # a real database: packed through SQLite's backup
         db.execute("create table trials (number integer, value real)")
         db.execute("insert into trials values (0, 1.25)")
@@ -47,7 +47,7 @@ def test_pack_then_unpack_on_a_bare_machine_restores_the_study(tmp_path):
     assert ("ledger", "gsm8k-abc.jsonl") in parts and ("run", "optuna.db") in parts
     def files() -> dict[Path, bytes]:
         return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*"))
-                if p.is_file() and "carried" not in p.parts and p.suffix != ".db"}
+                if p.is_file() and "carried" not in p.parts and p.suffix != ".db" and p.name != ".lock"}
 
     before = files()
     shutil.rmtree(root)
@@ -98,7 +98,7 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path):
     with pytest.raises(ValueError, match="no sweep.json"):
         pack(tmp_path / "nothing", tmp_path / "b.tar.xz", ledger=ledger)
     (tmp_path / "junk.tar.xz").write_bytes(b"not xz")
-    with pytest.raises(ValueError, match="not a carried sweep"):
+    with pytest.raises(ValueError, match="not a readable carried sweep"):
         unpack(tmp_path / "junk.tar.xz", ledger=ledger)
     with pytest.raises(ValueError, match="no such archive"):
         unpack(tmp_path / "missing.tar.xz", ledger=ledger)
@@ -113,3 +113,77 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path):
             tar.addfile(m, io.BytesIO(data) if data is not None else None)
     with pytest.raises(ValueError, match="sha256"):
         unpack(bad, ledger=ledger)
+
+
+def test_a_torn_ledger_line_is_ended_before_the_carried_rows_and_a_grown_cache_is_kept(tmp_path):
+    root, ledger = tmp_path / "runs", tmp_path / "ledger"
+    run = make_study(root, ledger)
+    archive = tmp_path / "a.tar.xz"
+    pack(run, archive, ledger=ledger)
+    shutil.rmtree(run)
+    (ledger / "gsm8k-abc.jsonl").write_text('{"event": "dec')  # a crash mid-append on this machine
+    ref = root / "references" / slug("tiny-random-int8") / "gsm8k" / "target-only-x" / "records.jsonl"
+    ref.write_text(ref.read_text() + '{"item_id": "b", "tokens": [3]}\n')  # this machine's cache grew since
+    got = unpack(archive, ledger=ledger)
+    assert got["ledger rows"] == 1 and got["references"] == 0
+    assert (ledger / "gsm8k-abc.jsonl").read_text().splitlines() == ['{"event": "dec', '{"event": "opened", "items": ["q1"]}']
+    assert '"b"' in ref.read_text(), "the grown cache is kept as it is"
+
+
+def test_an_unpack_cut_short_finishes_when_run_again(tmp_path):
+    root, ledger = tmp_path / "runs", tmp_path / "ledger"
+    run = make_study(root, ledger)
+    archive = tmp_path / "a.tar.xz"
+    pack(run, archive, ledger=ledger)
+    (run / "trials" / "t0" / "records.jsonl").unlink()  # as if the first unpack stopped before this file
+    assert unpack(archive, ledger=ledger)["run"] == 1
+    assert (run / "trials" / "t0" / "records.jsonl").read_text() == '{"item_id": "a"}\n'
+
+
+def test_transient_files_are_not_packed_and_a_study_without_its_references_is_refused(tmp_path):
+    root, ledger = tmp_path / "runs", tmp_path / "ledger"
+    run = make_study(root, ledger)
+    (run / "optuna.db-journal").write_bytes(b"a write in flight")
+    (run / "report.md.tmp").write_text("half")
+    names = {f["path"] for f in pack(run, tmp_path / "a.tar.xz", ledger=ledger)["files"]}
+    assert "optuna.db-journal" not in names and "report.md.tmp" not in names and "optuna.db" in names
+    with pytest.raises(ValueError, match="no reference records"):
+        pack(run, tmp_path / "b.tar.xz", runs_root=tmp_path / "elsewhere", ledger=ledger)
+    (run / "confirm").mkdir()
+    with pytest.raises(ValueError, match="name the ledger it used"):
+        pack(run, tmp_path / "b.tar.xz", ledger=tmp_path / "another-ledger")
+    meta = json.loads((run / "sweep.json").read_text())
+    del meta["runs_root"]
+    (run / "sweep.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="--runs-root"):
+        pack(run, tmp_path / "b.tar.xz", ledger=ledger)
+
+
+def test_a_fixed_server_study_packs_its_run_directory_and_ledger(tmp_path):
+    run, ledger = tmp_path / "runs" / "sweeps" / "server-a", tmp_path / "ledger"
+    run.mkdir(parents=True)
+    (run / "sweep.json").write_text(json.dumps({"study": "server-a", "mode": "server-config"}))
+    ledger.mkdir()
+    (ledger / "gsm8k-x.jsonl").write_text('{"event": "opened", "study": "server-a"}\n')
+    manifest = pack(run, tmp_path / "s.tar.xz", ledger=ledger)
+    assert {f["part"] for f in manifest["files"]} == {"run", "ledger"} and manifest["study_ledger_rows"] == 1
+
+
+def test_an_archive_that_would_write_outside_its_parts_is_refused(tmp_path):
+    root, ledger = tmp_path / "runs", tmp_path / "ledger"
+    run = make_study(root, ledger)
+    good = tmp_path / "a.tar.xz"
+    pack(run, good, ledger=ledger)
+    with tarfile.open(good, "r:xz") as tar:
+        manifest = json.loads(tar.extractfile("carry.json").read())
+    for part, path in (("references", ".ssh/authorized_keys"), ("ledger", "../x.jsonl"), ("other", "a"),
+                       ("run", "../../escape")):
+        bad = tmp_path / "evil.tar.xz"
+        entry = {"part": part, "path": path, "bytes": 1, "sha256": "0" * 64}
+        blob = json.dumps({**manifest, "files": [entry]}).encode()
+        with tarfile.open(bad, "w:xz") as tar:
+            info = tarfile.TarInfo("carry.json")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+        with pytest.raises(ValueError, match="outside what an archive may write"):
+            unpack(bad, ledger=ledger)

@@ -58,6 +58,57 @@ def ledger_root() -> Path:
     return cache_root() / "ledger"
 
 
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """The ledger folder's lock: one writer at a time across processes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _append_lines(path: Path, lines: Sequence[str]) -> None:
+    """Append ``lines`` (one row each) to ``path``, durably; a last line a crash left unfinished is ended first, or
+    the first new row would be glued to it and lost (the caller holds the folder's lock)."""
+    torn = False
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            torn = fh.read(1) != b"\n"
+    with path.open("a") as fh:  # one line per row: an append is all or (torn, ignored) nothing
+        if torn:
+            fh.write("\n")
+        fh.write("".join(line + "\n" for line in lines))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def merge_rows(path: Path, lines: Sequence[str]) -> int:
+    """Add to the ledger file ``path`` the rows of ``lines`` it does not hold (another machine's ledger of the same
+    file name: the same benchmark and models), under the folder's lock; rows are never removed or rewritten, so
+    an item another machine's attempt used stays used here. Lines that are not JSON rows are skipped. Returns the
+    rows added."""
+    with _folder_lock(path.parent):
+        have = set(path.read_text(errors="replace").splitlines()) if path.is_file() else set()
+        new: list[str] = []
+        for line in lines:
+            line = line.strip()
+            if not line or line in have or line in new:
+                continue
+            try:
+                if not isinstance(json.loads(line), dict):
+                    continue
+            except json.JSONDecodeError:
+                continue
+            new.append(line)
+        if new:
+            _append_lines(path, new)
+        return len(new)
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a confirmation attempt will test, fixed before any confirmation item is evaluated."""
@@ -188,28 +239,11 @@ class AttemptLedger:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with (self.path.parent / ".lock").open("a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _locked(self) -> contextlib.AbstractContextManager[None]:
+        return _folder_lock(self.path.parent)
 
     def _append(self, row: dict[str, Any]) -> None:
-        torn = False
-        if self.path.is_file() and self.path.stat().st_size:
-            with self.path.open("rb") as fh:
-                fh.seek(-1, os.SEEK_END)
-                torn = fh.read(1) != b"\n"
-        with self.path.open("a") as fh:  # one line per row: an append is all or (torn, ignored) nothing
-            if torn:  # a line a crash left unfinished: end it, or this row would be glued to it and lost
-                fh.write("\n")
-            fh.write(json.dumps(row) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        _append_lines(self.path, [json.dumps(row)])
 
     def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str,
              search_items: Sequence[str] = (), endpoint: dict[str, Any] | None = None
