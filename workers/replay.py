@@ -310,6 +310,11 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
         raise NotReplayable(f"replay is exact at T = 0 only (got T = {temperature}): decode in full")
     if reference.finish_reason == "abort":
         raise NotReplayable("the reference run was aborted: decode in full")
+    made = len(reference.token_ids)
+    if made > max_new_tokens or (reference.finish_reason == "length" and made != max_new_tokens):
+        # the reference store's key ties its settings to the run's; a payload that does not fit is from another run
+        raise NotReplayable(f"the reference holds {made} tokens ({reference.finish_reason}), not what max_new_tokens "
+                            f"{max_new_tokens} gives: made with other settings, decode in full")
     if isinstance(policy, str):
         policy = make_policy(policy)
     t0 = time.perf_counter()

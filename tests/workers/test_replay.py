@@ -95,6 +95,16 @@ def test_sampling_is_not_replayed(engine):
         replay(engine, ids, ref, "lossless", 3, 8, temperature=0.7)
 
 
+def test_a_reference_made_with_another_budget_is_not_replayed_from(engine):
+    ids = engine.pair.tokenizer.encode(PROMPTS[0])
+    ref = engine.autoregressive(ids, max_new_tokens=8)
+    assert ref.finish_reason == "length"
+    for budget in (6, 12):  # fewer tokens than it holds; more than a budget-bound run would have stopped at
+        with pytest.raises(NotReplayable, match="made with other settings"):
+            replay(engine, ids, ref, "lossless", 3, budget)
+    assert replay(engine, ids, ref, "lossless", 3, 8).generation.token_ids == ref.token_ids
+
+
 def test_a_decision_depends_on_its_position_not_on_the_block(engine):
     """DropMatch's masks at T = 0 are keyed by (seed, absolute position): the same draft slot gets the same
     decision in a one-slot block as in the pass's one block of every position."""
