@@ -298,26 +298,30 @@ def audit_replayed(state: SweepState, attempt: Attempt, row: dict[str, Any], rec
     from workers.metrics.speed import audit_against, settle
 
     check = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [], "candidate_items": [], **check}
-    done = set(check["candidate_items"])
+    replayed = [it.id for it in attempt.items[:used] if it.id in records and not records[it.id].timed]
+    done = {k for k in check["candidate_items"] if k in records and not records[k].timed}  # replayed ones only
     want = max(AUDIT_MIN, math.ceil(AUDIT_SHARE * used))
     todo = [it for it in attempt.items[:used] if it.id in records and not records[it.id].timed
             and it.id not in done][:max(0, want - len(done))]
-    check["extra_items"] = 0
+    # what the audit owes: this many of the candidate's replayed records decoded in full (all, where fewer)
+    check["audit_wanted"], check["audit_done"], check["extra_items"] = min(want, len(replayed)), len(done), 0
     if not todo:
         return check
     s = state.settings
     spec = spec_of(s, row)
     log(f"replay audit: decoding {len(todo)} more of {spec.label()}'s replayed confirmation records in full "
-        f"({len(done)} audited by the timed run; at least {want} in all)")
+        f"({len(done)} audited by the timed run; {check['audit_wanted']} in all)")
     try:
         run = run_trial(state.workers, f"audit-{spec.key()}", s.bench.ref, spec, todo,
                         {k: r.outputs for k, r in reference.items()})
-    except Exception as err:  # noqa: BLE001 - a lost audit is reported and decides nothing by itself
-        log(f"replay audit: lost ({type(err).__name__}: {str(err).splitlines()[0][:160]})")
+    except Exception as err:  # noqa: BLE001 - a lost audit is reported; audit_withholds counts what it owed
+        first = (str(err).splitlines() or [""])[0][:160]
+        log(f"replay audit: lost ({type(err).__name__}: {first})")
         return check
     decoded = [run.records[it.id] for it in todo if it.id in run.records]
     audit_against(check, decoded, records, "candidate")
     check["extra_items"] = len(decoded)
+    check["audit_done"] = len(done) + len(decoded)
     return settle(check)
 
 
@@ -477,16 +481,16 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             if check.get("items"):
                 differ = check["replayed_differ"] + check["full_differ"]
                 log(f"budget {budget * 100:g}%: replay audit: full decodes against the records they decode again "
-                    f"(the timed items' three arms, then {check.get('extra_items', 0)} more of the candidate's replayed "
-                    f"records): {check['items'] - len(differ)}/{check['items']} identical "
+                    f"(the timed items' arms, where timed, and {check.get('extra_items', 0)} more of the candidate's "
+                    f"replayed records): {check['items'] - len(differ)}/{check['items']} identical "
                     f"({check['replayed']} of those records replayed)"
                     + (f"; REPLAYED RECORDS DIFFER: {', '.join(check['replayed_differ'][:6])}: not certified"
                        if check["replayed_differ"] else "")
                     + (f"; full decodes differ between runs: {', '.join(check['full_differ'][:6])} (noted)"
                        if check["full_differ"] else ""))
             elif check.get("status") == "unchecked":
-                log(f"budget {budget * 100:g}%: replay audit: unchecked (nothing timed: --speed-items 0 or the timing "
-                    "was lost)")
+                log(f"budget {budget * 100:g}%: replay audit: unchecked (nothing timed and nothing replayed to audit, "
+                    "or the audit was lost)")
     confirmed = {f"{k} {specs[k].label()}": recs for k, recs in confirmation.records.items()}  # the frontier
     flips: list[tuple[str, Path]] = []
     for key_, rows in confirmation.evidence.items():  # beside the certificates; logged to MLflow with report/
@@ -520,6 +524,10 @@ def audit_withholds(check: dict[str, Any], records: dict[str, Any]) -> str | Non
                 f"({', '.join(check['replayed_differ'][:4])}): replay was not exact on this machine, so the evidence "
                 "is not full decoding's; rerun with --replay off")
     replayed = sum(not getattr(r, "timed", True) for r in records.values())
+    owed, done = check.get("audit_wanted"), check.get("audit_done", 0)
+    if replayed and owed is not None and done < owed:
+        return (f"not certified: the replay audit decoded {done} of the {owed} replayed confirmation records it owes "
+                "in full (the audit was lost part-way); rerun to finish it, or use --replay off")
     if replayed and not check.get("items"):
         return (f"not certified: {replayed} of its confirmation records were replayed and no full decode audited "
                 "them (nothing timed: --speed-items 0, or the timing was lost); rerun with --speed-items N > 0, or "

@@ -311,7 +311,8 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
     if reference.finish_reason == "abort":
         raise NotReplayable("the reference run was aborted: decode in full")
     made = len(reference.token_ids)
-    if made > max_new_tokens or (reference.finish_reason == "length" and made != max_new_tokens):
+    if made > max_new_tokens or (reference.finish_reason == "length" and made != max_new_tokens) or (
+            reference.finish_reason == "eos" and made >= max_new_tokens):  # an EOS past the budget: a larger one's
         # the reference store's key ties its settings to the run's; a payload that does not fit is from another run
         raise NotReplayable(f"the reference holds {made} tokens ({reference.finish_reason}), not what max_new_tokens "
                             f"{max_new_tokens} gives: made with other settings, decode in full")

@@ -278,3 +278,7 @@ def test_a_certificate_never_stands_on_an_unaudited_or_contradicted_replay():
     assert reason and "1 of its confirmation records were replayed" in reason and "--speed-items" in reason
     reason = audit_withholds({**audited, "replayed_differ": ["candidate:b"]}, {"b": replayed})
     assert reason and "candidate:b" in reason and "--replay off" in reason
+    # the audit past the timed items owes max(30, 10%) of the replayed records (all, where fewer): a lost one withholds
+    assert audit_withholds({**audited, "audit_wanted": 1, "audit_done": 1}, {"a": full, "b": replayed}) is None
+    reason = audit_withholds({**audited, "audit_wanted": 30, "audit_done": 20}, {"a": full, "b": replayed})
+    assert reason and "20 of the 30" in reason and "lost" in reason
