@@ -29,7 +29,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from workers.results.store import slug
+from workers.results.store import reference_root
 
 MANIFEST = "carry.json"
 FORMAT = 1
@@ -105,10 +105,8 @@ def _files(base: Path) -> list[Path]:
 
 
 def _reference_dirs(root: Path, args: dict[str, Any]) -> list[Path]:
-    """The runs root's reference caches for the study's pair and dtype (every benchmark: a few MB at most), named as
-    ``sweep.references.References.store`` names them."""
-    pair = args["pair"] if args.get("engine", "cpu") == "cpu" else f"{args['pair']}@{args['engine']}"
-    base = root / "references" / slug(f"{pair}-{args['dtype']}")
+    """The runs root's reference caches for the study's pair and dtype (every benchmark: a few MB at most)."""
+    base = reference_root(root, args["pair"], args["dtype"], args.get("engine", "cpu"))
     return [base] if base.is_dir() else []
 
 

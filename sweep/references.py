@@ -57,8 +57,7 @@ class References:
     def store(self, spec: DecodeSpec) -> RecordStore:
         """``spec``'s reference store: per engine (the same greedy tokens up to kernels, other timings)."""
         args = self.settings.args
-        pair = args.pair if args.engine == "cpu" else f"{args.pair}@{args.engine}"
-        return RecordStore(reference_dir(self.root, pair, args.dtype, self.settings.bench.key, spec))
+        return RecordStore(reference_dir(self.root, args.pair, args.dtype, self.settings.bench.key, spec, args.engine))
 
     def path(self, spec: DecodeSpec) -> Path:
         """The records file of ``spec``'s reference store (shared by sweeps over the same pair and task)."""

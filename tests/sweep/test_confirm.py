@@ -268,7 +268,7 @@ def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls()
 def test_a_certificate_never_stands_on_an_unaudited_or_contradicted_replay():
     from dataclasses import replace
 
-    from sweep.confirm import audit_withholds
+    from sweep.audit import audit_withholds
 
     full, replayed = rec("a", 1.0), replace(rec("b", 1.0), replay="exact")
     audited = {"items": 3, "replayed": 1, "replayed_differ": [], "full_differ": []}

@@ -151,7 +151,14 @@ def records_frame(rows: list[dict]) -> pl.DataFrame:
     return pl.DataFrame(flat, infer_schema_length=None)
 
 
-def reference_dir(root: Path, pair: str, dtype: str, benchmark: str, spec: DecodeSpec) -> Path:
+def reference_root(root: Path, pair: str, dtype: str, engine: str = "cpu") -> Path:
+    """Where a pair's reference runs (every benchmark's) are cached: per engine off the CPU engine (the same greedy
+    tokens up to kernels, other timings)."""
+    name = pair if engine == "cpu" else f"{pair}@{engine}"
+    return root / "references" / slug(f"{name}-{dtype}")
+
+
+def reference_dir(root: Path, pair: str, dtype: str, benchmark: str, spec: DecodeSpec, engine: str = "cpu") -> Path:
     """Cache directory of a reference run (target-only, or lossless at one draft length)."""
     kind = "target-only" if spec.draft_len == 0 else f"lossless-L{spec.draft_len}"
-    return root / "references" / slug(f"{pair}-{dtype}") / benchmark / f"{kind}-{spec.key()}"
+    return reference_root(root, pair, dtype, engine) / benchmark / f"{kind}-{spec.key()}"
