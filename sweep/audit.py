@@ -13,8 +13,8 @@ from sweep.progress import log
 from sweep.search import spec_of
 
 if TYPE_CHECKING:
-    from sweep.confirm import Attempt
     from sweep.state import SweepState
+    from workers.benchmarks.base import Item
     from workers.evaluation import Record
 
 
@@ -22,10 +22,10 @@ AUDIT_MIN = 30  # replayed confirmation records of a candidate decoded in full t
 AUDIT_SHARE = 0.1  # ... or this share of the items its decision used, whichever is more
 
 
-def audit_replayed(state: SweepState, attempt: Attempt, row: dict[str, Any], records: dict[str, Record],
+def audit_replayed(state: SweepState, items: list[Item], row: dict[str, Any], records: dict[str, Record],
                    reference: dict[str, Record], used: int, check: dict[str, Any]) -> dict[str, Any]:
     """The replay audit beyond the timed items: the candidate of trial ``row`` decoded in full on its replayed
-    confirmation records, in the confirmation order (fixed before any outcome), until ``max(AUDIT_MIN, AUDIT_SHARE x
+    confirmation records, in the confirmation order (``items``, fixed before any outcome), until ``max(AUDIT_MIN, AUDIT_SHARE x
     used)`` of its records are audited with the timed ones (``check``, :func:`workers.metrics.speed.replay_check`),
     each compared token for token and count for count with the record the certificate reads. Replay's misses are
     one-sided (toward the reference), so the audit is aimed at the records replay made; records decoded in full
@@ -35,7 +35,7 @@ def audit_replayed(state: SweepState, attempt: Attempt, row: dict[str, Any], rec
     from workers.metrics.speed import audit_against, settle
 
     check = {"items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [], "candidate_items": [], **check}
-    replayed = [it for it in attempt.items[:used] if it.id in records and not records[it.id].timed]
+    replayed = [it for it in items[:used] if it.id in records and not records[it.id].timed]
     done = {k for k in check["candidate_items"] if k in records and not records[k].timed}  # replayed ones only
     want = max(AUDIT_MIN, math.ceil(AUDIT_SHARE * used))
     todo = [it for it in replayed if it.id not in done][:max(0, want - len(done))]

@@ -371,7 +371,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                                                           confirmation.records.get(audited.key, {}),
                                                           confirmation.reference_upto(used_), used_)
                 speeds[audited.key]["replay_check"] = audit_replayed(
-                    state, attempt, audited.payload, confirmation.records.get(audited.key, {}),
+                    state, attempt.items, audited.payload, confirmation.records.get(audited.key, {}),
                     confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {})
             check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
             withheld = audit_withholds(check, confirmation.records.get(audited.key, {}) if audited is not None else {})
