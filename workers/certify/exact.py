@@ -105,26 +105,37 @@ def _lost_limits(n: int, budget: float, z: float) -> Any:
 
 def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = None) -> Any:
     """P(Z_b <= z) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget);
-    ``limits`` from :func:`_lost_limits`."""
+    ``limits`` from :func:`_lost_limits`. Called tens of thousands of times per bound on small arrays, so it spends
+    few numpy calls (np.minimum/np.maximum for clip, log C(n, m) from a table per n): the same numbers."""
     import numpy as np
-    from scipy.special import bdtr, gammaln, xlog1py, xlogy
+    from scipy.special import bdtr, xlog1py, xlogy
 
     p_won = np.asarray(p_won, dtype=np.float64)
     drop = budget if drop is None else drop
-    disc = np.clip(2.0 * p_won + drop, 0.0, 1.0)  # P(discordant)
-    share = np.clip((p_won + drop) / np.where(disc > 0, disc, 1.0), 0.0, 1.0)  # P(lost | discordant)
+    disc = np.minimum(np.maximum(2.0 * p_won + drop, 0.0), 1.0)  # P(discordant)
+    share = np.minimum(np.maximum((p_won + drop) / np.where(disc > 0, disc, 1.0), 0.0), 1.0)  # P(lost | discordant)
     sd = np.sqrt(n * disc * (1.0 - disc))
-    first = np.clip(np.floor(n * disc - _SD * sd - _PAD), 0, n).astype(np.int64)
-    last = np.clip(np.ceil(n * disc + _SD * sd + _PAD), 0, n).astype(np.int64)
+    first = np.minimum(np.maximum(np.floor(n * disc - _SD * sd - _PAD), 0), n).astype(np.int64)
+    last = np.minimum(np.maximum(np.ceil(n * disc + _SD * sd + _PAD), 0), n).astype(np.int64)
     width = int((last - first).max()) + 1
     m = first[:, None] + np.arange(width)[None, :]
     inside = m <= last[:, None]
     m = np.minimum(m, n)
     s = disc[:, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
-    mass = np.exp(gammaln(n + 1.0) - gammaln(m + 1.0) - gammaln(n - m + 1.0) + xlogy(m, s) + xlog1py(n - m, -s)) * inside
+    mass = np.exp(_log_choose(n)[m] + xlogy(m, s) + xlog1py(n - m, -s)) * inside
     limit = limits[m]
-    below = np.where(limit < 0, 0.0, bdtr(np.clip(limit, 0, None), m, share[:, None]))
+    below = np.where(limit < 0, 0.0, bdtr(np.maximum(limit, 0), m, share[:, None]))
     return (mass * below).sum(axis=1)
+
+
+@functools.lru_cache(maxsize=256)
+def _log_choose(n: int) -> Any:
+    """log C(n, m) for m = 0..n (the pmf's first factor in :func:`_tail`)."""
+    import numpy as np
+    from scipy.special import gammaln
+
+    m = np.arange(n + 1)
+    return gammaln(n + 1.0) - gammaln(m + 1.0) - gammaln(n - m + 1.0)
 
 
 def _nuisance_grid(budget: float) -> Any:
