@@ -169,8 +169,10 @@ class SpecDecoder:
         (``workers.models.proposal``; 0: the whole vocabulary)."""
         from policies import fused
         from workers.host_memory import keep_freed_memory
+        from workers.models import fast_step
 
         fused.mode()  # a bad SPECTUNE_FUSED fails here, naming it, not once per step later
+        fast_step.enabled()  # a bad SPECTUNE_SCRIPTED_STEP too
         keep_freed_memory()  # the verify step's full-vocabulary temporaries: heap, not fresh pages per pass
         self.pair = pair
         self.prefix_cache = prefix_cache

@@ -309,6 +309,8 @@ class _Decoder(torch.nn.Module):
         theta = float(rope.get("rope_theta") or getattr(config, "rope_theta", 10000.0))
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         self._cos = self._sin = torch.empty(0, self.head_dim)
+        self._scripted: Any = None  # the layers as one scripted graph (workers.models.fast_step), built at first use
+        self.scripted = True  # False: the layers run eagerly (an A/B; the outputs are the same)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim)
@@ -336,8 +338,15 @@ class _Decoder(torch.nn.Module):
         cache.reserve(start + n)
         cos, sin = self._rope(start, n)
         x = self.embed[ids]
-        for i, layer in enumerate(self.layers):
-            x = layer.forward(x, cos, sin, cache.keys[i], cache.values[i], start)
+        if self.scripted and self._scripted is None:
+            from workers.models.fast_step import ScriptedLayers
+
+            self._scripted = ScriptedLayers.for_layers(list(self.layers)) or False
+        if self.scripted and self._scripted:
+            x = self._scripted(x, cos, sin, cache.keys, cache.values, start)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward(x, cos, sin, cache.keys[i], cache.values[i], start)
         cache.length = start + n
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         return _Out(last_hidden_state=x.unsqueeze(0), past_key_values=cache)

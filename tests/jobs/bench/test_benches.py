@@ -30,11 +30,26 @@ from workers.models import calibrate
     (bench_draft_cost.main, ["--rounds", "5"], "--rounds >= 12"),
     (bench_draft_cost.main, ["--pair", "nope"], "unknown pair 'nope'"),
     (bench_draft_cost.main, ["--dtype", "bf16"], "--dtype must be a fast-path dtype"),
+    (bench_draft_cost.main, ["--threads", "-1"], "--threads must be >= 0"),
+    (bench_draft_cost.main, ["--proposal-size", "0"], "--proposal-size must be >= 1"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err
+
+
+def test_draft_cost_times_the_scripted_step_beside_the_eager_one(capsys):
+    argv = ["--pair", "tiny-random", "--dtype", "int4+int8", "--context", "20", "--rounds", "12",
+            "--proposal-size", "64", "--threads", "1"]
+    assert bench_draft_cost.main(argv) == 0
+    out = capsys.readouterr().out
+    for line in ("draft, whole head:", "draft, proposal head:", "draft, proposal head, eager step:", "target:",
+                 "cost ratio c, proposal head:", "scripted one-token step:", "1 threads"):
+        assert line in out, (line, out)
+    assert bench_draft_cost.main([a if a != "int4+int8" else "int8" for a in argv]) == 0
+    out = capsys.readouterr().out
+    assert "cost ratio c, proposal head:" in out and "eager step" not in out, "int8 layers have no scripted step"
 
 
 def test_bench_quality_tabulates_every_config_and_resumes(tmp_path, capsys):
