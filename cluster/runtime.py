@@ -21,6 +21,9 @@ DEFAULT_OBJECT_STORE_BYTES = 256 << 20
 # (a model loading next to it) starting uvicorn takes longer and the controller kills it in a
 # loop. The controller and proxy read these from their environment (inherited from here).
 SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "30"}
+# the engines' switches, set by the driver: its actors must decode as it was told (a cluster's workers do not
+# inherit the driver's environment)
+ENGINE_ENV = ("SPECTUNE_FUSED", "SPECTUNE_SCRIPTED_STEP")
 
 
 def configure_env() -> None:
@@ -47,7 +50,8 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_
     # a local driver's workers share this checkout, so adding it to PYTHONPATH is enough.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
-                        **{k: os.environ[k] for k in SERVE_ENV}}}
+                        **{k: os.environ[k] for k in SERVE_ENV},
+                        **{k: os.environ[k] for k in ENGINE_ENV if k in os.environ}}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=not quiet, configure_logging=quiet)
     else:

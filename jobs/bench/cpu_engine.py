@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> dict:
         profiles[dtype] = profile
         costs[dtype] = args.cost_ratio if args.cost_ratio is not None else profile.cost_ratio
         print(f"{dtype}: c = {profile.cost_ratio:.3f}, v(5) = {profile.verify_factor(5):.2f}, target step "
-              f"{profile.target_step_s * 1e3:.1f} ms (load {profile.load_1m:.2f})", file=sys.stderr, flush=True)
+              f"{profile.target_step_s * 1e3:.1f} ms (load {profile.load_1m:.2f}, {profile.threads} threads, "
+              f"{profile.layers} layers)", file=sys.stderr, flush=True)
     engines = {d: engines[d] for d in dtypes}
     name = next(iter(engines.values())).pair.name
     prompts = gsm8k_prompts(next(iter(engines.values())).pair.tokenizer, args.items)

@@ -33,7 +33,7 @@ import torch
 
 from workers.cli import one_line_errors
 from workers.models.fast import new_cache
-from workers.models.pair import ModelPair, dtype_tag, load_pair
+from workers.models.pair import ModelPair, dtype_tag, fast_path, load_pair
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,11 @@ class CostProfile:
     # the draft step's LM head: "full", or "proposal-N" (greedy drafting over a proposal vocabulary of N ids,
     # workers.models.proposal, as the CPU engine drafts at T = 0); a stored profile of another kind is remeasured
     draft_head: str = "full"
+    # the torch threads it timed with (a sweep's actors run 1 each, a bench both cores: c and v differ), 0 unknown
+    threads: int = 0
+    # how the fast path's layers ran: "scripted" (workers.models.fast_step) or "eager"; a profile timed otherwise
+    # than the engine now runs is measured again
+    layers: str = "eager"
 
     @property
     def cost_ratio(self) -> float:
@@ -96,10 +101,20 @@ def _dtype_tag(dtype: torch.dtype) -> str:
     return dtype_tag(dtype)
 
 
-def profile_path(pair: ModelPair) -> Path | None:
+def profile_path(pair: ModelPair, threads: int | None = None) -> Path | None:
+    """Where this pair's profile at this dtype, machine and thread count (default: torch's now) is stored."""
     if pair.cache_dir is None:
         return None
-    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}.json"
+    threads = torch.get_num_threads() if threads is None else threads
+    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t.json"
+
+
+def layers_kind(pair: ModelPair) -> str:
+    """How the pair's layers run now: "scripted" on the fast path (unless ``SPECTUNE_SCRIPTED_STEP=0``), else
+    "eager"."""
+    from workers.models import fast_step
+
+    return "scripted" if fast_path(pair.dtype) and fast_step.enabled() else "eager"
 
 
 def load_profile(pair: ModelPair) -> CostProfile | None:
@@ -147,11 +162,11 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
     target_s = _timed(step_fn(pair.target, 1, False), reps)
     verify = {str(n): _timed(step_fn(pair.target, n, True), reps) for n in verify_sizes}
     return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
-                       os.getloadavg()[0], proposals.head_kind(pair))
+                       os.getloadavg()[0], proposals.head_kind(pair), torch.get_num_threads(), layers_kind(pair))
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
-    path = profile_path(pair)
+    path = profile_path(pair, profile.threads or None)
     if path is None:
         return None
     tmp = path.with_suffix(".tmp")
@@ -212,6 +227,10 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
         print(f"calibrate: the stored profile timed the draft with a {profile.draft_head} head: measuring again",
               file=sys.stderr)
         profile = None
+    if profile is not None and (profile.threads, profile.layers) != (torch.get_num_threads(), layers_kind(pair)):
+        print(f"calibrate: the stored profile timed {profile.layers} layers at {profile.threads or '?'} threads, "
+              f"this run {layers_kind(pair)} at {torch.get_num_threads()}: measuring again", file=sys.stderr)
+        profile = None
     if profile is not None and under_load(profile.load_1m):
         print(f"calibrate: the stored profile was measured at load {profile.load_1m:.2f}: measuring again",
               file=sys.stderr)
@@ -243,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     pair = load_pair(args.pair, dtype=args.dtype, cache_dir=args.cache_dir)
     profile = measure(pair, context=args.context, reps=args.reps)
     path = save_profile(pair, profile)
-    print(f"pair={profile.pair} dtype={profile.dtype} machine={profile.machine} load(1m)={profile.load_1m:.2f}")
+    print(f"pair={profile.pair} dtype={profile.dtype} machine={profile.machine} threads={profile.threads} "
+          f"layers={profile.layers} load(1m)={profile.load_1m:.2f}")
     print(f"draft step {profile.draft_step_s * 1e3:.1f} ms, target step {profile.target_step_s * 1e3:.1f} ms "
           f"-> c = {profile.cost_ratio:.3f}")
     for n, t in profile.verify_s.items():

@@ -155,3 +155,35 @@ def test_cpu_engine_is_workers_models_calibrate(capsys):
                            "--context", "16"]) == 0
     out = capsys.readouterr().out
     assert "pair=tiny-random dtype=fp32" in out and "-> c = " in out and "not stored" in out
+
+
+def test_a_stored_cpu_profile_is_kept_per_thread_count_and_remeasured_when_the_layers_run_otherwise(
+        tmp_path, monkeypatch, capsys):
+    """A sweep's actors time at one thread, a bench at every core: c and v differ, so each has its own file; and a
+    profile timed with the eager layers is not the scripted engine's."""
+    import dataclasses
+
+    import torch
+
+    from workers.models import fast_step
+    from workers.models.pair import load_pair
+
+    monkeypatch.setattr(stored, "under_load", lambda *a, **k: False)  # stored whatever this machine's load
+    pair = dataclasses.replace(load_pair("tiny-random", dtype="int4+int8"), cache_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = stored.get_profile(pair)
+        assert (one.threads, one.layers) == (1, "scripted")
+        path = stored.profile_path(pair)
+        assert path.name.endswith("-1t.json") and json.loads(path.read_text())["threads"] == 1
+        assert stored.get_profile(pair) == one, "read back, not measured again"
+        torch.set_num_threads(2)
+        two = stored.get_profile(pair)
+        assert two.threads == 2 and stored.profile_path(pair).name.endswith("-2t.json") and path.is_file()
+        monkeypatch.setenv(fast_step.ENV, "0")
+        eager = stored.get_profile(pair)
+        assert (eager.threads, eager.layers) == (2, "eager")
+        assert "timed scripted layers at 2 threads, this run eager at 2: measuring again" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
