@@ -39,7 +39,13 @@ def configure_env() -> None:
 
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_store_bytes: int | None = None,
              dashboard: bool = False, quiet: bool = True) -> dict[str, Any]:
-    """Connect or start; idempotent. Returns ``ray.cluster_resources()``."""
+    """Connect or start; idempotent. Returns ``ray.cluster_resources()``. A bad engine switch
+    (``ENGINE_ENV``) fails here, naming it, before any actor starts with it."""
+    from policies import fused
+    from workers.models import fast_step
+
+    fused.mode()
+    fast_step.enabled()
     configure_env()
     import ray
 

@@ -1,6 +1,6 @@
 """Benchmark: where the fast path's cost ratio c comes from — the draft step with its whole LM head and with the
-proposal head (and, for a 4-bit draft, with its layers run eagerly instead of as the scripted graph of
-``workers.models.fast_step``), beside the target step, interleaved in one run, and the share of each step spent in the GEMMs
+proposal head (and with its layers run eagerly instead of as the scripted graph of ``workers.models.fast_step``),
+beside the target step, interleaved in one run, and the share of each step spent in the GEMMs
 (fbgemm's ``quantized::linear_dynamic`` for int8 weights, ``aten::_weight_int4pack_mm_for_cpu`` for the 4-bit
 draft of ``--dtype int4+int8``, from the profiler).
 
@@ -58,8 +58,16 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     if args.proposal_size is not None and args.proposal_size < 1:
         raise ValueError(f"--proposal-size must be >= 1, got {args.proposal_size}")
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
     from workers.models.pair import dtype_tag, fast_path
 
     if not fast_path(args.dtype):
@@ -89,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                 "draft, proposal head": (pair.draft, proposal.logits, True),
                 "target": (pair.target, pair.target.get_output_embeddings(), True)}
         draft_decoder = pair.draft.get_decoder()
-        if draft_decoder._scripted:  # the same step run op by op from Python: what scripting saves
+        if draft_decoder.uses_scripted():  # the same step run op by op from Python: what scripting saves
             arms["draft, proposal head, eager step"] = (pair.draft, proposal.logits, False)
         times: dict[str, list[float]] = {k: [] for k in arms}
         for r in range(args.rounds):

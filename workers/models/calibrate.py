@@ -7,8 +7,10 @@ verify pass's cost per extra token, stored with the pair so modelled speedups ca
 
 Timings are taken the way the engine runs the models: batch 1, a warm KV cache of
 ``context`` tokens, the LM head on the last position for a 1-token step and on all positions for
-a verify pass. Stored at ``<pair cache>/cost-<dtype>-<machine>.json``; the machine key is the CPU
-model and core count, since a ratio measured on one machine says little about another.
+a verify pass. Stored at ``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>.json``; the machine key
+is the CPU model and core count, since a ratio measured on one machine says little about another, and a profile
+is kept per torch thread count (a sweep's actors run one each, a bench every core) and per way the fast path's
+layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`).
 
 The same ratio measured through vLLM on the device that serves (``python -m workers.calibrate --engine
 vllm``) is stored next to it as ``cost-vllm-<dtype>-<device>.json`` (:func:`vllm_profile_path`); this
@@ -101,20 +103,23 @@ def _dtype_tag(dtype: torch.dtype) -> str:
     return dtype_tag(dtype)
 
 
-def profile_path(pair: ModelPair, threads: int | None = None) -> Path | None:
-    """Where this pair's profile at this dtype, machine and thread count (default: torch's now) is stored."""
+def profile_path(pair: ModelPair, threads: int | None = None, layers: str | None = None) -> Path | None:
+    """Where this pair's profile at this dtype, machine, thread count and layers (default: as they run now) is
+    stored."""
     if pair.cache_dir is None:
         return None
     threads = torch.get_num_threads() if threads is None else threads
-    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t.json"
+    layers = layers_kind(pair) if layers is None else layers
+    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t-{layers}.json"
 
 
 def layers_kind(pair: ModelPair) -> str:
-    """How the pair's layers run now: "scripted" on the fast path (unless ``SPECTUNE_SCRIPTED_STEP=0``), else
-    "eager"."""
-    from workers.models import fast_step
-
-    return "scripted" if fast_path(pair.dtype) and fast_step.enabled() else "eager"
+    """How the pair's layers run now: "scripted" where both models' fast-path decoders will run the scripted
+    layers (:meth:`workers.models.fast._Decoder.uses_scripted`), else "eager"."""
+    if not fast_path(pair.dtype):
+        return "eager"
+    uses = [getattr(m.get_decoder(), "uses_scripted", None) for m in (pair.draft, pair.target)]
+    return "scripted" if all(u is not None and u() for u in uses) else "eager"
 
 
 def load_profile(pair: ModelPair) -> CostProfile | None:
@@ -166,7 +171,7 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
-    path = profile_path(pair, profile.threads or None)
+    path = profile_path(pair, profile.threads or None, profile.layers)
     if path is None:
         return None
     tmp = path.with_suffix(".tmp")

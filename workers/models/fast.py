@@ -315,6 +315,19 @@ class _Decoder(torch.nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim)
 
+    def uses_scripted(self) -> bool:
+        """Whether the next pass runs the scripted layers: ``scripted`` and ``SPECTUNE_SCRIPTED_STEP`` (read each
+        pass) allow it and every linear is of one kind (:class:`workers.models.fast_step.ScriptedLayers`)."""
+        from workers.models.fast_step import enabled
+
+        return self.scripted and enabled() and self._scripted is not False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A scripted function cannot be pickled or deep-copied: a copy scripts its layers again at first use."""
+        state = dict(self.__dict__)
+        state["_scripted"] = None
+        return state
+
     def _rope(self, start: int, n: int) -> tuple[Tensor, Tensor]:
         if start + n > self._cos.shape[0]:
             size = max(start + n, 2 * self._cos.shape[0], 1024)
@@ -338,11 +351,11 @@ class _Decoder(torch.nn.Module):
         cache.reserve(start + n)
         cos, sin = self._rope(start, n)
         x = self.embed[ids]
-        if self.scripted and self._scripted is None:
+        if self.uses_scripted() and self._scripted is None:
             from workers.models.fast_step import ScriptedLayers
 
             self._scripted = ScriptedLayers.for_layers(list(self.layers)) or False
-        if self.scripted and self._scripted:
+        if self.uses_scripted() and self._scripted:
             x = self._scripted(x, cos, sin, cache.keys, cache.values, start)
         else:
             for i, layer in enumerate(self.layers):

@@ -157,8 +157,7 @@ def test_cpu_engine_is_workers_models_calibrate(capsys):
     assert "pair=tiny-random dtype=fp32" in out and "-> c = " in out and "not stored" in out
 
 
-def test_a_stored_cpu_profile_is_kept_per_thread_count_and_remeasured_when_the_layers_run_otherwise(
-        tmp_path, monkeypatch, capsys):
+def test_a_stored_cpu_profile_is_kept_per_thread_count_and_per_way_the_layers_run(tmp_path, monkeypatch):
     """A sweep's actors time at one thread, a bench at every core: c and v differ, so each has its own file; and a
     profile timed with the eager layers is not the scripted engine's."""
     import dataclasses
@@ -176,14 +175,17 @@ def test_a_stored_cpu_profile_is_kept_per_thread_count_and_remeasured_when_the_l
         one = stored.get_profile(pair)
         assert (one.threads, one.layers) == (1, "scripted")
         path = stored.profile_path(pair)
-        assert path.name.endswith("-1t.json") and json.loads(path.read_text())["threads"] == 1
+        assert path.name.endswith("-1t-scripted.json") and json.loads(path.read_text())["threads"] == 1
         assert stored.get_profile(pair) == one, "read back, not measured again"
         torch.set_num_threads(2)
         two = stored.get_profile(pair)
-        assert two.threads == 2 and stored.profile_path(pair).name.endswith("-2t.json") and path.is_file()
-        monkeypatch.setenv(fast_step.ENV, "0")
+        assert two.threads == 2 and stored.profile_path(pair).name.endswith("-2t-scripted.json") and path.is_file()
+        monkeypatch.setenv(fast_step.ENV, "0")  # read at every pass: the models built above now run eagerly
+        assert not pair.draft.get_decoder().uses_scripted() and stored.layers_kind(pair) == "eager"
         eager = stored.get_profile(pair)
         assert (eager.threads, eager.layers) == (2, "eager")
-        assert "timed scripted layers at 2 threads, this run eager at 2: measuring again" in capsys.readouterr().err
+        assert stored.profile_path(pair).name.endswith("-2t-eager.json") and stored.load_profile(pair) == eager
+        monkeypatch.setenv(fast_step.ENV, "1")
+        assert stored.get_profile(pair) == two, "the scripted profile is still there: no measuring again"
     finally:
         torch.set_num_threads(threads)

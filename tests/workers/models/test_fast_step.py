@@ -103,3 +103,77 @@ def test_an_engine_refuses_a_bad_switch_before_decoding(int4, monkeypatch):
     monkeypatch.setenv(fast_step.ENV, "on")
     with pytest.raises(ValueError, match="SPECTUNE_SCRIPTED_STEP must be 0 or 1, got 'on'"):
         SpecDecoder(int4)
+
+
+def _qwen(heads: int, kv_heads: int, head_dim: int, bits: int) -> fast.Int8CausalLM:
+    """A small random Qwen2 (biases on q/k/v, none on o, as the real pair), rebuilt on the fast path."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                         max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(3)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return fast.quantize(model, _ids(40, seed=9), bits=bits)
+
+
+# no GQA (kv heads = heads); and GQA with a q/k/v width of 360, not a multiple of 16 (the 4-bit GEMM's padded rows)
+@pytest.mark.parametrize("shape", [(2, 2, 32), (8, 1, 36)], ids=["no-gqa", "gqa-padded"])
+@pytest.mark.parametrize("bits", [4, 8])
+@torch.inference_mode()
+def test_biases_no_gqa_and_padded_widths_are_bit_identical_too(shape, bits):
+    model = _qwen(*shape, bits=bits)
+    decoder = model.get_decoder()
+    layer = decoder.layers[0]
+    assert layer.qkv.bias is not None and layer.o.bias is None
+    assert (layer.kv_heads == layer.heads) == (shape[0] == shape[1])
+    ids = _ids(24, seed=bits)
+    out = {}
+    for scripted in (False, True):
+        decoder.scripted = scripted
+        cache = model.new_cache()
+        rows = [decoder(ids[:, :10], past_key_values=cache).last_hidden_state[0]]
+        rows += [decoder(ids[:, j:j + 1], past_key_values=cache).last_hidden_state[0] for j in range(10, 24)]
+        out[scripted] = torch.cat(rows)
+    assert isinstance(decoder._scripted, fast_step.ScriptedLayers)
+    assert torch.equal(out[False], out[True])
+
+
+@torch.inference_mode()
+def test_a_model_scripted_in_one_thread_decodes_the_same_in_another(int8):
+    """A Serve replica loads its pair in one thread and answers in others: the int8 linears' scratch rows are
+    per thread."""
+    import threading
+
+    decoder = int8.target.get_decoder()
+    ids = _ids(30, seed=11)
+    expected = decoder(ids, past_key_values=decoder.new_cache()).last_hidden_state
+    got = {}
+
+    def run() -> None:
+        with torch.inference_mode():
+            got["out"] = decoder(ids, past_key_values=decoder.new_cache()).last_hidden_state
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+    assert isinstance(decoder._scripted, fast_step.ScriptedLayers) and torch.equal(got["out"], expected)
+
+
+@torch.inference_mode()
+def test_a_scripted_model_can_still_be_copied_and_pickled(int4):
+    import copy
+    import pickle
+
+    model = int4.draft
+    ids = _ids(12, seed=12)
+    first = model.get_decoder()(ids, past_key_values=model.new_cache()).last_hidden_state
+    assert isinstance(model.get_decoder()._scripted, fast_step.ScriptedLayers)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert twin.get_decoder()._scripted is None, "scripted again at its first pass"
+        again = twin.get_decoder()(ids, past_key_values=twin.new_cache()).last_hidden_state
+        assert torch.equal(again, first) and isinstance(twin.get_decoder()._scripted, fast_step.ScriptedLayers)
