@@ -11,7 +11,9 @@ Hugging Face model as a short list of tensor ops per layer:
   VNNI on avx512 CPUs and AVX2 elsewhere): a quarter of fp32's weight bytes, and a 6-row GEMM costs about
   what a 1-row one does;
 - norms, rotary embeddings and attention run in fp32 on the few rows a step has; the KV cache is one
-  preallocated tensor per layer that grows by doubling, and cropping it is moving its length back.
+  preallocated tensor per layer that grows by doubling, and cropping it is moving its length back;
+- the layers run as one TorchScript function with these very ops (:mod:`workers.models.fast_step`: bit-identical,
+  without Python's per-op overhead), eagerly where ``SPECTUNE_SCRIPTED_STEP=0`` or ``_Decoder.scripted`` is False.
 
 Numerics differ from the fp32 model (activation quantization); that difference is measured against fp32,
 never assumed (``jobs.bench.quality``). What it exposes is what the CPU engine, replay and calibration use of
