@@ -11,7 +11,7 @@ row exactness, replay and the stored references are untouched. Passes of several
 draft's catch-up over accepted tokens) run the same graph: the same per-row attention calls as eager.
 
 Built for a decoder whose linears are all 4-bit (:class:`workers.models.q4.Q4Linear`, the draft of ``--dtype
-int4+int8``) or all int8 (:class:`workers.models.fast.QLinear`). ``torch.jit.script`` is deprecated upstream in
+int4+int8``) or all int8 (:class:`workers.models.q8.QLinear`). ``torch.jit.script`` is deprecated upstream in
 favour of ``torch.compile``, which generates its own kernels and so changes numerics; torch is pinned (2.13),
 where scripting works. ``SPECTUNE_SCRIPTED_STEP=0`` turns it off (the eager layers, for an A/B: ``python -m
 jobs.bench.draft_cost`` times both in one run).
@@ -107,6 +107,18 @@ def _layers(x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: lis
     return x
 
 
+def _four_bits(linears: list[Any]) -> bool | None:
+    """True where every linear is 4-bit, False where every one is int8, None for anything else."""
+    from workers.models.q4 import Q4Linear
+    from workers.models.q8 import QLinear
+
+    if linears and all(isinstance(lin, Q4Linear) for lin in linears):
+        return True
+    if linears and all(isinstance(lin, QLinear) for lin in linears):
+        return False
+    return None
+
+
 @functools.cache
 def _scripted() -> Any:
     with warnings.catch_warnings():  # deprecated upstream (see the module docstring); torch is pinned
@@ -118,14 +130,12 @@ class ScriptedLayers:
     """One decoder's layers as the scripted graph, their weights gathered once (see the module docstring)."""
 
     def __init__(self, layers: list[Any]) -> None:
-        from workers.models.fast import QLinear
-        from workers.models.q4 import Q4Linear
-
         first = layers[0]
         linears = [getattr(layer, name) for layer in layers for name in _NAMES]
-        self.four = all(isinstance(lin, Q4Linear) for lin in linears)
-        if not self.four and not all(isinstance(lin, QLinear) for lin in linears):
+        four = _four_bits(linears)
+        if four is None:
             raise TypeError("the scripted layers are built for layers whose linears are all 4-bit or all int8")
+        self.four = four
         self.eps = float(first.eps)
         self.norms1 = [layer.norm1 for layer in layers]
         self.norms2 = [layer.norm2 for layer in layers]
@@ -145,19 +155,13 @@ class ScriptedLayers:
     def for_layers(cls, layers: list[Any]) -> ScriptedLayers | None:
         """The graph for ``layers``, or None where it does not apply (linears neither all 4-bit nor all int8) or is
         turned off."""
-        from workers.models.fast import QLinear
-        from workers.models.q4 import Q4Linear
-
-        if not layers or not enabled():
-            return None
-        linears = [getattr(layer, name, None) for layer in layers for name in _NAMES]
-        if not (all(isinstance(lin, Q4Linear) for lin in linears) or all(isinstance(lin, QLinear) for lin in linears)):
+        if not enabled() or _four_bits([getattr(layer, name, None) for layer in layers for name in _NAMES]) is None:
             return None
         return cls(layers)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor],
                  start: int) -> Tensor:
-        from workers.models.fast import _REDUCE_RANGE, _SCRATCH_ROWS, _span_buffer
+        from workers.models.q8 import _REDUCE_RANGE, _SCRATCH_ROWS, _span_buffer
 
         heads, kv_heads, head_dim, intermediate, gqa = self.shape
         spans = [] if self.four else [_span_buffer(_SCRATCH_ROWS, w) for w in self.widths]  # this thread's
