@@ -127,7 +127,7 @@ def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: 
         raise ValueError("the choice names no pair: pass --pair (a pair name or DRAFT+TARGET directories)")
     if pair == TINY_PAIR:
         raise ValueError(f"pair {TINY_PAIR!r} is built in memory and cannot be served by vLLM from disk: save it with "
-                         "workers.models.pair.save_tiny_pair(DIR) and pass --pair DIR/draft+DIR/target")
+                         "workers.models.tiny.save_tiny_pair(DIR) and pass --pair DIR/draft+DIR/target")
     try:
         draft, target, _ = pair_dirs(pair, cache_dir)
     except Exception as err:  # AssetError (a real pair not fetched) names the fix command

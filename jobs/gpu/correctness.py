@@ -236,7 +236,7 @@ def check_determinism(run: Run) -> dict[str, Any]:
 def check_tiny_pair(run: Run, prompt: str = "def fibonacci(n):") -> dict[str, Any]:
     from policies import make_policy
     from workers.cpu_engine import SpecDecoder
-    from workers.models.pair import tiny_random_pair
+    from workers.models.tiny import tiny_random_pair
     from workers.vllm.step import decide_step
 
     max_new = run.shapes.pair_tokens

@@ -16,7 +16,7 @@ from cluster.openai_api import (
     parse_spec,
 )
 from policies import make_policy
-from workers.models.pair import tiny_tokenizer
+from workers.models.tiny import tiny_tokenizer
 
 MODEL = "spectune/tiny-random"
 DEFAULT = SpecChoice("kl_judge", {"threshold": 0.5}, 5)

@@ -10,7 +10,7 @@ from cluster.pair_actor import make_workers, release, run_trial
 from cluster.runtime import init_ray
 from workers.benchmarks import get_benchmark
 from workers.evaluation import TARGET_ONLY, DecodeSpec
-from workers.models.pair import save_tiny_pair
+from workers.models.tiny import save_tiny_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -16,7 +16,7 @@ import requests
 from cluster.runtime import init_ray
 from cluster.serve_app import ServeSettings, build_app
 from tests.cluster.test_serve import events, free_port, post, wait_healthy
-from workers.models.pair import save_tiny_pair
+from workers.models.tiny import save_tiny_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

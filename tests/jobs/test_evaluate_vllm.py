@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 def test_a_rule_is_evaluated_on_the_vllm_engine_in_batches(tmp_path, capsys):
     from jobs import evaluate as evaluate_job
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     draft, target = save_tiny_pair(tmp_path / "pair", head_dim=64)
     argv = ["--engine", "vllm", "--pair", f"{draft}+{target}", "--dtype", "fp32", "--benchmark", "gsm8k", "--limit",

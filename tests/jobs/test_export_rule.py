@@ -27,7 +27,7 @@ def chosen(pair: str, certified: bool | None = True, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[Path, Path]:
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     return save_tiny_pair(tmp_path_factory.mktemp("tiny"), head_dim=16, draft_vocab=288)  # a narrower draft
 

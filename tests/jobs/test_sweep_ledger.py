@@ -30,7 +30,7 @@ def certification(chosen: dict) -> dict:
 
 
 def test_one_attempt_per_item_whatever_changes_and_new_items_confirms_elsewhere(tmp_path):
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     draft, target = save_tiny_pair(tmp_path / "pair", head_dim=16)
     (tmp_path / "alias").symlink_to(tmp_path / "pair")

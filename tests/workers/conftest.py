@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workers.cpu_engine import SpecDecoder
-from workers.models.pair import save_tiny_pair, tiny_random_pair
+from workers.models.tiny import save_tiny_pair, tiny_random_pair
 from workers.vllm.faults import FAULTS_ENV
 from workers.vllm.rules import TRACE_DIR_ENV
 

@@ -10,7 +10,8 @@ import torch
 from policies import POLICIES, get_spec, make_policy
 from workers.cpu_engine import SpecDecoder
 from workers.metrics.cost import modelled_cost
-from workers.models.pair import load_pair, tiny_random_pair
+from workers.models.pair import load_pair
+from workers.models.tiny import tiny_random_pair
 
 PROMPTS = [
     "Hello world, this is a test",

@@ -12,7 +12,8 @@ import pytest
 
 from workers import calibrate
 from workers.models import calibrate as stored
-from workers.models.pair import pair_dirs, save_tiny_pair
+from workers.models.pair import pair_dirs
+from workers.models.tiny import save_tiny_pair
 from workers.stats import Generation, GenerationStats
 
 

@@ -14,7 +14,8 @@ pytest.importorskip("vllm", reason="runs in .vllm-venv (make test's vLLM run), w
 
 from workers import calibrate  # noqa: E402
 from workers.models import calibrate as stored  # noqa: E402
-from workers.models.pair import pair_dirs, save_tiny_pair  # noqa: E402
+from workers.models.pair import pair_dirs  # noqa: E402
+from workers.models.tiny import save_tiny_pair  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

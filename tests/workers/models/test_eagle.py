@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from workers.models.eagle import check_head_dir, save_tiny_eagle3_head
-from workers.models.pair import save_tiny_pair
+from workers.models.tiny import save_tiny_pair
 from workers.vllm.settings import VLLMSettings
 
 

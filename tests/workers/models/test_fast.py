@@ -9,15 +9,8 @@ import torch
 
 from workers.cpu_engine import SpecDecoder
 from workers.models import fast, fast_store
-from workers.models.pair import (
-    INT4_DRAFT,
-    INT8,
-    auto_dtype,
-    dtype_tag,
-    fast_path,
-    load_pair,
-    tiny_random_pair,
-)
+from workers.models.pair import INT4_DRAFT, INT8, auto_dtype, dtype_tag, fast_path, load_pair
+from workers.models.tiny import tiny_random_pair
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +129,7 @@ def test_auto_dtype_prefers_the_fast_path_on_x86_cpus(monkeypatch):
 
 def _saved_draft(tmp_path):
     """The tiny draft saved as a model directory, a loader of its float model, and the list each load appends to."""
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     draft_dir, _ = save_tiny_pair(tmp_path / "pair", head_dim=16)
     loads: list[int] = []

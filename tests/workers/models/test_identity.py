@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 
 from workers.models.identity import model_fingerprint, pair_fingerprint
-from workers.models.pair import save_tiny_pair
+from workers.models.tiny import save_tiny_pair
 
 
 def _hub_cache(root, repo: str, src, commit: str) -> None:

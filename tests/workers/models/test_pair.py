@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from workers.models import pair as pair_mod
-from workers.models.pair import PAIRS, load_pair, tiny_random_pair, tiny_tokenizer
+from workers.models.pair import PAIRS, load_pair
+from workers.models.tiny import tiny_random_pair, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -171,7 +171,7 @@ def test_pair_dirs_are_checked_before_vllm_starts(tmp_path):
     import json
     import shutil
 
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
     from workers.vllm.settings import check_pair_dirs
 
     same = save_tiny_pair(tmp_path / "same", head_dim=64)

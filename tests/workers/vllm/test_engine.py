@@ -17,7 +17,7 @@ import torch
 from policies import get_spec, make_policy, verify
 from policies.core import VerifyBatch
 from tests.workers.vllm.pair import PROMPTS, SETTINGS, L, clear, randomness, replay, traces
-from workers.models.pair import tiny_random_pair
+from workers.models.tiny import tiny_random_pair
 from workers.vllm.engine import VLLMDecoder
 from workers.vllm.rules import RULE_FILE_ENV
 from workers.vllm.settings import VLLMSettings, engine_counters

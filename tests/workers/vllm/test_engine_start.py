@@ -154,7 +154,7 @@ PAD = 288  # the padded tiny pair's draft width (the target's is 320, the tokeni
 
 @pytest.fixture(scope="module")
 def padded_engine(tmp_path_factory, trace_dir):
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     draft, target = save_tiny_pair(tmp_path_factory.mktemp("tiny-h64-pad"), head_dim=64, draft_vocab=PAD)
     eng = VLLMDecoder(f"{draft}+{target}", VLLMSettings(**SETTINGS))
@@ -226,7 +226,7 @@ def test_a_draft_wider_than_the_target_is_refused_before_vllm_starts(tmp_path, m
     sizes differ, and comes after the front end has built its config)."""
     import workers.vllm.async_engine as async_engine
     import workers.vllm.engine as engine
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
 
     def no_start(*args, **kwargs):
         raise AssertionError("vLLM was about to start")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.models.pair import save_tiny_pair, tiny_random_pair
+from workers.models.tiny import save_tiny_pair, tiny_random_pair
 from workers.vllm.common import memory_shares
 from workers.vllm.memory import GIB, QWEN25, ModelShape, main, plan_memory, table
 from workers.vllm.settings import VLLMSettings

@@ -115,7 +115,7 @@ def traces(trace_dir: Path) -> list[dict]:
 
 
 def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
-    from workers.models.pair import save_tiny_pair
+    from workers.models.tiny import save_tiny_pair
     from workers.vllm.faults import FAULTS_ENV
     from workers.vllm.orphans import OWNER_ENV
     from workers.vllm.rules import NATIVE, RULE_FILE_ENV, TRACE_DIR_ENV, seen_rules
