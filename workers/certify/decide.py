@@ -132,13 +132,22 @@ def sequential_bound(reference: Sequence[float], trial: Sequence[float], plan: A
     """The deciding look of a group-sequential confirmation (``plan``: a ``sequential.LookPlan``): the bound on
     the first n_k items at the look's level alpha_k, tested against ``budget`` (:func:`passes`), for the first
     look that certifies; if none does, the last look whose n_k items are all here (or, with fewer items than
-    the first look, every item at the first look's level). One look is the fixed-n test at ``plan.alpha``."""
+    the first look, every item at the first look's level). One look is the fixed-n test at ``plan.alpha``.
+
+    Which bound every look uses is decided once, from all the scores given: right/wrong scores take the exact
+    test at the plan's levels (calibrated jointly for the exact test); any other score makes every look a
+    betting bound at the alpha its look spends (spent_k - spent_{k-1}, summing to alpha: a union bound), since
+    the calibrated levels hold only for the exact test and add up to more than alpha."""
     ref, tri = _paired(reference, trial)
+    binary = all(v in (0.0, 1.0) for v in ref + tri)
     calibrated = plan.thresholds is not None and plan.budget == budget and len(plan.sizes) > 1
+    spent = tuple(plan.spent) or tuple(plan.alphas)
+    shares = (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
 
     def look(k: int, n: int) -> DropBound:
-        level = max(plan.alphas[k - 1], 1e-12)  # 0: nothing may pass at this look (its bound: a description)
-        bound = replace(passes(drop_bound(ref[:n], tri[:n], level), budget), look=k, looks=len(plan.sizes))
+        level = max(plan.alphas[k - 1] if binary else shares[k - 1], 1e-12)  # 0: nothing may pass at this look
+        bound = replace(passes(drop_bound(ref[:n], tri[:n], level, binary=binary), budget), look=k,
+                        looks=len(plan.sizes))
         if calibrated and bound.method == EXACT:
             from workers.certify.exact import score_z
 

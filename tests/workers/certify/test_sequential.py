@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from workers.certify.decide import certifies, drop_bound, passes, sequential_bound
+from workers.certify.exact import METHOD as EXACT
 from workers.certify.exact import exact_plan, exact_power
 from workers.certify.sequential import LookPlan, crossing, look_plan, sequential_power
 
@@ -123,6 +124,25 @@ def test_the_decision_stops_at_the_first_look_that_passes_and_reads_only_its_ite
     assert (got.look, got.n) == (2, 200) and certifies(got)
     short = sequential_bound(ref[:40], clean[:40], plan, 0.1)  # fewer items than the first look
     assert (short.look, short.n) == (1, 40) and short.alpha == pytest.approx(plan.alphas[0])
+
+
+def test_graded_scores_take_the_betting_bound_at_each_looks_share_of_alpha_at_every_look():
+    """The calibrated levels hold for the exact test only and sum to more than alpha; a betting bound at each look
+    gets the alpha that look spends, and a right/wrong prefix does not switch a graded run back to the exact test."""
+    plan = look_plan(120, 3, 0.05, budget=0.05)
+    assert sum(plan.alphas) > 0.05  # what a union over betting looks at these levels could reach
+    shares = [plan.spent[0], plan.spent[1] - plan.spent[0], plan.spent[2] - plan.spent[1]]
+    assert sum(shares) == pytest.approx(0.05)
+    ref = [1.0] * 120
+    graded = [1.0] * 119 + [0.5]  # right/wrong on the first two looks' items, one graded score in the last
+    got = sequential_bound(ref, graded, plan, 0.05)
+    assert got.method == "betting" and got.alpha == pytest.approx(shares[got.look - 1])
+    for k, n in enumerate(plan.sizes, start=1):  # every look of it, taken alone: the same bound at the same share
+        at = sequential_bound(ref, graded, LookPlan(plan.sizes[:k], plan.alphas[:k], plan.alpha, plan.rho,
+                                                    plan.spent[:k], plan.budget, plan.thresholds[:k]), 0.05)
+        assert at.method == "betting" and at.alpha == pytest.approx(shares[at.look - 1]), (k, n)
+    binary = sequential_bound(ref, [1.0] * 120, plan, 0.05)
+    assert binary.method == EXACT and binary.alpha == pytest.approx(plan.alphas[binary.look - 1])
 
 
 def test_one_look_decides_exactly_as_the_fixed_n_test():
