@@ -110,6 +110,9 @@ class Record:
     # code version (:func:`code_version`; "": an older record)
     threads: int = 0
     code: str = ""
+    # the replay semantics a replayed record was made under (``workers.replay.REPLAY_VERSION``; 0: decoded in full, or
+    # an older record): what a certificate is decided on keeps a replayed record only at the current version
+    replay_version: int = 0
 
     @property
     def timed(self) -> bool:
@@ -272,4 +275,14 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
         output_token_ids=token_ids, error=error, lossless_fallback_steps=total.lossless_fallback_steps,
         replay=";".join(how), threads=_threads(), code=code_version(),
+        replay_version=_replay_version(how),
     )
+
+
+def _replay_version(how: list[str]) -> int:
+    """``workers.replay.REPLAY_VERSION`` where some turn was replayed, else 0."""
+    if not how or all(part.startswith("full") for part in how):
+        return 0
+    from workers.replay import REPLAY_VERSION
+
+    return REPLAY_VERSION

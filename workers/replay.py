@@ -45,6 +45,10 @@ from policies.registry import needs_draft_logits
 from workers.cpu_engine import resets_on_error
 from workers.stats import Generation, GenerationStats
 
+# Bumped whenever what replay decides or counts changes (the rounds it simulates, where it resumes, what it hands a
+# rule): a replayed record made under another version is made again before a certificate is decided on it
+# (``sweep.references``), since ``Record.code`` moves with every commit and says nothing about replay itself.
+REPLAY_VERSION = 1
 NEAR_TIE = 1e-4  # a top-2 logit gap below this (relative to the top logit's scale) is a near-tie
 # Pair dtypes whose rows do not depend on the rows computed beside them (workers.models.fast: int8 GEMMs and
 # row-wise ops), so the teacher-forced pass holds the very numbers incremental decoding computes and a replayed

@@ -11,6 +11,7 @@ import pytest
 from sweep.references import References
 from sweep.settings import Settings
 from tests.workers.metrics.test_trial import rec
+from workers.replay import REPLAY_VERSION
 
 
 def _refs(dtype: str, replay: str = "auto", engine: str = "cpu", temperature: float = 0.0,
@@ -77,7 +78,7 @@ def test_a_shared_stores_replayed_records_are_redone_before_confirmation_reads_t
     store = RecordStore(tmp_path / "store")
     replayed, full, failed = rec("a", 1.0), rec("b", 1.0), rec("c", 1.0)
     replayed.replay, failed.replay = "exact", "full (replay failed: IndexError)"
-    replayed.threads = 1
+    replayed.threads, replayed.replay_version = 1, REPLAY_VERSION
     for r in (replayed, full, failed):
         store.append(r)
     held, kept = _refs("bf16").held(store, confirm=True)
@@ -94,8 +95,25 @@ def test_int8_confirmation_keeps_a_replayed_record_only_if_it_was_made_at_one_th
     store = RecordStore(tmp_path / "store")
     for item, threads in (("one", 1), ("two", 2), ("unsaid", 0)):
         r = rec(item, 1.0)
-        r.replay, r.threads = "diverged@3", threads
+        r.replay, r.threads, r.replay_version = "diverged@3", threads, REPLAY_VERSION
         store.append(r)
     assert set(_refs("int8").held(store, confirm=True)[1]) == {"one"}
     assert set(_refs("int8").held(store)[1]) == {"one", "two", "unsaid"}
     assert RecordStore(tmp_path / "store").load()["two"].threads == 2, "the field survives the store"
+
+
+def test_confirmation_keeps_a_replayed_record_only_under_the_current_replay_semantics(tmp_path):
+    """A replayed record made by other replay code (an older version, or one that does not say: made before records
+    did) is made again for a certificate, whatever its threads; a record decoded in full is kept; the search keeps
+    all; the version survives the store."""
+    from workers.results.store import RecordStore
+
+    store = RecordStore(tmp_path / "store")
+    for item, version, how in (("now", REPLAY_VERSION, "exact"), ("old", REPLAY_VERSION - 1, "exact"),
+                               ("unsaid", 0, "diverged@2"), ("full", 0, "")):
+        r = rec(item, 1.0)
+        r.replay, r.threads, r.replay_version = how, 1, version
+        store.append(r)
+    assert set(_refs("int8").held(store, confirm=True)[1]) == {"now", "full"}
+    assert set(_refs("int8").held(store)[1]) == {"now", "old", "unsaid", "full"}
+    assert RecordStore(tmp_path / "store").load()["now"].replay_version == REPLAY_VERSION

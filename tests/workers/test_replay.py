@@ -12,7 +12,7 @@ from policies import POLICIES, get_spec, make_policy
 from workers.cpu_engine import SpecDecoder
 from workers.metrics.cost import modelled_cost
 from workers.models.pair import load_pair
-from workers.replay import NotReplayable, decisions, forced_pass, replay
+from workers.replay import REPLAY_VERSION, NotReplayable, decisions, forced_pass, replay
 
 PROMPTS = ["Hello world, this is a test", "Q: 12 + 30 = ?\nA:", "def add(a, b):\n    return", "The quick brown fox",
            "x", "Natalia sold clips to 48 of her friends in April, and then half as many in May."]
@@ -138,6 +138,10 @@ def test_a_reference_replay_cannot_use_is_decoded_in_full_and_said_so(engine):
     want = evaluate_item(engine, bench, item, spec)
     assert not got.failed and got.replay == "full (replay failed: IndexError)" and got.timed
     assert got.output_token_ids == want.output_token_ids
+    assert got.replay_version == want.replay_version == 0, "decoded in full: no replay semantics to name"
+    replayed = evaluate_item(engine, bench, item, spec, reference_payload(ref))
+    assert replayed.replay and not replayed.timed and replayed.replay_version == REPLAY_VERSION
+    assert replayed.output_token_ids == want.output_token_ids
     ok = evaluate_item(engine, bench, item, spec, reference_payload(ref))
     assert ok.replay and not ok.timed and ok.output_token_ids == want.output_token_ids
 
