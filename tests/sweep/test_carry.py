@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sweep.carry import pack, unpack
-from workers.results.store import slug
+from workers.results.store import reference_root, slug
 
 
 def make_study(root: Path, ledger: Path) -> Path:
@@ -25,7 +25,7 @@ def make_study(root: Path, ledger: Path) -> Path:
         db.execute("insert into trials values (0, 1.25)")
     db.close()
     (run / "trials" / "t0" / "records.jsonl").write_text('{"item_id": "a"}\n')
-    ref = root / "references" / slug("tiny-random-int8") / "gsm8k" / "target-only-x"
+    ref = reference_root(root, "tiny-random", "int8") / "gsm8k" / "target-only-x"
     ref.mkdir(parents=True)
     (ref / "records.jsonl").write_text('{"item_id": "a", "tokens": [1, 2]}\n')
     other = root / "references" / slug("tiny-random-fp32") / "gsm8k" / "target-only-x"
@@ -42,7 +42,8 @@ def test_pack_then_unpack_on_a_bare_machine_restores_the_study(tmp_path):
     archive = tmp_path / "carried" / "study-a.tar.xz"
     manifest = pack(run, archive, ledger=ledger)
     parts = sorted((f["part"], f["path"]) for f in manifest["files"])
-    assert ("references", f"references/{slug('tiny-random-int8')}/gsm8k/target-only-x/records.jsonl") in parts
+    where = reference_root(root, "tiny-random", "int8").relative_to(root).as_posix()
+    assert ("references", f"{where}/gsm8k/target-only-x/records.jsonl") in parts
     assert not any("fp32" in p for _, p in parts), "only the study's pair and dtype"
     assert ("ledger", "gsm8k-abc.jsonl") in parts and ("run", "optuna.db") in parts
     def files() -> dict[Path, bytes]:
@@ -86,7 +87,7 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path):
     assert (run / "optuna.db").read_bytes() == b"a later state"
     # a reference cache that disagrees is refused
     shutil.rmtree(run)
-    ref = root / "references" / slug("tiny-random-int8") / "gsm8k" / "target-only-x" / "records.jsonl"
+    ref = reference_root(root, "tiny-random", "int8") / "gsm8k" / "target-only-x" / "records.jsonl"
     ref.write_text("other tokens\n")
     with pytest.raises(ValueError, match="reference caches disagree"):
         unpack(archive, ledger=ledger)
@@ -122,7 +123,7 @@ def test_a_torn_ledger_line_is_ended_before_the_carried_rows_and_a_grown_cache_i
     pack(run, archive, ledger=ledger)
     shutil.rmtree(run)
     (ledger / "gsm8k-abc.jsonl").write_text('{"event": "dec')  # a crash mid-append on this machine
-    ref = root / "references" / slug("tiny-random-int8") / "gsm8k" / "target-only-x" / "records.jsonl"
+    ref = reference_root(root, "tiny-random", "int8") / "gsm8k" / "target-only-x" / "records.jsonl"
     ref.write_text(ref.read_text() + '{"item_id": "b", "tokens": [3]}\n')  # this machine's cache grew since
     got = unpack(archive, ledger=ledger)
     assert got["ledger rows"] == 1 and got["references"] == 0

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from workers.models.fast_step import attend
 from workers.models.q4 import Q4_CLIPS, Q4_GROUPS, Q4Linear, _int4_ready, _q4_widths  # noqa: F401 - fast.* names
 from workers.models.q8 import _REDUCE_RANGE, _SCRATCH_ROWS, _SPAN, QLinear, _span_buffer  # noqa: F401 - fast.* names
 
@@ -168,15 +169,7 @@ class _Layer(torch.nn.Module):
         q = qk[:self.heads]  # [H, n, D]
         keys[:, start:start + n] = qk[self.heads:]
         values[:, start:start + n] = qkv[:, k_end:].view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        gqa = self.kv_heads != self.heads
-        # One query row per call, over exactly the keys it sees: the call a one-token step makes, so a row's
-        # attention is bit-identical in a verify pass, a prefill and a step (a multi-row call reduces in another
-        # order, and a float difference that flips one int8 level downstream grows into a different logit).
-        attn = torch.cat([F.scaled_dot_product_attention(q[:, i:i + 1].unsqueeze(0), keys[:, :start + i + 1].unsqueeze(0),
-                                                         values[:, :start + i + 1].unsqueeze(0), enable_gqa=gqa)[0]
-                          for i in range(n)], dim=1) if n > 1 else \
-            F.scaled_dot_product_attention(q.unsqueeze(0), keys[:, :start + 1].unsqueeze(0),
-                                           values[:, :start + 1].unsqueeze(0), enable_gqa=gqa)[0]
+        attn = attend(q, keys, values, start, self.kv_heads)  # one query row per call: row exactness
         x = self.o.forward(attn.transpose(0, 1).reshape(n, q_end)).add_(x)
         h = F.rms_norm(x, (x.shape[-1],), self.norm2, self.eps)
         gate_up = self.gate_up.forward(h)

@@ -8,7 +8,8 @@ what keeps the cost ratio c above 0.3 there. Run as one scripted graph the same 
 is fused or reordered (the graph executor's optimizations are off while it runs: no profiling, no specialisation,
 no fusion), so every output is bit-identical to the eager layers (``tests/workers/models/test_fast_step.py``) and
 row exactness, replay and the stored references are untouched. Passes of several rows (prefill, verify, a
-draft's catch-up over accepted tokens) run the same graph: the same per-row attention calls as eager.
+draft's catch-up over accepted tokens) run the same graph: the same per-row attention calls as eager
+(:func:`attend`).
 
 Built for a decoder whose linears are all 4-bit (:class:`workers.models.q4.Q4Linear`, the draft of ``--dtype
 int4+int8``) or all int8 (:class:`workers.models.q8.QLinear`). ``torch.jit.script`` is deprecated upstream in
@@ -65,11 +66,34 @@ def _linear(x: Tensor, j: int, four: bool, packed4: list[Tensor], groups: list[i
     return out
 
 
+def attend(q: Tensor, keys: Tensor, values: Tensor, start: int, kv_heads: int) -> Tensor:
+    """Attention of query rows ``q`` [H, n, D] at positions ``start``.. over a layer's cache ``keys`` / ``values``
+    [Hkv, capacity, D] (the n positions written): [H, n, D].
+
+    One call per query row, over exactly the keys that row sees: the call a one-token step makes, so a row's
+    attention is bit-identical in a verify pass, a prefill and a step (a multi-row call reduces in another order,
+    and a float difference that flips one int8 level downstream grows into a different logit). Each row's H heads
+    go in as their key head's group, [Hkv, H / Hkv, D] against [Hkv, length, D]: grouped-query attention without
+    expanding the keys to H heads (``enable_gqa`` did, a copy of both per row and layer: 1.4-2.4x the call's time
+    at 128-600 positions). Eager (:meth:`workers.models.fast._Layer.forward`) and scripted layers both call this."""
+    heads = q.shape[0]
+    n = q.shape[1]
+    dim = q.shape[2]
+    group = heads // kv_heads
+    rows: list[Tensor] = []
+    for r in range(n):
+        row = q[:, r].contiguous().view(1, kv_heads, group, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(row, keys[:, :start + r + 1].unsqueeze(0),
+                                                               values[:, :start + r + 1].unsqueeze(0))
+        rows.append(out.view(heads, 1, dim))
+    return rows[0] if n == 1 else torch.cat(rows, dim=1)
+
+
 def _layers(x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], start: int,
             norms1: list[Tensor], norms2: list[Tensor], eps: float, four: bool, packed4: list[Tensor],
             groups: list[int], scales_zeros: list[Tensor], packed8: list[torch.classes.quantized.LinearPackedParamsBase],
             spans: list[Tensor], span_of: list[int], reduce_range: bool, outs: list[int], biases: list[Tensor | None],
-            heads: int, kv_heads: int, head_dim: int, intermediate: int, gqa: bool) -> Tensor:
+            heads: int, kv_heads: int, head_dim: int, intermediate: int) -> Tensor:
     """Every layer's :meth:`_Layer.forward` for rows ``x`` [n, d] at positions ``start``.. (``sin`` signed, as
     there). Writes the keys and values of the n positions."""
     n = x.shape[0]
@@ -85,17 +109,7 @@ def _layers(x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: lis
         q = qk[:heads]
         keys[i][:, start:start + n] = qk[heads:]
         values[i][:, start:start + n] = qkv[:, k_end:].view(n, kv_heads, head_dim).transpose(0, 1)
-        if n > 1:  # one query row per call, over the keys it sees: the one-token step's call (row exactness)
-            rows: list[Tensor] = []
-            for r in range(n):
-                rows.append(torch.nn.functional.scaled_dot_product_attention(
-                    q[:, r:r + 1].unsqueeze(0), keys[i][:, :start + r + 1].unsqueeze(0),
-                    values[i][:, :start + r + 1].unsqueeze(0), enable_gqa=gqa)[0])
-            attn = torch.cat(rows, dim=1)
-        else:
-            attn = torch.nn.functional.scaled_dot_product_attention(
-                q.unsqueeze(0), keys[i][:, :start + 1].unsqueeze(0), values[i][:, :start + 1].unsqueeze(0),
-                enable_gqa=gqa)[0]
+        attn = attend(q, keys[i], values[i], start, kv_heads)  # one query row per call (row exactness)
         x = _linear(attn.transpose(0, 1).reshape(n, q_end), j + 1, four, packed4, groups, scales_zeros, packed8,
                     spans, span_of, reduce_range, outs, biases).add_(x)
         h = torch.rms_norm(x, [d], norms2[i], eps)
@@ -147,8 +161,7 @@ class ScriptedLayers:
         self.span_of = [self.widths.index(int(lin.in_features)) for lin in linears]
         self.outs = [int(lin.out_features) for lin in linears]
         self.biases = [lin._bias for lin in linears]
-        self.shape = (int(first.heads), int(first.kv_heads), int(first.head_dim), int(first.intermediate),
-                      first.kv_heads != first.heads)
+        self.shape = (int(first.heads), int(first.kv_heads), int(first.head_dim), int(first.intermediate))
         self._run = _scripted()
 
     @classmethod
@@ -163,9 +176,9 @@ class ScriptedLayers:
                  start: int) -> Tensor:
         from workers.models.q8 import _REDUCE_RANGE, _SCRATCH_ROWS, _span_buffer
 
-        heads, kv_heads, head_dim, intermediate, gqa = self.shape
+        heads, kv_heads, head_dim, intermediate = self.shape
         spans = [] if self.four else [_span_buffer(_SCRATCH_ROWS, w) for w in self.widths]  # this thread's
         with torch.jit.optimized_execution(False):  # the graph as written: no specialisation, no fusion
             return self._run(x, cos, sin, keys, values, start, self.norms1, self.norms2, self.eps, self.four,
                              self.packed4, self.groups, self.scales_zeros, self.packed8, spans, self.span_of,
-                             _REDUCE_RANGE, self.outs, self.biases, heads, kv_heads, head_dim, intermediate, gqa)
+                             _REDUCE_RANGE, self.outs, self.biases, heads, kv_heads, head_dim, intermediate)

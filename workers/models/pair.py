@@ -47,6 +47,9 @@ _DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.
 DTYPE_TAGS = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16", INT8: "int8",
               INT4_DRAFT: "int4+int8"}
 FAST_TAGS = ("int8", "int4+int8")  # the CPU engine's fast path (workers.models.fast), nowhere else
+# The fast path's arithmetic, as stores of its outputs key it (the reference cache, workers.results.store): bumped
+# whenever a change moves any output. 2: grouped-query attention without expanding the keys (2026-12-05).
+FAST_NUMERICS = 2
 
 
 def fast_path(dtype: torch.dtype | str) -> bool:

@@ -153,8 +153,13 @@ def records_frame(rows: list[dict]) -> pl.DataFrame:
 
 def reference_root(root: Path, pair: str, dtype: str, engine: str = "cpu") -> Path:
     """Where a pair's reference runs (every benchmark's) are cached: per engine off the CPU engine (the same greedy
-    tokens up to kernels, other timings)."""
+    tokens up to kernels, other timings), and per version of the fast path's arithmetic (``FAST_NUMERICS``: its
+    references from before a change that moved outputs are not this code's)."""
+    from workers.models.pair import FAST_NUMERICS, FAST_TAGS
+
     name = pair if engine == "cpu" else f"{pair}@{engine}"
+    if engine == "cpu" and dtype in FAST_TAGS and FAST_NUMERICS > 1:
+        dtype = f"{dtype}-n{FAST_NUMERICS}"
     return root / "references" / slug(f"{name}-{dtype}")
 
 

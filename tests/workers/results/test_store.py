@@ -25,3 +25,17 @@ def test_reference_caches_of_long_local_pairs_in_two_dtypes_are_apart():
     spec = DecodeSpec.make("target-only", max_new_tokens=8)
     pair = "/data/checkpoints/" + "very-long-directory-name-" * 4 + "draft+/data/checkpoints/target"
     assert reference_dir(Path("r"), pair, "bf16", "gsm8k", spec) != reference_dir(Path("r"), pair, "fp32", "gsm8k", spec)
+
+
+def test_the_fast_paths_references_are_kept_per_version_of_its_arithmetic():
+    """A change to the fast path that moves outputs (FAST_NUMERICS) sends its references to a new cache: the old
+    ones are not this code's target-only outputs. Other dtypes and other engines keep their place."""
+    from workers.models.pair import FAST_NUMERICS
+    from workers.results.store import reference_root
+
+    root = Path("/runs")
+    assert FAST_NUMERICS >= 2
+    for tag in ("int8", "int4+int8"):
+        assert reference_root(root, "p", tag).name == slug(f"p-{tag}-n{FAST_NUMERICS}")
+    assert reference_root(root, "p", "bf16").name == slug("p-bf16")
+    assert reference_root(root, "p", "int8", engine="vllm").name == slug("p@vllm-int8")
