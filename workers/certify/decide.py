@@ -141,8 +141,7 @@ def sequential_bound(reference: Sequence[float], trial: Sequence[float], plan: A
     ref, tri = _paired(reference, trial)
     binary = all(v in (0.0, 1.0) for v in ref + tri)
     calibrated = plan.thresholds is not None and plan.budget == budget and len(plan.sizes) > 1
-    spent = tuple(plan.spent) or tuple(plan.alphas)
-    shares = (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
+    shares = plan.shares
 
     def look(k: int, n: int) -> DropBound:
         level = max(plan.alphas[k - 1] if binary else shares[k - 1], 1e-12)  # 0: nothing may pass at this look

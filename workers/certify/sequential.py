@@ -62,6 +62,12 @@ class LookPlan:
     def n(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def shares(self) -> tuple[float, ...]:
+        """The alpha each look spends (spent_k - spent_{k-1}; they sum to alpha): the union bound's levels."""
+        return _shares(tuple(self.spent) or tuple(self.alphas))
+
+
     def to_dict(self) -> dict[str, Any]:
         how = ("exact: each look certifies Z_b <= z_k, the largest z_k whose cumulative P(certified) stays within "
                "the spent alpha over the nuisance (checked on a dense grid)" if self.thresholds is not None
@@ -70,6 +76,11 @@ class LookPlan:
                 "alpha": self.alpha, "rho": self.rho, "budget": self.budget,
                 "thresholds": None if self.thresholds is None else [None if math.isinf(z) else z for z in self.thresholds],
                 "spending": f"alpha * t^{self.rho:g} (power family); {how}"}
+
+
+def _shares(spent: tuple[float, ...]) -> tuple[float, ...]:
+    """Each look's increment of the alpha spent by its end."""
+    return (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
 
 
 def _sizes(n: int, looks: int, alpha: float, rho: float) -> tuple[tuple[int, ...], tuple[float, ...]]:
@@ -98,14 +109,13 @@ def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float 
     sizes, spent = _sizes(n, looks, alpha, rho)
     if len(sizes) == 1:
         return LookPlan(sizes, (float(alpha),), float(alpha), float(rho), spent, budget)
-    union = (spent[0],) + tuple(b - a for a, b in zip(spent, spent[1:], strict=False))
     calibrated = None
     if budget is not None and n <= _BANDED_UP_TO:
         # the whole (N + 1)^2 state where it fits; above, only the band of states that carry mass (banded.py)
         banded = len(_calibration_grid(float(budget))) * (n + 1) ** 2 > _CALIBRATION_CELLS
         calibrated = calibrate(sizes, spent, float(budget), banded)
     if calibrated is None:  # too large to carry here, or no calibration held: the union bound
-        return LookPlan(sizes, union, float(alpha), float(rho), spent, None)
+        return LookPlan(sizes, _shares(spent), float(alpha), float(rho), spent, None)
     levels, thresholds = calibrated
     return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
 
