@@ -70,12 +70,18 @@ class PairWorker:
         """Ask a running ``consume`` for trial ``tag`` to stop after its current item."""
         self._stop.add(tag)
 
-    def profile(self) -> dict[str, Any]:
-        """This pair's cost profile on this node (measured once, then read from the pair cache)."""
+    def profile(self, benchmark: str | None = None, items: list[Item] | None = None,
+                spec: DecodeSpec | None = None) -> dict[str, Any]:
+        """This pair's cost profile on this node (measured once, then read from the pair cache), timed at the
+        context ``items`` decode at under ``spec`` (their median prompt plus half the new tokens,
+        ``workers.models.calibrate.workload_context``), or at the default one without them."""
         if self.engine_kind != "cpu":
             return self.engine.profile()  # c is not measurable here: the sweep asks for --cost-ratio
+        from workers.evaluation import workload_profile
         from workers.models.calibrate import get_profile
 
+        if benchmark is not None and items and spec is not None:
+            return workload_profile(self.engine.pair, get_benchmark(benchmark), list(items), spec).to_json()
         return get_profile(self.engine.pair).to_json()
 
     def evaluate(self, benchmark: str, spec: DecodeSpec, item: Item, references: dict[str, Any]) -> Record:
@@ -200,9 +206,11 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
     return workers
 
 
-def profile_of(worker: Any) -> dict[str, Any]:
-    """The pair's calibration as the actor's engine measured it (c, verify pass timings, machine, load)."""
-    return ray.get(worker.profile.remote())
+def profile_of(worker: Any, benchmark: str | None = None, items: list[Item] | None = None,
+               spec: DecodeSpec | None = None) -> dict[str, Any]:
+    """The pair's calibration as the actor's engine measured it (c, verify pass timings, machine, load, context),
+    at the context of ``items`` under ``spec`` where given (:meth:`PairWorker.profile`)."""
+    return ray.get(worker.profile.remote(benchmark, items, spec))
 
 
 def release(workers: list[Any], timeout_s: float = 60) -> None:

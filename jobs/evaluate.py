@@ -29,9 +29,9 @@ from typing import Any
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.cli import parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
-from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
+from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, workload_profile
 from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
-from workers.models.calibrate import CostProfile, get_profile
+from workers.models.calibrate import CostProfile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
 
 
@@ -247,7 +247,7 @@ def _main(args: argparse.Namespace) -> int:
             batch, tag = args.batch, f"vllm-{dtype}"  # vLLM's records are its own: never the CPU engine's cache
         else:
             pair = load_pair(args.pair, dtype=dtype)
-            profile = get_profile(pair)
+            profile = workload_profile(pair, bench, items, spec)  # timed at the context these items decode at
             engine, tag = SpecDecoder(pair), dtype
     except AssetError as err:
         print(f"error: {err}", file=sys.stderr)

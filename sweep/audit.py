@@ -81,3 +81,12 @@ def audit_withholds(check: dict[str, Any], records: dict[str, Any]) -> str | Non
                 "them (nothing timed: --speed-items 0, or the timing was lost); rerun with --speed-items N > 0, or "
                 "--replay off")
     return None
+
+
+def audit_pending(check: dict[str, Any], records: dict[str, Any]) -> bool:
+    """Whether :func:`audit_withholds` withholds only for want of audit (lost part-way, or nothing audited), with no
+    full decode contradicting a replayed record: then the budget's decision waits for the audit (the ledger is not
+    told, so a rerun of the same attempt, on the same records, finishes it) instead of being fixed as refused."""
+    if check.get("replayed_differ") or audit_withholds(check, records) is None:
+        return False
+    return True

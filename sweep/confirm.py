@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sweep.audit import audit_replayed, audit_withholds
+from sweep.audit import audit_pending, audit_replayed, audit_withholds
 from sweep.certificates import (
     candidates_from,
     certificate_fields,
@@ -374,10 +374,16 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                     state, attempt.items, audited.payload, confirmation.records.get(audited.key, {}),
                     confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {})
             check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
-            withheld = audit_withholds(check, confirmation.records.get(audited.key, {}) if audited is not None else {})
+            audited_records = confirmation.records.get(audited.key, {}) if audited is not None else {}
+            withheld = audit_withholds(check, audited_records)
+            # a certificate withheld only for want of audit (lost part-way) is not a decision: the ledger is not
+            # told, so rerunning the attempt finishes the audit on the same records instead of meeting a refusal
+            pending = bool(cert.certified and withheld and audit_pending(check, audited_records))
             if cert.certified and withheld:
                 cert.certified, cert.reason = False, withheld
-            if attempt.id is not None:  # the items this budget's candidates (and its noise floor) used
+            if attempt.id is not None and pending:
+                log(f"budget {budget * 100:g}%: left undecided in the ledger until its replay audit is finished")
+            elif attempt.id is not None:  # the items this budget's candidates (and its noise floor) used
                 used = max((confirmation.stopped.get(k, len(items)) for k, _, _ in cert.steps), default=0)
                 attempt.ledger.decide(attempt.id, budget, cert.certified, cert.reason, used)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)

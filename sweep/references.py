@@ -176,9 +176,10 @@ class References:
              ) -> tuple[dict[str, Record], dict[str, Record]]:
         """What ``store`` holds, and what of it a run may keep: for what a certificate is decided on, only records
         decoded in full where replay is not exact (a shared store's replayed records, another sweep's search, are
-        made again), and where it is, replayed records only if made at a thread count where it is and under the
+        made again), and where it is, replayed records only if made at a thread count where it is, under the
         current replay semantics (``workers.replay.REPLAY_VERSION``; a record that does not say, made before records
-        did, is made again)."""
+        did, is made again) and with the rules' fused kernels as the process meant them (``Record.fused_off``: a
+        replay decided by the eager kernels after a failure is not the full decode's arithmetic)."""
         held = store.load()
         if confirm and not self.replays(True, spec):
             return held, {k: r for k, r in held.items() if r.timed}
@@ -186,7 +187,8 @@ class References:
             from workers.replay import REPLAY_VERSION, exact_for
 
             return held, {k: r for k, r in held.items() if r.timed or (
-                exact_for(self.settings.args.dtype, r.threads) and r.replay_version == REPLAY_VERSION)}
+                exact_for(self.settings.args.dtype, r.threads) and r.replay_version == REPLAY_VERSION
+                and not r.fused_off)}
         return held, dict(held)
 
     def replays(self, confirm: bool = False, spec: DecodeSpec | None = None) -> bool:

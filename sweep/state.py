@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweep.progress import log
 from sweep.settings import Settings, endpoint_options, make_sampler, study_name, vllm_options
+from workers.evaluation import TARGET_ONLY, DecodeSpec
 from workers.metrics.cost import CostModel
 from workers.results.store import runs_root, write_text
 
@@ -94,7 +95,8 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                            engine=args.engine, draft_len=settings.draft_len[0],
                            vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
                            python=getattr(args, "vllm_python", None))
-    profile = profile_of(workers[0])
+    # timed at the context the search items decode at (8-shot prompts: ~1,000 positions), not a fixed short one
+    profile = profile_of(workers[0], bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
     meta = run_dir / "sweep.json"
     before = json.loads(meta.read_text()) if meta.is_file() else {}
     profile = _study_profile(before.get("profile"), profile, args.engine)

@@ -113,6 +113,9 @@ class Record:
     # the replay semantics a replayed record was made under (``workers.replay.REPLAY_VERSION``; 0: decoded in full, or
     # an older record): what a certificate is decided on keeps a replayed record only at the current version
     replay_version: int = 0
+    # why the rules' fused statistics kernels (policies.fused) were switched off in the process that made it, by the
+    # record's end ("" where they never failed): its decisions were then the eager kernels', which round otherwise
+    fused_off: str = ""
 
     @property
     def timed(self) -> bool:
@@ -179,6 +182,27 @@ def reference_payload(record: Record) -> dict[str, Any]:
     """What an engine needs of a target-only record to replay a rule from it (and to score against it)."""
     return {"outputs": list(record.outputs), "tokens": [list(t) for t in record.output_token_ids],
             "finish": list(record.finish_reasons)}
+
+
+def prompt_lengths(tokenizer: Any, bench: Benchmark, items: list[Item], spec: DecodeSpec) -> list[int]:
+    """Each item's first-turn prompt length in tokens, encoded as :func:`evaluate_item` encodes it (``spec.shots``
+    examples, the benchmark's chat setting): the KV length a workload's decoding starts from."""
+    return [len(encode_chat(tokenizer, bench.messages(item, shots=spec.shots), getattr(bench, "chat", None)))
+            for item in items]
+
+
+PROFILE_ITEMS = 32  # items whose prompt lengths size a workload's calibration context
+
+
+def workload_profile(pair: Any, bench: Benchmark, items: list[Item], spec: DecodeSpec) -> Any:
+    """The pair's cost profile (``workers.models.calibrate.get_profile``) timed at the KV length ``items`` decode at
+    under ``spec``: the median of the first ``PROFILE_ITEMS`` prompts plus half the new tokens
+    (:func:`workers.models.calibrate.workload_context`); a profile at a fixed short context under-prices
+    attention for long (few-shot) prompts."""
+    from workers.models.calibrate import get_profile, workload_context
+
+    lengths = prompt_lengths(pair.tokenizer, bench, list(items)[:PROFILE_ITEMS], spec)
+    return get_profile(pair, context=workload_context(lengths, spec.max_new_tokens))
 
 
 def evaluate_bundle(engine: SpecDecoder, bench: Benchmark, item: Item, specs: list[DecodeSpec],
@@ -275,8 +299,15 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         policy_time_s=total.policy_time_s, wall_time_s=total.wall_time_s, finish_reasons=finishes,
         output_token_ids=token_ids, error=error, lossless_fallback_steps=total.lossless_fallback_steps,
         replay=";".join(how), threads=_threads(), code=code_version(),
-        replay_version=_replay_version(how),
+        replay_version=_replay_version(how), fused_off=_fused_off(),
     )
+
+
+def _fused_off() -> str:
+    """:func:`policies.fused.failure` (why the fused kernels went off in this process), or ""."""
+    from policies import fused
+
+    return fused.failure() or ""
 
 
 def _replay_version(how: list[str]) -> int:

@@ -1,12 +1,15 @@
 """Benchmark: the CPU engine on the real pair — target-only vs lossless vs lossy rules, side by side, in one or
 more pair dtypes.
 
-    python -m jobs.bench.cpu_engine [--dtypes fp32,int4+int8] [--items 6] [--max-new-tokens 128]
+    python -m jobs.bench.cpu_engine [--dtypes fp32,int4+int8] [--items 6] [--max-new-tokens 128] [--shots 0]
 
-GSM8K test questions (zero-shot chat prompts), greedy. Every configuration of every dtype runs on each item
+GSM8K test questions (chat prompts, ``--shots`` worked examples before each: 8 is the sweep's few-shot setting,
+~1,000 positions), greedy. Every configuration of every dtype runs on each item
 before the next item starts, so load drifts hit all of them alike; speedups are paired per item
 (Spec-Bench's convention: per-item tokens/s ratio, then the mean). Modelled speedups use each dtype's cost
-profile measured on this machine (``python -m workers.models.calibrate``; measured here if absent). The first
+profile measured on this machine at the context these items decode at (``workers.models.calibrate.workload_context``;
+measured here if absent); where that is not the default 128 positions, a second column models them with the
+128-position profile too, so the gap a short calibration leaves at long contexts is seen beside the fix. The first
 dtype is the baseline, the last the fast one: beside the table it prints target-only speed of the last over the
 first, lossless at its fastest L over target-only, and the last dtype's c and v(5). Prints a markdown table per
 dtype and writes the raw per-item rows as JSON under ``--out``. No assertions: this is a measurement.
@@ -28,7 +31,7 @@ from policies import make_policy
 from workers.cli import one_line_errors
 from workers.cpu_engine import SpecDecoder
 from workers.metrics.cost import speedup_vs_target_only
-from workers.models.calibrate import get_profile, machine_key
+from workers.models.calibrate import CONTEXT, get_profile, machine_key, workload_context
 from workers.models.pair import auto_dtype, load_pair, native_dtype, resolve_dtype
 from workers.prompts import encode_chat
 
@@ -52,29 +55,35 @@ CONFIGS = [
 BASELINE_CONFIGS = [c for c in CONFIGS if c.label in ("target-only", "lossless L=3")]
 
 
-def gsm8k_prompts(tokenizer, n: int) -> list[tuple[str, list[int]]]:
+def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[tuple[str, list[int]]]:
     from workers.benchmarks import get_benchmark
 
     bench = get_benchmark("gsm8k")
-    return [(item.id, encode_chat(tokenizer, bench.messages(item))) for item in bench.items(limit=n)]
+    return [(item.id, encode_chat(tokenizer, bench.messages(item, shots=shots))) for item in bench.items(limit=n)]
 
 
 def run(args: argparse.Namespace) -> dict:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    engines, profiles, costs = {}, {}, {}
+    engines, profiles, costs, short = {}, {}, {}, {}
+    context = None  # the KV length the items decode at: each profile is timed there (workload_context)
     for dtype in reversed(dtypes):  # the fast dtype first: its fp32 load is let go before the others load
         pair = load_pair(args.pair, dtype=dtype)
         gc.collect()
-        profile = get_profile(pair)
+        if context is None:
+            context = workload_context([len(ids) for _, ids in gsm8k_prompts(pair.tokenizer, args.items, args.shots)],
+                                       args.max_new_tokens)
+        profile = get_profile(pair, context=context)
+        if context != CONTEXT:  # the short calibration beside it: how far off it models these items
+            short[dtype] = get_profile(pair)
         engines[dtype] = SpecDecoder(pair)
         profiles[dtype] = profile
         costs[dtype] = args.cost_ratio if args.cost_ratio is not None else profile.cost_ratio
         print(f"{dtype}: c = {profile.cost_ratio:.3f}, v(5) = {profile.verify_factor(5):.2f}, target step "
               f"{profile.target_step_s * 1e3:.1f} ms (load {profile.load_1m:.2f}, {profile.threads} threads, "
-              f"{profile.layers} layers)", file=sys.stderr, flush=True)
+              f"{profile.layers} layers, {profile.context} positions)", file=sys.stderr, flush=True)
     engines = {d: engines[d] for d in dtypes}
     name = next(iter(engines.values())).pair.name
-    prompts = gsm8k_prompts(next(iter(engines.values())).pair.tokenizer, args.items)
+    prompts = gsm8k_prompts(next(iter(engines.values())).pair.tokenizer, args.items, args.shots)
     for engine in engines.values():
         engine.generate(prompts[0][1], "lossless", draft_len=5, max_new_tokens=8)  # warm-up
     rows = []
@@ -99,6 +108,10 @@ def run(args: argparse.Namespace) -> dict:
                     "other_s": s.other_time_s, "mean_acceptance_length": s.mean_acceptance_length,
                     "modelled_speedup_vs_ar": speedup_vs_target_only(s.num_generated, s, costs[dtype],
                                                                      profiles[dtype].verify_factor),
+                    **({"modelled_speedup_vs_ar_128": speedup_vs_target_only(
+                        s.num_generated, s, short[dtype].cost_ratio, short[dtype].verify_factor)} if dtype in short
+                       else {}),
+                    "target_forwards": s.target_forwards, "draft_forwards": s.draft_forwards,
                     "same_as_target_only": gen.token_ids == ref_tokens, "load_1m": os.getloadavg()[0],
                 })
         done = i + 1
@@ -106,6 +119,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[{done}/{len(prompts)}] {item_id}  elapsed {time.perf_counter() - t_run:.0f}s  ETA {eta:.0f}s  "
               f"load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     return {"pair": name, "dtypes": dtypes, "items": len(prompts), "max_new_tokens": args.max_new_tokens,
+            "shots": args.shots, "context": context, "profiles_128": {d: p.to_json() for d, p in short.items()},
             "machine": machine_key(), "cpu_flags": _cpu_kind(),
             "cost_ratio": costs, "profiles": {d: p.to_json() for d, p in profiles.items()}, "load_before": load_before,
             "load_after": os.getloadavg()[0], "rows": rows}
@@ -159,19 +173,22 @@ def _verify_factor(profile: dict, draft_len: int) -> float:
 
 
 def summarize(result: dict) -> str:
-    out = [f"pair {result['pair']}, dtypes {', '.join(result['dtypes'])}, {result['items']} GSM8K items, greedy, "
-           f"max_new_tokens {result['max_new_tokens']}; machine {result['machine']} ({result['cpu_flags']}); "
+    out = [f"pair {result['pair']}, dtypes {', '.join(result['dtypes'])}, {result['items']} GSM8K items "
+           f"({result.get('shots', 0)}-shot), greedy, max_new_tokens {result['max_new_tokens']}; profiles timed at "
+           f"{result.get('context', CONTEXT)} positions; machine {result['machine']} ({result['cpu_flags']}); "
            f"load(1m) {result['load_before']:.2f} before, {result['load_after']:.2f} after"]
     for dtype in result["dtypes"]:
         by = _by(result["rows"], dtype)
         ar, base = by["target-only"], by.get("lossless L=5", {})
         profile = result["profiles"][dtype]
+        two = any("modelled_speedup_vs_ar_128" in r for r in result["rows"] if r["dtype"] == dtype)
         out += ["", f"**{dtype}**: c = {result['cost_ratio'][dtype]:.3f}, v(5) = {_verify_factor(profile, 5):.2f}, "
                 f"target step {profile['target_step_s'] * 1e3:.1f} ms, draft step {profile['draft_step_s'] * 1e3:.1f} ms",
                 "",
-                "| config | tok/s | mean acc. len | speedup vs target-only (measured) | (modelled) | vs lossless L=5 "
+                "| config | tok/s | mean acc. len | speedup vs target-only (measured) | (modelled) | "
+                + ("(modelled, 128-position profile) | " if two else "") + "vs lossless L=5 "
                 "(measured) | draft / verify / rule / other % of decode | = target-only output |",
-                "|---|---:|---:|---:|---:|---:|---|---:|"]
+                "|---|---:|---:|---:|---:|" + ("---:|" if two else "") + "---:|---|---:|"]
         for label, items in by.items():
             tok = sum(r["tokens"] for r in items.values())
             dec = sum(r["decode_s"] for r in items.values())
@@ -183,7 +200,9 @@ def summarize(result: dict) -> str:
                              for k in ("draft_s", "verify_s", "policy_s", "other_s"))
             same = sum(r["same_as_target_only"] for r in items.values())
             vs_base = f"{vsl:.2f}x" if vsl == vsl else "—"  # no lossless L=5 in a baseline dtype's configs
-            out.append(f"| {label} | {tok / dec:.2f} | {tok / drafts:.2f} | {spd:.2f}x | {mod:.2f}x | {vs_base} "
+            mod128 = (f"{statistics.mean(r['modelled_speedup_vs_ar_128'] for r in items.values()):.2f}x | "
+                      if two else "")
+            out.append(f"| {label} | {tok / dec:.2f} | {tok / drafts:.2f} | {spd:.2f}x | {mod:.2f}x | {mod128}{vs_base} "
                        f"| {split} | {same}/{len(items)} |")
     return "\n".join(out)
 
@@ -197,11 +216,14 @@ def main(argv: list[str] | None = None) -> int:
                          "dtype, then --dtype auto's fast path: int4+int8 with AVX-512, else int8)")
     ap.add_argument("--items", type=int, default=6, help="GSM8K test items (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generation")
+    ap.add_argument("--shots", type=int, default=0, help="worked examples before each question (the sweep's: 8)")
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for the modelled speedup (default: measured)")
     ap.add_argument("--out", default="runs/bench", help="directory for the raw JSON")
     args = ap.parse_args(argv)
     if args.items < 1 or args.max_new_tokens < 1:
         ap.error("--items and --max-new-tokens must be >= 1")
+    if args.shots < 0:
+        ap.error("--shots must be >= 0")
     if args.dtypes is None:
         args.dtypes = f"{native_dtype()},{auto_dtype()}"
     for dtype in args.dtypes.split(","):

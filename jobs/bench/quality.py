@@ -25,9 +25,8 @@ import time
 from workers.benchmarks import get_benchmark
 from workers.cli import one_line_errors, parse_rule
 from workers.cpu_engine import SpecDecoder
-from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item
+from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, workload_profile
 from workers.metrics.trial import aggregate, noise_floor
-from workers.models.calibrate import get_profile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
 
 DEFAULT_RULES = ["kl_judge:threshold=0.5", "dropmatch:k=5,p_drop=0.3,criterion=js"]
@@ -49,9 +48,9 @@ def run(args: argparse.Namespace) -> dict:
     specs = [DecodeSpec.make(TARGET_ONLY, **settings), DecodeSpec.make("lossless", {}, args.draft_len, **settings)]
     specs += [DecodeSpec.make(name, params, args.draft_len, **settings) for name, params in map(parse_rule, args.rule)]
     pair = load_pair(args.pair, dtype=args.dtype)
-    profile = get_profile(pair)
-    engine = SpecDecoder(pair)
     items = bench.items(limit=args.items)
+    profile = workload_profile(pair, bench, items, specs[0])  # timed at the context these items decode at
+    engine = SpecDecoder(pair)
     root = runs_root(args.runs_root) / "quality" / slug(f"gsm8k-{args.pair}-{args.dtype}")
     # target-only and lossless share the sweep's reference cache (same items + settings = same key)
     stores = {s: RecordStore(reference_dir(runs_root(args.runs_root), args.pair, args.dtype, bench.name, s)

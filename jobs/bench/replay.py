@@ -71,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     max_new = args.max_new_tokens or (48 if args.pair == "tiny-random" else bench.default_max_new_tokens)
     items = bench.items(limit=args.items)
     stop = list(bench.stop) or None
-    from workers.models.calibrate import get_profile
+    from workers.evaluation import DecodeSpec, workload_profile
 
-    profile = get_profile(pair)
+    profile = workload_profile(pair, bench, items, DecodeSpec(max_new_tokens=max_new, shots=args.shots))
     load_before = os.getloadavg()[0]
     speed = {"ref_tok": 0, "ref_s": 0.0, "ref_cost": 0.0, "tok": 0, "s": 0.0, "cost": 0.0}
     t = {"reference": 0.0, "forced": 0.0, "decide": 0.0, "decode": 0.0, "simulate": 0.0, "full": 0.0}

@@ -118,6 +118,16 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     # the tiny pair is calibrated afresh at each start: the resumed study keeps the calibration its trials were
     # scored with
     assert meta["profile"]["cost_ratio"] > 0 and meta2["profile"] == meta["profile"]
+    # timed at the context the search items decode at: their median prompt plus half of --max-new-tokens (8)
+    from workers.benchmarks import get_benchmark
+    from workers.evaluation import DecodeSpec, prompt_lengths
+    from workers.models.calibrate import workload_context
+    from workers.models.tiny import tiny_tokenizer
+
+    bench = get_benchmark("gsm8k")
+    lengths = prompt_lengths(tiny_tokenizer(), bench, bench.items(limit=6, seed=0, split="search"),
+                             DecodeSpec(max_new_tokens=8))
+    assert meta["profile"]["context"] == workload_context(lengths, 8) > 0
     after = [t for t in trials(run_dir) if t.state.name in ("COMPLETE", "PRUNED")]
     assert len(after) == 5 and numbers_before <= {t.number for t in after}
     nested = [r for r in mlflow.search_runs(experiment_names=["spectune-sweeps"], output_format="list")

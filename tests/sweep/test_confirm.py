@@ -282,3 +282,21 @@ def test_a_certificate_never_stands_on_an_unaudited_or_contradicted_replay():
     assert audit_withholds({**audited, "audit_wanted": 1, "audit_done": 1}, {"a": full, "b": replayed}) is None
     reason = audit_withholds({**audited, "audit_wanted": 30, "audit_done": 20}, {"a": full, "b": replayed})
     assert reason and "20 of the 30" in reason and "lost" in reason
+
+
+def test_only_a_lost_audit_leaves_a_budget_undecided():
+    """A certificate withheld for want of audit waits for it (the ledger is not told, a rerun finishes it); one whose
+    replay a full decode contradicted, or one that needs no audit, is decided."""
+    from dataclasses import replace
+
+    from sweep.audit import audit_pending
+
+    full, replayed = rec("a", 1.0), replace(rec("b", 1.0), replay="exact")
+    audited = {"items": 3, "replayed": 1, "replayed_differ": [], "full_differ": []}
+    both = {"a": full, "b": replayed}
+    assert audit_pending({**audited, "audit_wanted": 30, "audit_done": 20}, both)
+    assert audit_pending({"status": "unchecked", "items": 0}, both)
+    assert not audit_pending(audited, both), "audited in full: nothing pending"
+    assert not audit_pending({**audited, "audit_wanted": 30, "audit_done": 20, "replayed_differ": ["candidate:b"]},
+                             both), "a contradicted replay is decided, whatever else is missing"
+    assert not audit_pending({}, {"a": full}), "nothing replayed"

@@ -117,3 +117,28 @@ def test_confirmation_keeps_a_replayed_record_only_under_the_current_replay_sema
     assert set(_refs("int8").held(store, confirm=True)[1]) == {"now", "full"}
     assert set(_refs("int8").held(store)[1]) == {"now", "old", "unsaid", "full"}
     assert RecordStore(tmp_path / "store").load()["now"].replay_version == REPLAY_VERSION
+
+
+def test_confirmation_makes_again_a_replayed_record_decided_after_the_fused_kernels_failed(tmp_path):
+    """A replay decided by the eager kernels because the fused ones failed in its process rounds otherwise than the
+    full decode it stands for: made again for a certificate; kept by the search; the reason survives the store."""
+    from workers.results.store import RecordStore
+
+    store = RecordStore(tmp_path / "store")
+    for item, off, how in (("fused", "", "exact"), ("eager", "RuntimeError: no compiler", "exact"),
+                           ("full", "RuntimeError: no compiler", "")):
+        r = rec(item, 1.0)
+        r.replay, r.threads, r.replay_version, r.fused_off = how, 1, REPLAY_VERSION, off
+        store.append(r)
+    assert set(_refs("int8").held(store, confirm=True)[1]) == {"fused", "full"}
+    assert set(_refs("int8").held(store)[1]) == {"fused", "eager", "full"}
+    assert RecordStore(tmp_path / "store").load()["eager"].fused_off == "RuntimeError: no compiler"
+
+
+def test_a_record_says_when_the_fused_kernels_were_off_in_its_process(monkeypatch):
+    from policies import fused
+    from workers.evaluation import _fused_off
+
+    assert _fused_off() == (fused.failure() or "")
+    monkeypatch.setattr(fused, "_failed", ["RuntimeError: no compiler"])
+    assert _fused_off() == "RuntimeError: no compiler"

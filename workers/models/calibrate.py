@@ -7,10 +7,13 @@ verify pass's cost per extra token, stored with the pair so modelled speedups ca
 
 Timings are taken the way the engine runs the models: batch 1, a warm KV cache of
 ``context`` tokens, the LM head on the last position for a 1-token step and on all positions for
-a verify pass. Stored at ``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>.json``; the machine key
-is the CPU model and core count, since a ratio measured on one machine says little about another, and a profile
-is kept per torch thread count (a sweep's actors run one each, a bench every core) and per way the fast path's
-layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`).
+a verify pass. Attention's share of a step grows with the context, so a workload is modelled with a profile
+timed at its own context (:func:`workload_context`: its prompts' median length plus half its new tokens; a
+sweep's 8-shot GSM8K prompts run near 1,000 positions, the bench's 0-shot ones near 200). Stored at ``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the
+machine key is the CPU model and core count, since a ratio measured on one machine says little about another,
+and a profile is kept per torch thread count (a sweep's actors run one each, a bench every core), per way the
+fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and per context; a profile
+timed under another version of the fast path's kernels (``FAST_NUMERICS``) is measured again.
 
 The same ratio measured through vLLM on the device that serves (``python -m workers.calibrate --engine
 vllm``) is stored next to it as ``cost-vllm-<dtype>-<device>.json`` (:func:`vllm_profile_path`); this
@@ -35,7 +38,9 @@ import torch
 
 from workers.cli import one_line_errors
 from workers.models.fast import new_cache
-from workers.models.pair import ModelPair, dtype_tag, fast_path, load_pair
+from workers.models.pair import FAST_NUMERICS, ModelPair, dtype_tag, fast_path, load_pair
+
+CONTEXT = 128  # the KV length a profile is timed at when no workload names its own (the bench's 0-shot prompts)
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class CostProfile:
     # how the fast path's layers ran: "scripted" (workers.models.fast_step) or "eager"; a profile timed otherwise
     # than the engine now runs is measured again
     layers: str = "eager"
+    # the fast path's kernel version it timed (workers.models.pair.FAST_NUMERICS; 0 on other dtypes, or a profile
+    # older than the field): a step's cost moves with its kernels, so a profile of another version is remeasured
+    numerics: int = 0
 
     @property
     def cost_ratio(self) -> float:
@@ -103,14 +111,40 @@ def _dtype_tag(dtype: torch.dtype) -> str:
     return dtype_tag(dtype)
 
 
-def profile_path(pair: ModelPair, threads: int | None = None, layers: str | None = None) -> Path | None:
-    """Where this pair's profile at this dtype, machine, thread count and layers (default: as they run now) is
-    stored."""
+def profile_path(pair: ModelPair, threads: int | None = None, layers: str | None = None,
+                 context: int = CONTEXT) -> Path | None:
+    """Where this pair's profile at this dtype, machine, thread count, layers (default: as they run now) and
+    context is stored."""
     if pair.cache_dir is None:
         return None
     threads = torch.get_num_threads() if threads is None else threads
     layers = layers_kind(pair) if layers is None else layers
-    return Path(pair.cache_dir) / f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t-{layers}.json"
+    name = f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t-{layers}-ctx{int(context)}.json"
+    return Path(pair.cache_dir) / name
+
+
+def numerics_of(pair: ModelPair) -> int:
+    """The kernel version a profile of this pair times: ``FAST_NUMERICS`` on the fast path, else 0."""
+    return FAST_NUMERICS if fast_path(pair.dtype) else 0
+
+
+CONTEXT_STEP = 64
+
+
+def context_bucket(positions: float) -> int:
+    """The context a workload averaging ``positions`` KV positions per step is calibrated at: rounded up to a
+    multiple of ``CONTEXT_STEP`` (so nearby workloads share one stored profile), at least ``CONTEXT_STEP``."""
+    if not positions > 0:
+        raise ValueError(f"a calibration context must be a positive number of positions, got {positions!r}")
+    return max(CONTEXT_STEP, CONTEXT_STEP * -(-int(positions) // CONTEXT_STEP))
+
+
+def workload_context(prompt_lengths: list[int], max_new_tokens: int) -> int:
+    """The context to calibrate a workload at: the median prompt length plus half of ``max_new_tokens`` (a decode
+    step's KV length runs from the prompt's to the prompt's plus what was generated), bucketed."""
+    if not prompt_lengths:
+        raise ValueError("no prompts to size the calibration context from")
+    return context_bucket(statistics.median(prompt_lengths) + max(0, max_new_tokens) / 2)
 
 
 def layers_kind(pair: ModelPair) -> str:
@@ -122,8 +156,8 @@ def layers_kind(pair: ModelPair) -> str:
     return "scripted" if all(u is not None and u() for u in uses) else "eager"
 
 
-def load_profile(pair: ModelPair) -> CostProfile | None:
-    path = profile_path(pair)
+def load_profile(pair: ModelPair, context: int = CONTEXT) -> CostProfile | None:
+    path = profile_path(pair, context=context)
     if path is None or not path.is_file():
         return None
     data = json.loads(path.read_text())
@@ -142,7 +176,7 @@ def _timed(fn, reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9)) -> CostProfile:
+def measure(pair: ModelPair, context: int = CONTEXT, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9)) -> CostProfile:
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
 
@@ -167,11 +201,12 @@ def measure(pair: ModelPair, context: int = 128, reps: int = 15, verify_sizes: t
     target_s = _timed(step_fn(pair.target, 1, False), reps)
     verify = {str(n): _timed(step_fn(pair.target, n, True), reps) for n in verify_sizes}
     return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
-                       os.getloadavg()[0], proposals.head_kind(pair), torch.get_num_threads(), layers_kind(pair))
+                       os.getloadavg()[0], proposals.head_kind(pair), torch.get_num_threads(), layers_kind(pair),
+                       numerics_of(pair))
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
-    path = profile_path(pair, profile.threads or None, profile.layers)
+    path = profile_path(pair, profile.threads or None, profile.layers, profile.context)
     if path is None:
         return None
     tmp = path.with_suffix(".tmp")
@@ -218,14 +253,20 @@ def under_load(load_1m: float, cpus: int | None = None) -> bool:
     return load_1m > LOADED * (cpus or os.cpu_count() or 1)
 
 
-def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
-    """The stored profile for this pair, dtype and machine; measured (and stored) if absent.
+def get_profile(pair: ModelPair, remeasure: bool = False, context: int = CONTEXT) -> CostProfile:
+    """The stored profile for this pair, dtype, machine and ``context`` (:func:`workload_context`); measured (and
+    stored) if absent, or if it timed other kernels (``numerics``).
 
     Calibration under load is detected and never stored: a stored profile measured at a load above
     ``LOADED`` x CPUs is measured again; a measurement that starts at such a load is used for this run only
     (said on stderr) and measured again next time (a c timed under contention made the modelled speed
     disagree with the measured one by 2-4x)."""
-    profile = None if remeasure else load_profile(pair)
+    if not (isinstance(context, int) and context > 0):
+        raise ValueError(f"a calibration context must be a positive number of positions, got {context!r}")
+    limit = min(int(getattr(m.config, "max_position_embeddings", 0) or 1 << 30) for m in (pair.draft, pair.target))
+    if context + 16 > limit:
+        raise ValueError(f"a calibration context of {context} positions does not fit the pair's {limit}")
+    profile = None if remeasure else load_profile(pair, context)
     from workers.models.proposal import head_kind
 
     if profile is not None and profile.draft_head != head_kind(pair):
@@ -236,13 +277,17 @@ def get_profile(pair: ModelPair, remeasure: bool = False) -> CostProfile:
         print(f"calibrate: the stored profile timed {profile.layers} layers at {profile.threads or '?'} threads, "
               f"this run {layers_kind(pair)} at {torch.get_num_threads()}: measuring again", file=sys.stderr)
         profile = None
+    if profile is not None and profile.numerics != numerics_of(pair):
+        print(f"calibrate: the stored profile timed the fast path's kernels version {profile.numerics}, this code runs "
+              f"{numerics_of(pair)}: measuring again", file=sys.stderr)
+        profile = None
     if profile is not None and under_load(profile.load_1m):
         print(f"calibrate: the stored profile was measured at load {profile.load_1m:.2f}: measuring again",
               file=sys.stderr)
         profile = None
     if profile is None:
         load = os.getloadavg()[0]
-        profile = measure(pair)
+        profile = measure(pair, context=context)
         profile = CostProfile(**{**asdict(profile), "load_1m": load})  # the load it was started at
         if under_load(load):
             print(f"calibrate: measured c = {profile.cost_ratio:.3f} at load {load:.2f} on {os.cpu_count()} CPUs: "
@@ -261,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET (local model directories or hub ids org/name[@revision] from the local Hugging Face cache)")
     ap.add_argument("--dtype", default="bf16", help="bf16, fp32, int8 or int4+int8 (the fast CPU path)")
     ap.add_argument("--cache-dir", default=None, help="asset cache (default: $SPECTUNE_CACHE or ~/.cache/spectune)")
-    ap.add_argument("--context", type=int, default=128, help="KV-cache length the steps run against")
+    ap.add_argument("--context", type=int, default=CONTEXT, help="KV-cache length the steps run against")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
     args = ap.parse_args(argv)
     pair = load_pair(args.pair, dtype=args.dtype, cache_dir=args.cache_dir)

@@ -176,17 +176,59 @@ def test_a_stored_cpu_profile_is_kept_per_thread_count_and_per_way_the_layers_ru
         one = stored.get_profile(pair)
         assert (one.threads, one.layers) == (1, "scripted")
         path = stored.profile_path(pair)
-        assert path.name.endswith("-1t-scripted.json") and json.loads(path.read_text())["threads"] == 1
+        assert path.name.endswith("-1t-scripted-ctx128.json") and json.loads(path.read_text())["threads"] == 1
         assert stored.get_profile(pair) == one, "read back, not measured again"
         torch.set_num_threads(2)
         two = stored.get_profile(pair)
-        assert two.threads == 2 and stored.profile_path(pair).name.endswith("-2t-scripted.json") and path.is_file()
+        assert two.threads == 2 and stored.profile_path(pair).name.endswith("-2t-scripted-ctx128.json") and path.is_file()
         monkeypatch.setenv(fast_step.ENV, "0")  # read at every pass: the models built above now run eagerly
         assert not pair.draft.get_decoder().uses_scripted() and stored.layers_kind(pair) == "eager"
         eager = stored.get_profile(pair)
         assert (eager.threads, eager.layers) == (2, "eager")
-        assert stored.profile_path(pair).name.endswith("-2t-eager.json") and stored.load_profile(pair) == eager
+        assert stored.profile_path(pair).name.endswith("-2t-eager-ctx128.json") and stored.load_profile(pair) == eager
         monkeypatch.setenv(fast_step.ENV, "1")
         assert stored.get_profile(pair) == two, "the scripted profile is still there: no measuring again"
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_profile_is_kept_per_context_and_remeasured_when_the_fast_path_changes(tmp_path, monkeypatch):
+    """A workload is modelled at its own KV length (attention's share of a step grows with it): each context has
+    its own file; and a profile timed under another version of the fast path's kernels is measured again."""
+    import dataclasses
+
+    from workers.models.pair import FAST_NUMERICS, load_pair
+
+    monkeypatch.setattr(stored, "under_load", lambda *a, **k: False)
+    pair = dataclasses.replace(load_pair("tiny-random", dtype="int8"), cache_dir=str(tmp_path))
+    short, long = stored.get_profile(pair), stored.get_profile(pair, context=320)
+    assert (short.context, long.context) == (128, 320) and short.numerics == FAST_NUMERICS
+    assert stored.profile_path(pair, context=320).name.endswith("-ctx320.json")
+    assert stored.get_profile(pair, context=320) == long, "read back, not measured again"
+    path = stored.profile_path(pair, context=320)
+    old = {**json.loads(path.read_text()), "numerics": FAST_NUMERICS - 1, "draft_step_s": 123.0}
+    path.write_text(json.dumps(old))
+    again = stored.get_profile(pair, context=320)
+    assert again.numerics == FAST_NUMERICS and again.draft_step_s != 123.0, "another kernel version: measured again"
+    legacy = {k: v for k, v in old.items() if k != "numerics"}  # a profile stored before the field existed
+    path.write_text(json.dumps(legacy))
+    assert stored.get_profile(pair, context=320).numerics == FAST_NUMERICS
+    fp32 = dataclasses.replace(load_pair("tiny-random", dtype="fp32"), cache_dir=str(tmp_path))
+    assert stored.get_profile(fp32).numerics == 0, "the fast path's version means nothing off it"
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, 10_000])
+def test_a_context_that_is_not_a_length_or_does_not_fit_is_named(bad):
+    from workers.models.pair import load_pair
+
+    with pytest.raises(ValueError, match="calibration context"):
+        stored.get_profile(load_pair("tiny-random", dtype="fp32"), context=bad)
+
+
+def test_the_workload_context_is_the_median_prompt_plus_half_the_new_tokens_rounded_up():
+    assert stored.workload_context([900, 950, 1000], 256) == 1088  # 950 + 128 = 1078 -> 17 x 64
+    assert stored.workload_context([10], 0) == 64 and stored.context_bucket(64) == 64 and stored.context_bucket(65) == 128
+    with pytest.raises(ValueError, match="no prompts"):
+        stored.workload_context([], 128)
+    with pytest.raises(ValueError, match="positive"):
+        stored.context_bucket(0)
