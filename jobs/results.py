@@ -45,7 +45,7 @@ def recompute(folder: Path) -> list[dict[str, Any]]:
     the search items and the items earlier attempts used, ``certification.json``'s ``pool.skipped``) and share
     none with the search (``disjoint``). The last two need ``sweep.json`` and ``search_items.txt`` (None without
     them). ``ok``: every check that ran passed."""
-    from workers.certify.decide import certifies, sequential_bound
+    from workers.certify.decide import certifies, sequential_bound, shown_step
     from workers.certify.sequential import LookPlan, look_plan
 
     cert = json.loads((folder / "certification.json").read_text())
@@ -70,7 +70,7 @@ def recompute(folder: Path) -> list[dict[str, Any]]:
         else:
             plan, design_ok = look_plan(len(ref), 1, c["alpha"]), True
         got = sequential_bound(ref, cand, plan, budget)
-        shown = c["steps"][0] if c["steps"] else {}
+        shown = shown_step(c)
         row = {"budget": budget, "certified": certifies(got), "p_value": got.p_value, "n": got.n,
                "lost": got.losses, "won": got.wins, "design_matches": design_ok,
                "pool_front": None if front is None else ids == front[: len(ids)],
@@ -123,13 +123,15 @@ def _speed(choice: dict[str, Any], conf: dict[str, Any]) -> str:
 
 def table(folder: Path) -> str:
     """The README's table of a results folder."""
+    from workers.certify.decide import shown_step
+
     cert = json.loads((folder / "certification.json").read_text())
     lines = ["| budget | certified | rule | p-value | bound (1-α) | n | lost / won | discordance | look | "
              "over the best lossless (L): modelled / measured | over target-only: modelled / measured |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for choice in cert["budgets"].values():
         c, conf = choice["certification"], choice.get("confirm") or {}
-        step = c["steps"][0] if c["steps"] else {}
+        step = shown_step(c)
         if choice.get("policy"):
             knobs = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in choice["params"].items())
             rule = f"{choice['policy']} ({knobs}, L={choice['draft_len']})"

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweep import SweepResult
 from sweep.progress import log
+from workers.certify.decide import shown_step
 from workers.results.store import write_json, write_text
 
 if TYPE_CHECKING:
@@ -320,7 +321,7 @@ def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, An
         def pct(v: Any) -> str:
             return f"{v * 100:.2f}%" if isinstance(v, float) and math.isfinite(v) else "-"
 
-        step = (cert.get("steps") or [{}])[0]
+        step = shown_step(cert)
         p = cert.get("p_value")
         lines.append(f"| {float(b) * 100:g}% | {'CERTIFIED' if c['certified'] else cert['reason']} | "
                      f"{pct(cert.get('bound'))} | {pct(cert.get('drop'))} | {f'{p:.3g}' if p is not None else '-'} | "

@@ -42,6 +42,26 @@ def test_a_folder_recomputes_and_an_edited_one_is_caught(tmp_path, capsys):
     assert main(["check", str(folder)]) == 1 and "DOES NOT MATCH" in capsys.readouterr().out
 
 
+def test_a_fixed_sequence_that_certifies_two_candidates_is_checked_and_shown_by_the_chosen_one(tmp_path, capsys):
+    """The chosen candidate of a fixed sequence that passed twice is the last; its evidence is what the certificate
+    names, so the check and the tables read its step, not the first one's (a frontier once showed the first's
+    3 lost beside the chosen's 0)."""
+    from jobs.results import table
+    from workers.metrics.frontier import budget_rows
+
+    folder = _folder(tmp_path, lost=0)
+    cert = json.loads((folder / "certification.json").read_text())
+    cert_fields = cert["budgets"]["0.1"]["certification"]
+    first = {"candidate": "trial-9", "losses": 3, "wins": 0, "look": 1}
+    cert_fields["steps"] = [first, *cert_fields["steps"]]
+    (folder / "certification.json").write_text(json.dumps(cert))
+    assert [r["matches"] for r in recompute(folder)] == [True]
+    assert "| 0 / 0 |" in table(folder) and "| 3 / 0 |" not in table(folder)
+    assert budget_rows(cert["budgets"])[0]["lost"] == 0
+    cert_fields["candidate"] = "trial-9"  # a certificate that names the other candidate reads its step
+    assert budget_rows(cert["budgets"])[0]["lost"] == 3
+
+
 def _gsm8k_folder(tmp_path: Path, ids: list[str], search: list[str]) -> Path:
     folder = _folder(tmp_path, n=len(ids))
     csv = folder / "evidence" / "trial-0.csv"

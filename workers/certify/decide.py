@@ -362,3 +362,14 @@ def split_ids(ids: Sequence[str], seed: int, fraction: float = 0.5) -> tuple[lis
         digest = hashlib.sha256(f"{seed}:{item}".encode()).digest()
         (search if int.from_bytes(digest[:8], "big") / 2.0**64 < fraction else confirm).append(item)
     return search, confirm
+
+
+def shown_step(certification: dict[str, Any]) -> dict[str, Any]:
+    """The step of a certificate's fields (``sweep.certificates.certificate_fields``) whose candidate the certificate
+    states (the chosen one, whose evidence file it names; the first tested where none was chosen), or {} where none
+    was tested. A fixed sequence that certifies more than one candidate chooses the last, not ``steps[0]``."""
+    steps = certification.get("steps") or []
+    key = certification.get("candidate")
+    if key is None and certification.get("evidence"):  # a certificate written before it named its candidate
+        key = certification["evidence"].rsplit("/", 1)[-1].removesuffix(".csv")
+    return next((s for s in steps if s.get("candidate") == key), steps[0] if steps else {})

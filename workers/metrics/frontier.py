@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from workers.certify.decide import shown_step
 from workers.evaluation import Record
 from workers.metrics.cost import ceiling, tokens_per_cost
 
@@ -99,7 +100,7 @@ def budget_rows(chosen: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]
     rows = []
     for choice in chosen.values():
         cert = choice.get("certification") or {}
-        step = (cert.get("steps") or [{}])[0]
+        step = shown_step(cert)  # the chosen candidate's step: a fixed sequence may certify more than one
         rows.append({"budget": choice["budget"], "certified": bool(choice.get("certified")),
                      "rule": choice.get("policy"), "params": choice.get("params"), "draft_len": choice.get("draft_len"),
                      "p_value": cert.get("p_value"), "bound": cert.get("bound"), "n": cert.get("n"),
