@@ -232,3 +232,11 @@ def test_the_workload_context_is_the_median_prompt_plus_half_the_new_tokens_roun
         stored.workload_context([], 128)
     with pytest.raises(ValueError, match="positive"):
         stored.context_bucket(0)
+
+
+def test_step_kinds_are_timed_in_rounds_so_a_slow_phase_lands_on_all_of_them():
+    calls: list[str] = []
+    fns = {k: (lambda k=k: calls.append(k)) for k in ("draft", "target", "2")}
+    got = stored._interleaved(fns, reps=3, warmup=1)
+    assert calls == ["draft", "target", "2"] * 4, "one warm-up round, then each round calls every kind in turn"
+    assert set(got) == {"draft", "target", "2"} and all(v >= 0 for v in got.values())
