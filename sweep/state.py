@@ -95,7 +95,7 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                            engine=args.engine, draft_len=settings.draft_len[0],
                            vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
                            python=getattr(args, "vllm_python", None))
-    # timed at the context the search items decode at (8-shot prompts: ~1,000 positions), not a fixed short one
+    # timed at the context the search items decode at (8-shot prompts: ~1,410 tokens), not a fixed short one
     profile = profile_of(workers[0], bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
     meta = run_dir / "sweep.json"
     before = json.loads(meta.read_text()) if meta.is_file() else {}

@@ -9,8 +9,9 @@ Timings are taken the way the engine runs the models: batch 1, a warm KV cache o
 ``context`` tokens, the LM head on the last position for a 1-token step and on all positions for
 a verify pass. Attention's share of a step grows with the context, so a workload is modelled with a profile
 timed at its own context (:func:`workload_context`: its prompts' median length plus half its new tokens; a
-sweep's 8-shot GSM8K prompts run near 1,000 positions, the bench's 0-shot ones near 200). Stored at ``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the
-machine key is the CPU model and core count, since a ratio measured on one machine says little about another,
+sweep's 8-shot GSM8K prompts are ~1,410 tokens (1,536 positions), the bench's 0-shot ones ~110 (128)). The step
+kinds are timed in rounds (:func:`_interleaved`). Stored at
+``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the machine key is the CPU model and core count, since a ratio measured on one machine says little about another,
 and a profile is kept per torch thread count (a sweep's actors run one each, a bench every core), per way the
 fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and per context; a profile
 timed under another version of the fast path's kernels (``FAST_NUMERICS``) is measured again.
