@@ -72,6 +72,11 @@ def audit_withholds(check: dict[str, Any], records: dict[str, Any]) -> str | Non
                 f"({', '.join(check['replayed_differ'][:4])}): replay was not exact on this machine, so the evidence "
                 "is not full decoding's; rerun with --replay off")
     replayed = sum(not getattr(r, "timed", True) for r in records.values())
+    eager = sorted(k for k, r in records.items() if not getattr(r, "timed", True) and getattr(r, "fused_off", ""))
+    if eager:  # made in this run (a resume would have made them again: sweep.references.held)
+        return (f"not certified: {len(eager)} of its replayed confirmation records (e.g. {eager[0]}) were decided by "
+                "the eager kernels after the fused ones failed in their process, not in full decoding's arithmetic; "
+                "rerun to make them again, or use --replay off")
     owed, done = check.get("audit_wanted"), check.get("audit_done", 0)
     if replayed and owed is not None and done < owed:
         return (f"not certified: the replay audit decoded {done} of the {owed} replayed confirmation records it owes "

@@ -289,7 +289,7 @@ def test_only_a_lost_audit_leaves_a_budget_undecided():
     replay a full decode contradicted, or one that needs no audit, is decided."""
     from dataclasses import replace
 
-    from sweep.audit import audit_pending
+    from sweep.audit import audit_pending, audit_withholds
 
     full, replayed = rec("a", 1.0), replace(rec("b", 1.0), replay="exact")
     audited = {"items": 3, "replayed": 1, "replayed_differ": [], "full_differ": []}
@@ -300,3 +300,8 @@ def test_only_a_lost_audit_leaves_a_budget_undecided():
     assert not audit_pending({**audited, "audit_wanted": 30, "audit_done": 20, "replayed_differ": ["candidate:b"]},
                              both), "a contradicted replay is decided, whatever else is missing"
     assert not audit_pending({}, {"a": full}), "nothing replayed"
+    # a replay decided by the eager kernels after the fused ones failed, in this run: withheld, and made again on rerun
+    eager = replace(replayed, fused_off="RuntimeError: no compiler")
+    reason = audit_withholds(audited, {"a": full, "b": eager})
+    assert reason and "eager kernels" in reason and audit_pending(audited, {"a": full, "b": eager})
+    assert audit_withholds(audited, {"a": replace(full, fused_off="x"), "b": replayed}) is None, "a full decode is its own"
