@@ -4,7 +4,7 @@ more pair dtypes.
     python -m jobs.bench.cpu_engine [--dtypes fp32,int4+int8] [--items 6] [--max-new-tokens 128] [--shots 0]
 
 GSM8K test questions (chat prompts, ``--shots`` worked examples before each: 8 is the sweep's few-shot setting,
-~1,000 positions), greedy. Every configuration of every dtype runs on each item
+~1,410 tokens), greedy. Every configuration of every dtype runs on each item
 before the next item starts, so load drifts hit all of them alike; speedups are paired per item
 (Spec-Bench's convention: per-item tokens/s ratio, then the mean). Modelled speedups use each dtype's cost
 profile measured on this machine at the context these items decode at (``workers.models.calibrate.workload_context``;
@@ -65,13 +65,14 @@ def gsm8k_prompts(tokenizer, n: int, shots: int = 0) -> list[tuple[str, list[int
 def run(args: argparse.Namespace) -> dict:
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     engines, profiles, costs, short = {}, {}, {}, {}
-    context = None  # the KV length the items decode at: each profile is timed there (workload_context)
+    prompts: list[tuple[str, list[int]]] = []  # one tokenizer for every dtype: encoded once, with the first pair
+    context = CONTEXT  # the KV length the items decode at: each profile is timed there (workload_context)
     for dtype in reversed(dtypes):  # the fast dtype first: its fp32 load is let go before the others load
         pair = load_pair(args.pair, dtype=dtype)
         gc.collect()
-        if context is None:
-            context = workload_context([len(ids) for _, ids in gsm8k_prompts(pair.tokenizer, args.items, args.shots)],
-                                       args.max_new_tokens)
+        if not prompts:
+            prompts = gsm8k_prompts(pair.tokenizer, args.items, args.shots)
+            context = workload_context([len(ids) for _, ids in prompts], args.max_new_tokens)
         profile = get_profile(pair, context=context)
         if context != CONTEXT:  # the short calibration beside it: how far off it models these items
             short[dtype] = get_profile(pair)
@@ -83,7 +84,6 @@ def run(args: argparse.Namespace) -> dict:
               f"{profile.layers} layers, {profile.context} positions)", file=sys.stderr, flush=True)
     engines = {d: engines[d] for d in dtypes}
     name = next(iter(engines.values())).pair.name
-    prompts = gsm8k_prompts(next(iter(engines.values())).pair.tokenizer, args.items, args.shots)
     for engine in engines.values():
         engine.generate(prompts[0][1], "lossless", draft_len=5, max_new_tokens=8)  # warm-up
     rows = []

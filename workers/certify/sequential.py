@@ -67,7 +67,6 @@ class LookPlan:
         """The alpha each look spends (spent_k - spent_{k-1}; they sum to alpha): the union bound's levels."""
         return _shares(tuple(self.spent) or tuple(self.alphas))
 
-
     def to_dict(self) -> dict[str, Any]:
         how = ("exact: each look certifies Z_b <= z_k, the largest z_k whose cumulative P(certified) stays within "
                "the spent alpha over the nuisance (checked on a dense grid)" if self.thresholds is not None

@@ -11,9 +11,9 @@ a verify pass. Attention's share of a step grows with the context, so a workload
 timed at its own context (:func:`workload_context`: its prompts' median length plus half its new tokens; a
 sweep's 8-shot GSM8K prompts are ~1,410 tokens (1,536 positions), the bench's 0-shot ones ~110 (128)). The step
 kinds are timed in rounds (:func:`_interleaved`). Stored at
-``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the machine key is the CPU model and core count, since a ratio measured on one machine says little about another,
-and a profile is kept per torch thread count (a sweep's actors run one each, a bench every core), per way the
-fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and per context; a profile
+``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the machine key is the CPU model
+and core count, since a ratio measured on one machine says little about another, and a profile is kept per torch
+thread count (a sweep's actors run one each, a bench every core), per way the fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and per context; a profile
 timed under another version of the fast path's kernels (``FAST_NUMERICS``) is measured again.
 
 The same ratio measured through vLLM on the device that serves (``python -m workers.calibrate --engine
@@ -171,7 +171,7 @@ def _interleaved(fns: dict[str, Any], reps: int, warmup: int = 2) -> dict[str, f
     (after ``warmup`` untimed rounds): a slow phase of the machine (another process, reclaim, a page-cache refill
     after loading) lands on every step kind alike instead of on whichever was being timed then. Timed one after
     another, a 1,536-position profile once put the target's one-token step at 114 ms beside a 2-token verify pass
-    at 56 ms (the same step measured 63 ms a minute later)."""
+    at 56 ms (a throwaway probe timed the same step at 63 ms a minute later)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
