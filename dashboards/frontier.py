@@ -1,5 +1,7 @@
 """The frontier as a page: ``report/frontier.md`` (and its numbers as ``frontier.json``) from what
-``workers.metrics.frontier.summary`` computed. Knows the summary's fields; computes nothing."""
+``workers.metrics.frontier.summary`` computed. Knows the summary's fields; computes nothing. A page without its
+lossless table (no lossless row at any L, or no best lossless) is refused (:func:`check`): every speed on it is
+stated over the best lossless, and the ceiling is what bounds them."""
 
 from __future__ import annotations
 
@@ -37,8 +39,9 @@ def render(data: Mapping[str, Any], title: str = "") -> str:
                    f"{_x(c['vs_best_lossless'])} |")
     n = data["lossless"][0]["items"] if data["lossless"] else 0
     out += ["", f"n = {n} search items. No acceptance rule at any L can exceed **{_x(data['ceiling_best'])}** the best "
-            "lossless here: that is what a rule that accepted every draft token would buy at this cost ratio.", "",
-            "## The search (descriptive)", "",
+            "lossless here: that is what a rule that accepted every draft token would buy at this cost ratio.", ""]
+    out += _source(data.get("lossless_source"))
+    out += ["## The search (descriptive)", "",
             "| trial | rule | L | state | n | lost / won | drop | discordance | acceptance length | over the best lossless "
             "| over target-only | Pareto |", "|---:|---|---:|---|---:|---|---:|---:|---:|---:|---:|---|"]
     front = set(data["pareto"])
@@ -72,7 +75,67 @@ def render(data: Mapping[str, Any], title: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
+def _source(src: Mapping[str, Any] | None) -> list[str]:
+    """Where a lossless table recomputed after the study came from (``jobs.bench.frontier_lossless``), or nothing."""
+    if not src:
+        return []
+    code, m, cal = src.get("code") or {}, src.get("machine") or {}, src.get("calibration") or {}
+    here = src.get("this_machine") or {}
+    best = here.get("best_lossless") or {}
+    cm = here.get("cost_model") or {}
+    vf = cm.get("verify_factor") or {}
+    dirty = code.get("dirty_files") or []
+    settings = src.get("settings") or {}
+    study_code = src.get("study_code")
+    return [
+        "### Where this lossless table came from", "",
+        f"Recomputed after the study, not by it (`python -m jobs.bench.frontier_lossless`, {src.get('at', '?')}): "
+        f"target-only decoding on the study's {settings.get('items', '?')} search items, then lossless at every L by "
+        f"replay, with code at commit `{str(code.get('commit', '?'))[:12]}`"
+        + (f" ({len(dirty)} tracked file(s) differing from it in the working tree at the time: "
+           "`lossless_source.code.dirty_files` in frontier.json)" if dirty else "")
+        + f", the fast path's numerics FAST_NUMERICS {code.get('fast_numerics', '?')}, replay version "
+        f"{code.get('replay_version', '?')}, {settings.get('actors', '?')} pair actor(s) at "
+        f"{settings.get('threads_per_actor', '?')} thread(s) each, on {m.get('cpu', '?')} ({m.get('cpus', '?')} CPUs, "
+        f"avx512_bf16 {'yes' if m.get('avx512_bf16') else 'no'}; {_loads(m)}). The token counts, and so the table, "
+        "do not depend on the load. The study itself ran on older code"
+        + (f" ({study_code})" if study_code else "") + ": its trials and certificates below are its own, "
+        "and the table above is priced with its cost model (c and v(L) as its trials were), so the columns compare.",
+        "",
+        f"Priced with this machine's calibration instead (c = {_f(cm.get('cost_ratio'), '.3f')}, timed at "
+        f"{cal.get('context', '?')} positions, load {_f(cal.get('load_1m'))}"
+        + (" on a machine busy with other work: it timed the contention as much as the models, so these figures "
+           "are not ones to quote" if src.get("calibration_under_load") else "") + "; v(L): "
+        + ", ".join(f"{k}: {_f(v)}" for k, v in vf.items() if str(k) != "0")
+        + f"): the best lossless is L {best.get('draft_len', '?')} at {_x(best.get('tokens_per_cost'))} target-only, "
+        f"and the ceiling {_x(here.get('ceiling_best'))} the best lossless.", ""]
+
+
+def _loads(m: Mapping[str, Any]) -> str:
+    """The machine's load at the start and the end, as ``uptime`` put it (1, 5 and 15 minutes) where it did."""
+    def avg(text: Any, fallback: Any) -> str:
+        got = str(text or "").rpartition("load average:")[2].strip()
+        return f"{got} (1 / 5 / 15 min)" if got else _f(fallback)
+
+    return f"load average {avg(m.get('uptime'), m.get('load_1m'))} at the start, " \
+           f"{avg(m.get('uptime_after'), m.get('load_1m_after'))} at the end"
+
+
+def check(data: Mapping[str, Any]) -> None:
+    """ValueError unless the page has its lossless table: a lossless row at some L and a finite best lossless."""
+    rows = data.get("lossless") or []
+    best = (data.get("best_lossless") or {}).get("tokens_per_cost")
+    if not rows or not any(r.get("items") for r in rows):
+        raise ValueError("the frontier page has no lossless row at any L (no lossless records were held when it was "
+                         "computed): every speed on it is stated over the best lossless, so it is not written")
+    if not isinstance(best, int | float) or not math.isfinite(best):
+        raise ValueError(f"the frontier page's best lossless is {best!r}, not a number (no L's lossless records could "
+                         "be priced): every speed on it is stated over the best lossless, so it is not written")
+
+
 def write(data: Mapping[str, Any], out: Path, title: str = "") -> None:
+    """``frontier.json`` and ``frontier.md`` under ``out``; nothing is written for a page :func:`check` refuses."""
+    check(data)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(data, indent=1, default=str, allow_nan=True) + "\n")
     (out / "frontier.md").write_text(render(data, title))

@@ -236,6 +236,7 @@ class References:
         todo = [it for it in self.items if any(it.id not in d or d[it.id].failed for d in done)]
         if not todo:
             return
+        references = self.payload(self.target_only())  # before the bar: its rate and ETA are the bundle's alone
         bar = Progress(f"lossless references at L {lengths[0]}..{lengths[-1]} (one pass per item)", len(todo))
 
         def on_records(per_spec: list[Record]) -> None:
@@ -245,8 +246,7 @@ class References:
             bar.update(per_spec[0])
 
         try:
-            run_bundles(self.workers, self.settings.bench.ref, specs, todo, self.payload(self.target_only()),
-                        on_records)
+            run_bundles(self.workers, self.settings.bench.ref, specs, todo, references, on_records)
         except PoolError as err:
             log(f"lossless references in one pass per item failed ({err}): each L runs on its own")
         bar.close()

@@ -32,6 +32,9 @@ def report(state: SweepState, final: bool = False) -> dict[str, Any]:
     frame = trials_frame(state)
     ar = state.refs.target_only()
     ref_acc = sum(score_of(r) for r in ar.values()) / max(1, len(ar))
+    # lossless at every L, from the reference stores: a study resumed with its search done runs no trial in this
+    # process, so nothing else loads them, and its frontier lost its lossless table (the int4+int8 frontier's did)
+    state.refs.lossless_range()
     lossless = state.refs.first_lossless()
     floor = noise_floor(list(lossless.values()), list(ar.values())).__dict__ if lossless is not None else None
     winners = {}
@@ -47,8 +50,13 @@ def report(state: SweepState, final: bool = False) -> dict[str, Any]:
                  winners_acceptance=winners or None, noise_floor=floor, title=state.name,
                  certification=done.table if done is not None else None)
     write_flips_page(state, frame, out, done.flips if done is not None else [])
-    frontier_page.write(frontier_of(state, frame, chosen, done.confirmed if done is not None else None), out,
-                        state.name)  # what limits the speed
+    try:
+        frontier_page.write(frontier_of(state, frame, chosen, done.confirmed if done is not None else None), out,
+                            state.name)  # what limits the speed
+    except ValueError as err:  # refused (no lossless table): said, and no page, rather than an empty one
+        from sweep.progress import log
+
+        log(f"frontier page not written: {err}")
     state.tracker.log_report(out, chosen)
     return chosen
 
@@ -91,9 +99,7 @@ def frontier_of(state: SweepState, frame: Any, chosen: Mapping[str, Mapping[str,
     from sweep.references import CONFIRM, RefKey
     from workers.metrics.frontier import summary
 
-    held = {n: state.refs.get(RefKey.lossless(n)) for n in state.settings.lengths if state.refs.has(RefKey.lossless(n))}
-    if held and state.refs.has(RefKey.target_only()):
-        held = {0: state.refs.get(RefKey.target_only()), **held}  # L 0: target-only, a lossless decoding too
+    held = state.refs.lossless_range()  # L 0 (target-only, a lossless decoding too) and every L, from the stores
     confirm_reference = state.refs.get(RefKey.target_only(CONFIRM))
     return summary(lossless=held, cost_ratio=state.cost.cost_ratio,
                    verify_factor=state.cost.verify, frame=frame, chosen=chosen, profile=state.profile,

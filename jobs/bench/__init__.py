@@ -10,4 +10,6 @@ machine's load beside them). Run as ``python -m jobs.bench.<name> --help``.
 - ``sweep``: sweep throughput with 1 vs 2 pair actors.
 - ``load_serve``: a bounded load test of the Serve endpoint.
 - ``certify_level``: the certification decision's exact type-I error and the planner's exact power.
+- ``frontier_lossless``: lossless at every L recomputed on an exported study's search items, and its frontier
+  page's lossless table rebuilt from it.
 """
