@@ -24,12 +24,12 @@ def build_parser() -> argparse.ArgumentParser:
     pk.add_argument("--out", required=True, help="the archive to write (.tar.xz)")
     pk.add_argument("--runs-root", default=None,
                     help="where the reference caches are (default: the runs root the study recorded in sweep.json)")
-    pk.add_argument("--ledger", default=None, help="the certificate ledger's folder (default: $SPECTUNE_LEDGER, else "
+    pk.add_argument("--ledger", default=None, help="the certificate ledger: a SQLAlchemy URL or a folder (default: $SPECTUNE_LEDGER, else "
                                                    "<asset cache>/ledger)")
     up = sub.add_parser("unpack", help="restore an archive at the paths it was packed from")
     up.add_argument("archive")
     up.add_argument("--run-dir", default=None, help="check that the archive's run directory is this one")
-    up.add_argument("--ledger", default=None, help="the ledger folder to merge into (default: as for pack)")
+    up.add_argument("--ledger", default=None, help="the ledger (URL or folder) to import its rows into (default: as for pack)")
     return ap
 
 
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "pack":
         out = Path(args.out)
         manifest = pack(Path(args.run_dir), out, Path(args.runs_root) if args.runs_root else None,
-                        Path(args.ledger) if args.ledger else None)
+                        args.ledger)
         by_part: dict[str, int] = {}
         for entry in manifest["files"]:
             by_part[entry["part"]] = by_part.get(entry["part"], 0) + 1
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{manifest['study_ledger_rows']} ledger rows of its own) into {out} ({out.stat().st_size / 2**20:.1f} MiB)"
               "; not packed: a --benchmark task file or --config file of your own, the assets (fetched again)")
         return 0
-    got = unpack(Path(args.archive), ledger=Path(args.ledger) if args.ledger else None,
+    got = unpack(Path(args.archive), ledger=args.ledger,
                  run_dir=Path(args.run_dir) if args.run_dir else None)
     print(f"unpacked study {got['study']} (packed {got['packed_at']}) into {got['run_dir']}: {got['run']} run files, "
           f"{got['references']} reference files written, {got['ledger rows']} ledger rows added; resume it with "

@@ -30,6 +30,7 @@ from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.cli import parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, workload_profile
+from workers.metrics.speed import measured_text, ratio_text
 from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
 from workers.models.calibrate import CostProfile
 from workers.results.store import RecordStore, reference_dir, runs_root, slug
@@ -85,11 +86,13 @@ def report(args: argparse.Namespace, metrics: TrialMetrics, floor: NoiseFloor | 
         f"  accuracy drop       {fmt(metrics.accuracy_drop, True)}  95% CI [{fmt(dlo, True)}, {fmt(dhi, True)}] (paired)",
         f"  mean accept. length {fmt(metrics.mean_acceptance_length)}   draft acceptance {fmt(metrics.draft_acceptance_rate, True)}",
         f"  tokens/s            {fmt(metrics.tokens_per_s)}",
-        f"  speedup vs target-only  measured {fmt(metrics.speedup_vs_ar_measured)}x   modelled {fmt(metrics.speedup_vs_ar_modelled)}x"
+        f"  speedup vs target-only  {measured_text(metrics.speedup_vs_ar_measured, 3)}   modelled "
+        f"{ratio_text(metrics.speedup_vs_ar_modelled, 3, 'n/a')}"
         f" (c = {metrics.cost_ratio:.3f}{', calibrated here' if args.cost_ratio is None else ''});"
-        f" with c seen in this run ({fmt(metrics.cost_ratio_in_situ)}): {fmt(metrics.speedup_vs_ar_modelled_in_situ)}x",
-        f"  speedup vs lossless     measured {fmt(metrics.speedup_vs_lossless_measured)}x   modelled "
-        f"{fmt(metrics.speedup_vs_lossless_modelled)}x",
+        f" with c seen in this run ({fmt(metrics.cost_ratio_in_situ)}): "
+        f"{ratio_text(metrics.speedup_vs_ar_modelled_in_situ, 3, 'n/a')}",
+        f"  speedup vs lossless     {measured_text(metrics.speedup_vs_lossless_measured, 3)}   modelled "
+        f"{ratio_text(metrics.speedup_vs_lossless_modelled, 3, 'n/a')}",
         f"  outputs differing from target-only: {fmt(metrics.output_divergence_vs_ar, True)}",
     ]
     if floor is not None:

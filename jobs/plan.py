@@ -43,8 +43,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--looks", type=int, default=1,
                     help="also plan a group-sequential confirmation with this many looks (the sweep's --looks): its "
                          "largest N and the items it expects to use (right/wrong scores)")
+    ap.add_argument("--attempt", type=int, default=None,
+                    help="plan for the K-th confirmation attempt on its benchmark and pair: it is tested at "
+                         "alpha x 2^-K, the family's share (workers.certify.family)")
+    ap.add_argument("--benchmark", default=None, help="with --pair: plan for the next attempt the ledger would open")
+    ap.add_argument("--pair", default=None, help="with --benchmark: the model pair (a name or draft,target dirs)")
+    ap.add_argument("--pair-id", default=None, help="with --benchmark: an endpoint's pair id instead of --pair")
+    ap.add_argument("--ledger", default=None,
+                    help="the ledger's SQLAlchemy URL or folder (default: $SPECTUNE_LEDGER, else the asset cache's)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap
+
+
+def family_level(args: argparse.Namespace) -> tuple[float, dict[str, Any] | None]:
+    """The level the planned attempt is tested at, and what its family says (None: --alpha as given, no family
+    named)."""
+    from workers.certify.family import SPENDING, family_alpha
+
+    if (args.benchmark is None) != (args.pair is None and args.pair_id is None):
+        raise ValueError("--benchmark needs --pair (or --pair-id), and --pair needs --benchmark")
+    number, where = args.attempt, None
+    if args.benchmark is not None:
+        from workers.benchmarks import get_benchmark
+        from workers.results.ledger import ledger_for
+
+        ledger = ledger_for(get_benchmark(args.benchmark), args.pair, args.pair_id, args.ledger)
+        found = ledger.next_number()
+        if number is not None and number != found:
+            raise ValueError(f"--attempt {number}: the ledger at {ledger.path} would open attempt #{found} next")
+        number, where = found, ledger.path
+    if number is None:
+        return args.alpha, None
+    if number < 1:
+        raise ValueError(f"--attempt must be >= 1, got {number}")
+    level = family_alpha(args.alpha, number)
+    return level, {"number": number, "spending": SPENDING, "alpha": args.alpha, "level": level, "ledger": where}
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -101,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if not abs(args.drop) <= args.discordance:
             raise ValueError(f"--drop must be within +-discordance ({args.discordance}), got {args.drop}")
         observed, d, drop = None, args.discordance, args.drop
+    level, family = family_level(args)
+    stated = args.alpha
+    args = argparse.Namespace(**{**vars(args), "alpha": level})  # every figure below at the attempt's level
     rows = []
     exact = observed is None or observed["bound"]["method"] == EXACT
     for b in budgets:
@@ -119,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "expected_items": expected, "max_items": plan.n,
                                      "fixed_items_same_power": exact_plan(d, b, drop, args.alpha, min(got, 0.999))}
         rows.append(row)
-    out = {"alpha": args.alpha, "power": args.power, "discordance": d if observed is None else observed["discordance"],
+    out = {"alpha": args.alpha, "stated_alpha": stated, "family": family, "power": args.power, "discordance": d if observed is None else observed["discordance"],
            "drop": drop, "pilot": observed, "budgets": rows}
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0
@@ -127,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def render(out: dict[str, Any]) -> str:
     lines = []
+    fam = out.get("family")
+    if fam:
+        lines.append(f"attempt #{fam['number']} of its family"
+                     + (f" (the next the ledger at {fam['ledger']} opens)" if fam.get("ledger") else "")
+                     + f": tested at {fam['alpha']:g} x 2^-{fam['number']} = {fam['level']:.4g}")
     p = out["pilot"]
     if p is not None:
         b = p["bound"]
@@ -154,9 +195,11 @@ def render(out: dict[str, Any]) -> str:
                             else "the looks save nothing here"))
     drop = out["drop"]
     how = rows[0]["plan"] if rows else "exact power"
-    lines.append(f"Paired items for a certificate at alpha {out['alpha']:g} with {out['power']:.0%} power at true drop "
+    lines.append(f"Paired items for a certificate at alpha {out['alpha']:.4g} with {out['power']:.0%} power at true drop "
                  f"{drop:.4f} and discordance {out['discordance']:.3f}, one candidate tested alone ({how}); "
-                 f"'never' where the drop is at or above the budget.")
+                 f"'never' where the drop is at or above the budget."
+                 + ("" if fam else " An attempt is tested at its family's share: the k-th on a benchmark and pair at "
+                    "alpha x 2^-k (--attempt K, or --benchmark and --pair for the ledger's next)."))
     return "\n".join(lines)
 
 

@@ -1,108 +1,49 @@
-"""A sweep's certificates as a small, self-contained evidence folder, and their recomputation from it.
+"""A sweep's certificates as a small, self-contained evidence folder, and their re-decision from it.
 
     python -m jobs.results export --run-dir runs/sweeps/<study> --out docs/results/<name>
-    python -m jobs.results check docs/results/<name>
+    python -m jobs.results check docs/results/<name> [--history workers/results/known_attempts.jsonl]
 
 ``export`` copies what a reader needs to recompute every certificate and nothing heavy:
 ``certification.json``, ``chosen-budget-<b>.json``, ``evidence/<candidate>.csv`` (the paired per-item
-outcomes the decision was made on), ``search_items.txt`` (the ids the search used, so anyone can see the
-confirmation items were never among them), ``sweep.json`` (the command's settings) and ``table.md`` (per
-budget: certified, rule, p-value, bound, n, lost/won, discordance, modelled and measured speed). ``check``
-recomputes each budget's decision from the evidence CSV alone (the exact test, through the recorded
-group-sequential design), recomputes that design from its N, looks, alpha and budget (never trusting the
-recorded thresholds), checks that the evidence's items are the confirmation pool's first items in its fixed
-order (less the items earlier attempts used, listed in ``certification.json``) and that none was a search item,
-and fails, naming the budget and the check, where any does not hold. A folder holding ``SUPERSEDED.md`` is
-reported as superseded and fails the check whatever its evidence says.
+outcomes each tested candidate was decided on), ``frontier.json``/``frontier.md``, ``search_items.txt`` (the
+ids the search used, so anyone can see the confirmation items were never among them), ``sweep.json`` (the
+command's settings) and ``table.md`` (per budget: certified, rule, p-value, bound, n, lost/won, discordance,
+modelled and measured speed). It refuses (ValueError) a run whose frontier has an empty lossless table: every
+speed in it would be over a baseline that was never measured.
+
+``check`` re-decides everything from the folder and the shipped ledger history (``--history``, default
+``workers/results/known_attempts.jsonl``), trusting no recorded decision, threshold or skip, and prints one line
+per check per budget, each ``ok``, ``FAILED: <why>`` or ``not checked: <why>``; the exit code is 0 only when no
+check failed, 3 for a folder holding ``SUPERSEDED.md``. The checks themselves (steps, order, design, pool,
+disjoint, audit, ledger, family, chosen, and the folder's frontier) are the library's: :mod:`sweep.recheck`.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sweep.recheck.check import CHECKS, recompute, verify
+from sweep.recheck.folder import (
+    FAILED,
+    NOT_CHECKED,
+    OK,
+    SUPERSEDED_EXIT,
+    Finding,
+    Verification,
+    evidence_rows,
+)
+from sweep.recheck.items import frontier_problem
 from workers.cli import one_line_errors
 
-
-def evidence_rows(path: Path) -> tuple[list[str], list[float], list[float]]:
-    """(item ids, reference scores, candidate scores) of an evidence CSV, in its order."""
-    with path.open() as f:
-        rows = list(csv.DictReader(f))
-    return ([r["item_id"] for r in rows], [float(r["reference_score"]) for r in rows],
-            [float(r["candidate_score"]) for r in rows])
-
-
-def recompute(folder: Path) -> list[dict[str, Any]]:
-    """Each budget's decision recomputed from its evidence CSV: budget, certified, p-value, n, lost, won, and
-    whether they match the certificate (``matches``); whether the group-sequential design recomputes
-    (``design_matches``: ``look_plan`` again from N, K, alpha, rho and the budget); whether the evidence's items
-    are the confirmation pool's first items in its fixed order (``pool_front``: the benchmark's pool without
-    the search items and the items earlier attempts used, ``certification.json``'s ``pool.skipped``) and share
-    none with the search (``disjoint``). The last two need ``sweep.json`` and ``search_items.txt`` (None without
-    them). ``ok``: every check that ran passed."""
-    from workers.certify.decide import certifies, sequential_bound, shown_step
-    from workers.certify.sequential import LookPlan, look_plan
-
-    cert = json.loads((folder / "certification.json").read_text())
-    front = _pool_front(folder, cert)
-    searched = set((folder / "search_items.txt").read_text().split()) if (folder / "search_items.txt").is_file() else None
-    out = []
-    for key, choice in cert["budgets"].items():
-        c = choice["certification"]
-        if not c.get("evidence"):
-            continue
-        budget = float(choice["budget"])
-        ids, ref, cand = evidence_rows(folder / c["evidence"])
-        design = c.get("sequential")
-        if design:
-            plan = LookPlan(tuple(design["sizes"]), tuple(design["alphas"]), design["alpha"], design["rho"],
-                            tuple(design["spent"]), design["budget"],
-                            None if design.get("thresholds") is None else
-                            tuple(-math.inf if z is None else z for z in design["thresholds"]))
-            again = look_plan(plan.n, len(plan.sizes), plan.alpha, plan.rho, plan.budget)
-            design_ok = again.sizes == plan.sizes and _same(again.thresholds, plan.thresholds) and all(
-                math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(again.spent, plan.spent, strict=True))
-        else:
-            plan, design_ok = look_plan(len(ref), 1, c["alpha"]), True
-        got = sequential_bound(ref, cand, plan, budget)
-        shown = shown_step(c)
-        row = {"budget": budget, "certified": certifies(got), "p_value": got.p_value, "n": got.n,
-               "lost": got.losses, "won": got.wins, "design_matches": design_ok,
-               "pool_front": None if front is None else ids == front[: len(ids)],
-               "disjoint": None if searched is None else not set(ids) & searched}
-        row["matches"] = (row["certified"] == c["certified"] and got.n == c["n"] and got.losses == shown.get("losses")
-                          and got.wins == shown.get("wins")
-                          and (c["p_value"] is None or math.isclose(got.p_value, c["p_value"], rel_tol=1e-9, abs_tol=1e-12)))
-        row["ok"] = row["matches"] and design_ok and row["pool_front"] is not False and row["disjoint"] is not False
-        row["key"] = key
-        out.append(row)
-    return out
-
-
-def _same(a: tuple[float, ...] | None, b: tuple[float, ...] | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return len(a) == len(b) and all(x == y or math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b, strict=True))
-
-
-def _pool_front(folder: Path, cert: dict[str, Any]) -> list[str] | None:
-    """The confirmation pool's item ids in its fixed order, without the search items and the ones earlier attempts
-    used (None when the folder lacks sweep.json or search_items.txt)."""
-    meta, listed = folder / "sweep.json", folder / "search_items.txt"
-    if not meta.is_file() or not listed.is_file():
-        return None
-    from workers.benchmarks import get_benchmark
-
-    bench = get_benchmark(json.loads(meta.read_text())["args"]["benchmark"])
-    searched = set(listed.read_text().split())
-    search = [it for it in bench.items(split="search") if it.id in searched]
-    skipped = set((cert.get("pool") or {}).get("skipped") or ())
-    return [it.id for it in bench.confirmation_pool(search)[0] if it.id not in skipped]
+__all__ = ["CHECKS", "FAILED", "NOT_CHECKED", "OK", "SUPERSEDED_EXIT", "Finding", "Verification", "build_parser",
+           "evidence_rows", "export", "frontier_problem", "main", "recompute", "report", "ship_attempts", "table",
+           "verify"]
 
 
 def _x(value: float | None) -> str:
@@ -148,12 +89,38 @@ def table(folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def export(run_dir: Path, out: Path) -> Path:
+def ship_attempts(folder: Path, ledger: str | None = None) -> int:
+    """Write the rows of every attempt the folder's certificates name into the shipped history
+    (``workers.results.history``), from the ledger that holds them (``ledger``: URL or folder; default as the
+    sweep's), so a committed result always has its attempt in the repository. Returns the rows added; a
+    ValueError where the ledger does not hold an attempt."""
+    from workers.results.ledger import AttemptLedger
+
+    cert = json.loads((folder / "certification.json").read_text())
+    added, seen = 0, set()
+    for choice in cert["budgets"].values():
+        aid = (choice.get("certification") or {}).get("attempt")
+        key = (choice.get("benchmark"), choice.get("pair_fingerprint"), aid)
+        if not aid or key in seen:
+            continue
+        seen.add(key)
+        if not choice.get("pair_fingerprint"):
+            raise ValueError(f"{folder}: its certificates record no pair fingerprint: the attempt's ledger is unknown")
+        added += AttemptLedger(choice["benchmark"], choice["pair_fingerprint"], ledger).ship(aid)
+    return added
+
+
+def export(run_dir: Path, out: Path, ledger: str | None = None) -> Path:
     from workers.benchmarks import get_benchmark
 
     report = run_dir / "report"
     if not (report / "certification.json").is_file():
         raise ValueError(f"{run_dir} has no report/certification.json: the sweep has not confirmed yet")
+    if (report / "frontier.json").is_file():  # checked before anything is written
+        why = frontier_problem(json.loads((report / "frontier.json").read_text()))
+        if why:
+            raise ValueError(f"{report / 'frontier.json'}: {why}; refusing to export a frontier whose speeds are over "
+                             "no measured lossless (rerun the sweep's report with its lossless records)")
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(report / "certification.json", out / "certification.json")
     for name in ("frontier.json", "frontier.md"):  # what limits the speed (workers.metrics.frontier), where the sweep wrote it
@@ -170,47 +137,53 @@ def export(run_dir: Path, out: Path) -> Path:
     items = get_benchmark(args["benchmark"]).items(limit=args["items"] or None, seed=args["subset_seed"], split="search")
     (out / "search_items.txt").write_text("".join(f"{it.id}\n" for it in items))
     (out / "table.md").write_text(table(out))
+    from workers.results.history import history_path
+
+    shipped = ship_attempts(out, ledger)
+    print(f"shipped history: {shipped} row(s) of this result's attempt added to {history_path()} "
+          "(commit it with the folder)")
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="Export a sweep's certificates as an evidence folder, or recompute one.")
+    ap = argparse.ArgumentParser(description="Export a sweep's certificates as an evidence folder, or re-decide one.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("export", help="copy the certificates, evidence and search item ids into a folder")
     ex.add_argument("--run-dir", required=True, help="the sweep's run directory")
     ex.add_argument("--out", required=True, help="the folder to write (e.g. docs/results/<name>)")
-    ck = sub.add_parser("check", help="recompute every certificate of a folder from its evidence")
+    ex.add_argument("--ledger", default=None,
+                    help="the ledger holding the sweep's attempt: a SQLAlchemy URL or folder (default: "
+                         "$SPECTUNE_LEDGER, else the asset cache's)")
+    ck = sub.add_parser("check", help="re-decide every certificate of a folder from its evidence and the ledger history")
     ck.add_argument("folder")
+    ck.add_argument("--history", default=None,
+                    help="the ledger history (JSON lines) to check the attempt against (default: $SPECTUNE_HISTORY, "
+                         "else the shipped workers/results/known_attempts.jsonl)")
     return ap
 
 
+def report(folder: Path, history: Path | None = None, out: Callable[[str], Any] = print) -> int:
+    """Print every check of ``folder``; the exit code (0 all passed, 1 a check failed, 3 superseded)."""
+    found = verify(folder, history)
+    for line in found.lines():
+        out(line)
+    return found.exit_code()
+
+
 @one_line_errors
-def main(argv: list[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.cmd == "export":
-        out = export(Path(args.run_dir), Path(args.out))
+        out = export(Path(args.run_dir), Path(args.out), args.ledger)
         print((out / "table.md").read_text(), end="")
-        rows = recompute(out)
-    else:
-        rows = recompute(Path(args.folder))
-    folder = out if args.cmd == "export" else Path(args.folder)
-    from workers.results.scope import withdrawn
-
-    found = withdrawn(folder)
-    if found is not None:
-        print(f"SUPERSEDED: {found[0]} (see {found[1]})")
-
-    def said(value: bool | None, yes: str, no: str) -> str:
-        return "not checked (no sweep.json / search_items.txt)" if value is None else yes if value else no
-
-    for r in rows:
-        print(f"budget {r['budget'] * 100:g}%: recomputed from the evidence: certified {r['certified']}, "
-              f"p = {r['p_value']:.4g}, n = {r['n']}, lost {r['lost']} / won {r['won']}: "
-              f"{'matches' if r['matches'] else 'DOES NOT MATCH'} the certificate; design "
-              f"{'recomputes' if r['design_matches'] else 'DOES NOT RECOMPUTE'}; items "
-              f"{said(r['pool_front'], 'are the pool front in its fixed order', 'are NOT the pool front in its fixed order')}, "
-              f"{said(r['disjoint'], 'disjoint from the search', 'SHARED WITH THE SEARCH')}")
-    return 0 if rows and all(r["ok"] for r in rows) and found is None else 1
+        return report(out)
+    folder = Path(args.folder)
+    if not (folder / "certification.json").is_file():
+        raise ValueError(f"{folder} is not a results folder: it has no certification.json "
+                         "(made by `python -m jobs.results export`)")
+    if args.history is not None and not Path(args.history).is_file():
+        raise ValueError(f"--history {args.history}: no such file")
+    return report(folder, None if args.history is None else Path(args.history))
 
 
 if __name__ == "__main__":

@@ -67,9 +67,36 @@ class _AppendRules(argparse._AppendAction):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), *values])
 
 
+# what --help says a flag of these types takes (jsonargparse would print the function itself, <function ... at 0x...>)
+TYPE_NAMES: tuple[tuple[Any, str], ...] = (
+    (comma_list, "comma-separated list"), (subset_seed, "int or 'file'"), (rules, "rule[:knob=value,...]"))
+
+
+class HelpFormatter(jsonargparse.DefaultHelpFormatter):
+    """jsonargparse's help, with a type a person can read beside every flag: jsonargparse prints a ``type``
+    function as itself (``<function comma_list at 0x...>``), and a flag with ``choices`` as its own wrapper."""
+
+    def _get_type_str(self, action: argparse.Action) -> str | None:  # jsonargparse's "type: ..." of a flag
+        name = next((text for func, text in TYPE_NAMES if action.type is func), None)
+        if name is not None:
+            return name
+        if action.choices is not None:  # the choices are shown too: {a,b,c}
+            return " | ".join(sorted({type(c).__name__ for c in action.choices}))
+        text = super()._get_type_str(action)
+        if text is not None and text.startswith("<"):  # any other function or class: its name, else nothing
+            name = getattr(action.type, "__name__", "")
+            return name if name.isidentifier() else None
+        return text
+
+
 class SweepParser(jsonargparse.ArgumentParser):
     """jsonargparse's parser, returning a plain ``argparse.Namespace``: jsonargparse's own Namespace has
-    an ``items()`` method, which would hide the ``--items`` option (``args.items``)."""
+    an ``items()`` method, which would hide the ``--items`` option (``args.items``); its help says each
+    flag's type in words (:class:`HelpFormatter`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def parse_args(self, *args: Any, **kwargs: Any) -> argparse.Namespace:  # type: ignore[override]
         return super().parse_args(*args, **kwargs).as_flat()
@@ -257,6 +284,15 @@ def build_parser() -> SweepParser:
                     help="default $SPECTUNE_RUNS, else ./runs; in a Ray job $SPECTUNE_RUNS on the head "
                          "(scripts/ray-head: the checkout's runs/), else ~/spectune_runs")
     ap.add_argument("--run-dir", type=str | None, default=None, help="default <runs-root>/sweeps/<study name>")
+    ap.add_argument("--ledger", type=str | None, default=None,
+                    help="the certificate ledger: a SQLAlchemy URL (a team's Postgres: postgresql+psycopg://user@host/db) "
+                         "or a folder for a sqlite file (default: $SPECTUNE_LEDGER, else <asset cache>/ledger)")
+    ap.add_argument("--optuna-storage", type=str | None, default=None,
+                    help="Optuna's storage URL (a team's server: postgresql+psycopg://...; default: sqlite "
+                         "<run-dir>/optuna.db)")
+    ap.add_argument("--tracking-uri", type=str | None, default=None,
+                    help="MLflow's tracking URI (a team's server: http://host:5000 or a database URL; default: sqlite "
+                         "<run-dir>/mlflow.db, artifacts under <run-dir>/mlartifacts)")
     ap.add_argument("--search-space", "--search", type=dict[str, dict[str, Any]] | None, default=None,
                     help="knob ranges in place of the rules' own, {rule: {knob: [low, high] | {low, high, log} | "
                          "[choice, ...]}}, checked against each rule's bounds; in a config file a search_space: "

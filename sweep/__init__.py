@@ -15,7 +15,9 @@ Its rooms, one phase each, every phase taking the state and returning values:
 - ``confirm`` (with ``certificates``): the attempt the ledger opens, each budget certified or not;
 - ``server``: a fixed server configuration (``--server-config``) certified as one candidate, no search;
 - ``report``: the report, the flips page and the frontier; ``progress``: the log and progress lines;
-  ``tracking``: MLflow.
+  ``tracking``: MLflow; ``carry``: a study moved to another machine;
+- ``recheck``: an exported results folder re-decided from its evidence and the ledger history (what
+  ``python -m jobs.results check`` runs).
 """
 
 from __future__ import annotations

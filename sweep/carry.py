@@ -110,10 +110,23 @@ def _reference_dirs(root: Path, args: dict[str, Any]) -> list[Path]:
     return [base] if base.is_dir() else []
 
 
-def _study_rows(ledger: Path, study: str | None) -> int:
+def _ledger_files(url: str) -> dict[str, bytes]:
+    """The ledger's rows (every benchmark and pair it holds, the shipped history's included) as JSON-lines files,
+    one per (benchmark, pair), named as the ledger files of earlier versions were."""
+    from workers.results.ledger_store import store
+    from workers.results.store import slug
+
+    files: dict[str, list[str]] = {}
+    for row in store(url).all_rows():
+        tag = hashlib.sha256(str(row["pair_id"]).encode()).hexdigest()[:16]
+        files.setdefault(f"{slug(str(row['benchmark']), 60)}-{tag}.jsonl", []).append(json.dumps(row))
+    return {name: "".join(line + "\n" for line in lines).encode() for name, lines in files.items()}
+
+
+def _study_rows(files: dict[str, bytes], study: str | None) -> int:
     rows = 0
-    for path in ledger.glob("*.jsonl") if ledger.is_dir() else ():
-        for line in path.read_text(errors="replace").splitlines():
+    for blob in files.values():
+        for line in blob.decode(errors="replace").splitlines():
             try:
                 rows += json.loads(line).get("study") == study
             except (json.JSONDecodeError, AttributeError):
@@ -121,12 +134,12 @@ def _study_rows(ledger: Path, study: str | None) -> int:
     return rows
 
 
-def pack(run_dir: Path, out: Path, runs_root: Path | None = None, ledger: Path | None = None) -> dict[str, Any]:
+def pack(run_dir: Path, out: Path, runs_root: Path | None = None, ledger: Path | str | None = None) -> dict[str, Any]:
     """Write ``out`` (.tar.xz): the run directory, its reference caches and the ledger's files; returns the manifest
     (``study_ledger_rows``: the ledger rows naming this study). ``runs_root``: where the references are (default:
-    the one the study recorded in ``sweep.json``); ``ledger``: the ledger's folder (default: this machine's,
-    ``$SPECTUNE_LEDGER``). Refuses a study whose references or ledger rows it cannot find where it needs them."""
-    from workers.results.ledger import ledger_root
+    the one the study recorded in ``sweep.json``); ``ledger``: the ledger's URL or folder (default: this
+    machine's, ``$SPECTUNE_LEDGER``), whose rows are packed as JSON lines. Refuses a study whose references or ledger rows it cannot find where it needs them."""
+    from workers.results.ledger_store import ledger_url, shown
 
     run_dir = run_dir.expanduser().resolve()
     meta_path = run_dir / "sweep.json"
@@ -145,7 +158,7 @@ def pack(run_dir: Path, out: Path, runs_root: Path | None = None, ledger: Path |
         raise ValueError(f"{meta_path} does not record its runs root (a study started before jobs.carry): "
                          "name it with --runs-root (where its references/ folder is)")
     root = given.expanduser().resolve() if given is not None else run_dir
-    ledger = (ledger or ledger_root()).expanduser().resolve()
+    url = ledger_url(ledger)
     parts: list[tuple[str, Path, Path]] = [("run", run_dir, p) for p in _files(run_dir)]
     refs = [] if server else _reference_dirs(root, args)
     if not server and not refs and (run_dir / "trials").is_dir():
@@ -153,13 +166,13 @@ def pack(run_dir: Path, out: Path, runs_root: Path | None = None, ledger: Path |
                          "though the study ran trials: name the runs root it used with --runs-root")
     for ref in refs:
         parts += [("references", root, p) for p in _files(ref)]
-    if ledger.is_dir():
-        parts += [("ledger", ledger, p) for p in sorted(ledger.glob("*.jsonl")) if p.is_file()]
-    study_rows = _study_rows(ledger, meta.get("study"))
+    ledger_files = _ledger_files(url)
+    study_rows = _study_rows(ledger_files, meta.get("study"))
     if (run_dir / "confirm").is_dir() and not study_rows:
-        raise ValueError(f"the study has started confirmation ({run_dir / 'confirm'}) but the ledger at {ledger} "
+        raise ValueError(f"the study has started confirmation ({run_dir / 'confirm'}) but the ledger at {shown(url)} "
                          "holds none of its attempts: name the ledger it used with --ledger ($SPECTUNE_LEDGER)")
     read = [(part, base, p, _read(p)) for part, base, p in parts]
+    read += [("ledger", Path("/ledger"), Path("/ledger") / name, blob) for name, blob in sorted(ledger_files.items())]
     kept = [(part, base, p, blob) for part, base, p, blob in read if blob is not None]
     files = [{"part": part, "path": p.relative_to(base).as_posix(), "bytes": len(blob),
               "sha256": hashlib.sha256(blob).hexdigest()} for part, base, p, blob in kept]
@@ -190,13 +203,13 @@ def _checked_path(archive: Path, part: str, path: str) -> None:
         raise ValueError(f"{archive}: the manifest names {part}/{path}, outside what an archive may write")
 
 
-def unpack(archive: Path, ledger: Path | None = None, run_dir: Path | None = None) -> dict[str, Any]:
+def unpack(archive: Path, ledger: Path | str | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """Restore ``archive`` where it was packed from: the run directory's files (one that exists with other content
     is refused; missing ones are written, so an unpack cut short finishes when run again), the reference files (one
     that holds the archive's records, or more, is kept; another is refused) and the ledger rows this machine lacks.
     Every file and destination is checked before anything is written. ``run_dir``: must equal the packed one where
     given (a check, not a move). Returns counts per part and the command that resumes the study."""
-    from workers.results.ledger import ledger_root, merge_rows
+    from workers.results.ledger_store import ledger_url, parse_lines, store
 
     archive = archive.expanduser()
     if not archive.is_file():
@@ -227,8 +240,8 @@ def unpack(archive: Path, ledger: Path | None = None, run_dir: Path | None = Non
     if run_dir is not None and run_dir.expanduser().resolve() != target:
         raise ValueError(f"{archive} holds the run directory {target}: it unpacks there (its MLflow store and "
                          f"ledger plan record that path), not at {run_dir}")
-    ledger = (ledger or ledger_root()).expanduser().resolve()
-    bases = {"run": target, "references": root, "ledger": ledger}
+    url = ledger_url(ledger)
+    bases = {"run": target, "references": root, "ledger": Path("/ledger")}
     # check everything before writing anything: a refused unpack leaves this machine as it was
     writes: list[tuple[str, Path, bytes]] = []
     for (part, p), data in blobs.items():
@@ -247,7 +260,7 @@ def unpack(archive: Path, ledger: Path | None = None, run_dir: Path | None = Non
                                  "disagree (move that cache away to unpack)")
         else:
             writes.append((part, dest, data))
-    for folder in {bases[part] for part, _, _ in writes}:
+    for folder in {bases[part] for part, _, _ in writes if part != "ledger"}:
         probe = folder
         while not probe.exists() and probe != probe.parent:
             probe = probe.parent
@@ -255,10 +268,11 @@ def unpack(archive: Path, ledger: Path | None = None, run_dir: Path | None = Non
             raise ValueError(f"cannot write under {folder} (no permission at {probe})")
     counts = {"run": 0, "references": 0, "ledger rows": 0}
     for part, dest, data in writes:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if part == "ledger":
-            counts["ledger rows"] += merge_rows(dest, data.decode(errors="replace").splitlines())
+        if part == "ledger":  # into the ledger's database: rows it lacks, each once
+            counts["ledger rows"] += store(url).import_rows(parse_lines(data.decode(errors="replace").splitlines()),
+                                                            f"carried:{archive.name}")
             continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_name(dest.name + ".partial")
         tmp.write_bytes(data)
         tmp.replace(dest)

@@ -37,6 +37,7 @@ from workers.certify.decide import (
     Candidate,
     Certificate,
     DropBound,
+    bound_text,
     certifies,
     fixed_sequence,
     order_candidates,
@@ -46,7 +47,7 @@ from workers.certify.decide import (
 from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.evaluation import Record
 from workers.metrics.lossless import baseline_name
-from workers.metrics.speed import comparable, over_lossless, speed_figures
+from workers.metrics.speed import comparable, measured_text, over_lossless, ratio_text, speed_figures
 from workers.results.evidence import confirmation_rows, ordered_prefix, write_evidence
 from workers.results.flips import flip_rows, write_flips
 from workers.results.ledger import AttemptLedger, LedgerRefusal, Plan
@@ -171,6 +172,20 @@ class Attempt:
     skipped: list[str] = field(default_factory=list)
     earlier: list[dict[str, Any]] = field(default_factory=list)
     refusal: str | None = None
+    number: int | None = None  # its place in the family (workers.certify.family): its budgets' level
+    cap: float | None = None  # the family's alpha, fixed by its first attempt: a later one states no more
+
+    def level(self, alpha: float) -> float:
+        """The level this attempt tests each budget at, for ``alpha`` stated per budget: the family's share of
+        the smaller of ``alpha`` and the family's own. An attempt the ledger never opened (refused, or no
+        candidate) tests nothing: ``alpha`` as stated."""
+        from workers.certify.family import family_alpha
+
+        if self.id is None:
+            return alpha
+        if self.number is None:
+            raise ValueError(f"attempt {self.id} has no number in its family: the ledger lost it")
+        return family_alpha(alpha if self.cap is None else min(alpha, self.cap), self.number)
 
 
 @dataclass(frozen=True)
@@ -188,14 +203,12 @@ class Certification:
 def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: float) -> Attempt:
     """Before any confirmation item is evaluated: the attempt's plan (every budget's candidates in test order),
     opened in the ledger of this benchmark and model pair, which gives the attempt its items."""
-    from workers.models.identity import pair_fingerprint
+    from sweep.settings import ledger_of
 
     s, args = state.settings, state.settings.args
     keys = tuple(tuple(spec_of(s, c.payload).key() for c in order_candidates(candidates, b, limit=args.confirm_candidates))
                  for b in s.budgets)
-    # a server's weights are not here to fingerprint: the ledger keys on the pair id the user states
-    pair_id = f"endpoint:{args.pair_id}" if args.engine == "openai" else pair_fingerprint(args.pair)
-    ledger = AttemptLedger(getattr(s.bench, "ledger_key", s.bench.key), pair_id)
+    ledger = ledger_of(s)
     planned = state.confirm_planned
     if not any(keys):
         return Attempt(ledger, None, planned)
@@ -212,11 +225,58 @@ def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: flo
         log(f"confirmation REFUSED by the ledger ({ledger.path}): {err}")
         return Attempt(ledger, None, planned, refusal=str(err))
     items = attempt_items(attempt, ids, state.pool, earlier, bool(args.new_items))
+    mine = ledger.attempts()[attempt]
+    number, cap = mine.get("number"), (mine.get("family") or {}).get("cap")
     where = {it.id: k for k, it in enumerate(state.pool)}
     chosen, last = set(ids), max(where[i] for i in ids) if ids else -1
     # the pool items before the last chosen one that earlier attempts had used: what recomputing the front needs
     skipped = [it.id for it in state.pool[: last + 1] if it.id not in chosen]
-    return Attempt(ledger, attempt, items, skipped, earlier)
+    held = Attempt(ledger, attempt, items, skipped, earlier, number=number, cap=cap)
+    base = alpha_each if cap is None else min(alpha_each, cap)
+    log(f"confirmation attempt {attempt} is #{number} of its family on this benchmark and pair: each budget is "
+        f"tested at {base:g} x 2^-{number} = {held.level(alpha_each):.4g}"
+        + (f" (the family's alpha {cap:g}, fixed by its first attempt)" if cap is not None and cap < alpha_each else ""))
+    return held
+
+
+def family_fields(attempt: Attempt, alpha_stated: float) -> dict[str, Any]:
+    """What a certificate says of its family: the attempt's number, the spending, the stated alpha and the
+    level its budgets were tested at."""
+    from workers.certify.family import SPENDING
+
+    return {"number": attempt.number, "spending": SPENDING,
+            "alpha": alpha_stated if attempt.cap is None else min(alpha_stated, attempt.cap),
+            "level": attempt.level(alpha_stated)}
+
+
+def statement(alpha: float, alpha_stated: float, attempt: Attempt) -> str:
+    """The certificate's statement: what is claimed at which level, within the attempt and across its family.
+    Across the family the claim is per budget (for any one budget fixed in advance); a joint claim across the
+    family's budgets would need every attempt joint, so the family's joint spend so far is stated instead."""
+    across = (f"joint within this attempt: every certified budget at once, alpha {alpha:g} (Bonferroni, "
+              f"{alpha_stated:g} each)" if alpha_stated != alpha else f"per budget, alpha {alpha:g} each")
+    if attempt.number is None:
+        return across
+    base = alpha_stated if attempt.cap is None else min(alpha_stated, attempt.cap)
+    spent = family_spent(attempt)
+    return (f"{across}; across this benchmark and pair's attempts, per budget: attempt #{attempt.number} tested at "
+            f"{base:g} x 2^-{attempt.number} = {attempt.level(alpha_stated):.4g}, so for any one budget fixed in "
+            f"advance P(any certificate of the family at it is wrong) <= {base:g}"
+            + (f"; summed over every budget of every attempt the family has spent {spent:.4g}" if spent else ""))
+
+
+def family_spent(attempt: Attempt) -> float:
+    """The levels of every budget of every attempt of the family so far, summed (what a joint claim across the
+    family's budgets would have to stay under)."""
+    from workers.certify.family import family_alpha
+
+    total = 0.0
+    for a in attempt.ledger.attempts().values():
+        levels = (a.get("family") or {}).get("levels")
+        if levels is None and a.get("number"):  # made before the family: its stated alphas at its share
+            levels = [family_alpha(float(x), int(a["number"])) for x in a.get("alphas", ())]
+        total += sum(levels or ())
+    return total
 
 
 def attempt_items(attempt: str, ids: Sequence[str], pool: Sequence[Item], earlier: Sequence[Any],
@@ -294,8 +354,9 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
     s, args, refs = state.settings, state.settings.args, state.refs
     candidates = candidates_from(frame)
     # --joint: one statement across budgets (Bonferroni): P(any certified budget is wrong) <= alpha
-    alpha_each = args.alpha / len(s.budgets) if args.joint else args.alpha
-    attempt = open_attempt(state, candidates, alpha_each)
+    alpha_stated = args.alpha / len(s.budgets) if args.joint else args.alpha
+    attempt = open_attempt(state, candidates, alpha_stated)
+    alpha_each = attempt.level(alpha_stated)  # the family's share for this attempt (workers.certify.family)
     items, refusal = attempt.items, attempt.refusal
     ref_spec = refs.target_only_spec()
 
@@ -310,7 +371,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
         return refs.run(spec, f"confirm {c.key} {spec.label()} (items {n:,})", store, items[:n], stop, timeout=False,
                         confirm=True)
 
-    confirmation = Confirmation(evaluate, reference_upto, args.alpha, args.confirm_candidates,
+    confirmation = Confirmation(evaluate, reference_upto, attempt.level(args.alpha), args.confirm_candidates,
                                 [it.id for it in items], looks=args.looks)
     confirmation.plan_futility(candidates, s.budgets, alpha_each)
     if args.looks > 1:
@@ -321,7 +382,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                   f"alpha * t^{plan.rho:g}, {'calibrated exactly' if plan.budget is not None else 'union bound'}); "
                 "a candidate that certifies at a look stops there")
     outlook = pool_outlook(candidates, s.budgets, args.confirm_candidates, state.split.get("pool", 0), len(items),
-                           args.alpha)
+                           alpha_each)  # at the level this attempt is tested at, not the stated alpha
     for row in outlook:
         if row.get("items_needed", -1) != -1:
             need = "never (its search drop is at or above the budget)" if row["items_needed"] is None \
@@ -348,6 +409,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
         return figures.get(key, {})
 
     ledger_fields = {"attempt": attempt.id, "new_items": bool(args.new_items),
+                     "family": family_fields(attempt, alpha_stated),
                      "earlier_attempts": [AttemptLedger.describe(a) for a in attempt.earlier],
                      "pool_order": "sha256('confirm/' + item id), then the first items no earlier attempt used"
                      if args.new_items else "sha256('confirm/' + item id)"}
@@ -370,9 +432,17 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                 speeds[audited.key] = speed_over_lossless(state, attempt, audited.payload,
                                                           confirmation.records.get(audited.key, {}),
                                                           confirmation.reference_upto(used_), used_)
+                if not cert.certified:  # a refusal needs no audit for its guarantee: the cheap one (sweep.audit)
+                    speeds[audited.key]["replay_check"] = audit_replayed(
+                        state, attempt.items, audited.payload, confirmation.records.get(audited.key, {}),
+                        confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {})
+            if audited is not None and cert.certified:  # a certificate's audit, with its power, budget by budget
+                used_ = confirmation.stopped.get(audited.key, len(items))
                 speeds[audited.key]["replay_check"] = audit_replayed(
                     state, attempt.items, audited.payload, confirmation.records.get(audited.key, {}),
-                    confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {})
+                    confirmation.reference_upto(used_), used_, speeds[audited.key].get("replay_check") or {},
+                    bound=cert.bound, plan=confirmation.plan(cert.alpha, budget),
+                    rows=confirmation.evidence.get(audited.key, []))
             check = speeds[audited.key].get("replay_check", {}) if audited is not None else {}
             audited_records = confirmation.records.get(audited.key, {}) if audited is not None else {}
             withheld = audit_withholds(check, audited_records)
@@ -391,9 +461,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                   "certification": {**certificate_fields(cert, state.split, len(items),
                                                          confirmation.counts, confirmation.plan(alpha_each, budget),
                                                          confirmation.stopped, sources), **ledger_fields,
-                                    "statement": (f"joint: every certified budget at once, family alpha {args.alpha:g} "
-                                                  f"(Bonferroni, {alpha_each:g} each)") if alpha_each != args.alpha
-                                    else f"per budget, alpha {args.alpha:g} each"}}
+                                    "statement": statement(args.alpha, alpha_stated, attempt)}}
         if pick is None:
             choice.update(policy=None)
         else:
@@ -426,7 +494,8 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
         bound = cert.bound
         log(f"budget {budget * 100:g}%: {verdict}: {what}; "
               + ((f"p = {bound.p_value:.3g}, " if not math.isnan(bound.p_value) else "")
-                 + f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
+                 + bound_text(bound, f"{bound.upper * 100:.2f}%", single="upper bound")
+                 + f" (drop {bound.drop * 100:+.2f}%, n={bound.n}, "
                  f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget"
                  + (f"; look {bound.look} of {bound.looks} at level {bound.alpha:.4g}" if bound.looks > 1 else "") + ")"
                  if bound is not None else cert.reason)
@@ -435,11 +504,13 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             vl, va = choice["vs_lossless"], choice["vs_target_only"]
             timed = vl.get("timed") or {}
             log(f"budget {budget * 100:g}%: speed over the best lossless ({baseline_name(vl['draft_len'])}): modelled "
-                  f"{vl['modelled']:.3f}x on {vl['items']} items, measured {vl['measured']:.3f}x"
-                  + (f" on {timed['items']} items at concurrency {timed['concurrency']}, interleaved" if timed else
-                     " (not timed: --speed-items 0)")
-                  + f"; over target-only: modelled {va['modelled']:.3f}x, measured {va['measured']:.3f}x"
-                + f"; stated: {vl.get('stated', math.nan):.3f}x, {vl.get('stated_from', 'modelled')}")
+                  f"{ratio_text(vl['modelled'], 3, 'n/a')} on {vl['items']} items, "
+                  + (f"measured {ratio_text(vl['measured'], 3, 'n/a')} on {timed['items']} items at concurrency "
+                     f"{timed['concurrency']}, interleaved" if "items" in timed else
+                     f"not timed ({timed['error']})" if timed.get("error") else "not timed (--speed-items 0)")
+                  + f"; over target-only: modelled {ratio_text(va['modelled'], 3, 'n/a')}, "
+                  f"{measured_text(va['measured'], 3)}"
+                + f"; stated: {ratio_text(vl.get('stated'), 3, 'n/a')}, {vl.get('stated_from', 'modelled')}")
             check = choice.get("replay_check") or {}
             if check.get("items"):
                 differ = check["replayed_differ"] + check["full_differ"]

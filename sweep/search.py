@@ -206,15 +206,17 @@ def trial_line(outcome: TrialOutcome, attrs: dict[str, Any], done: int, total: i
     """The line a finished trial logs: its accuracy, drop and speeds, how its items were made, the search's
     best so far (``best``) and the ETA (``eta_s``, the confirmation not included); ``attrs``: its user attrs."""
     m, spec = outcome.metrics, outcome.spec
-    in_situ = (f", modelled with the c seen in this trial {m.cost_ratio_in_situ:.2f}: "
-               f"{m.speedup_vs_ar_modelled_in_situ:.2f}x" if m.cost_ratio_in_situ > 0 else "")  # vLLM: not timed
     from sweep.progress import log
     from workers.metrics.lossless import baseline_name
+    from workers.metrics.speed import measured_text, ratio_text
 
+    in_situ = (f", modelled with the c seen in this trial {m.cost_ratio_in_situ:.2f}: "
+               f"{ratio_text(m.speedup_vs_ar_modelled_in_situ, missing='n/a')}"
+               if m.cost_ratio_in_situ > 0 else "")  # vLLM: not timed
     log(f"trial {outcome.number} [{done}/{total}] {outcome.state} {spec.label()}: acc {m.accuracy:.3f} drop "
         f"{m.accuracy_drop:+.3f} speedup over the best lossless ({baseline_name(attrs.get('best_lossless_draft_len'))}) "
-        f"{attrs.get('speedup_vs_best_lossless_modelled', math.nan):.2f}x modelled, over target-only "
-        f"{m.speedup_vs_ar_modelled:.2f}x (measured {m.speedup_vs_ar_measured:.2f}x{in_situ}) MAL "
+        f"{ratio_text(attrs.get('speedup_vs_best_lossless_modelled'), missing='n/a')} modelled, over target-only "
+        f"{ratio_text(m.speedup_vs_ar_modelled, missing='n/a')} ({measured_text(m.speedup_vs_ar_measured)}{in_situ}) MAL "
         f"{m.mean_acceptance_length:.2f} | replayed {attrs.get('replayed_exact', 0)} items with nothing decoded, "
         f"{attrs.get('replayed_decoded', 0)} decoded from a divergence, {attrs.get('decoded_in_full', 0)} in full | "
         f"{outcome.items_per_s:.2f} items/s | {best} | ETA {eta_s / 60:.1f} min + confirmation")

@@ -86,7 +86,8 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     file per budget, ``certification.json`` and ``.md``, the evidence CSV) under the run directory and logs them
     to MLflow. Returns the run directory, the MLflow run and the decision per budget."""
     from sweep.certificates import certificate_fields, pool_outlook
-    from sweep.confirm import Confirmation, attempt_items, prior_refusal
+    from sweep.confirm import Attempt, Confirmation, attempt_items, family_fields, prior_refusal, statement
+    from sweep.settings import ledger_of
     from sweep.tracking import SweepTracker
     from workers.benchmarks.base import pool_sources
     from workers.certify.decide import Candidate, Certificate, drop_bound
@@ -124,7 +125,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         return compare(reference, candidate, bench, items, at, stores, log=lambda line: log(f"{phase}: {line}"),
                        spec_key=cand_key, restart="another --run-dir starts over", **decode)
 
-    tracker = SweepTracker(run_dir)
+    tracker = SweepTracker(run_dir, getattr(args, "tracking_uri", None))
     meta = run_dir / "sweep.json"
     before = json.loads(meta.read_text()) if meta.is_file() else {}
     parent = tracker.start_parent(name, {"benchmark": args.benchmark, "pair": args.pair_id, "engine": "openai",
@@ -159,14 +160,14 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     cand = Candidate(key=cand_key, speed=speed if math.isfinite(speed) else 1.0, search_drop=sb.drop,
                      search_upper=sb.upper, payload={"family": KEY}, search_discordance=sb.discordance)
     candidates = [] if refused else [cand]
-    alpha_each = args.alpha / len(settings.budgets) if args.joint else args.alpha
-    ledger = AttemptLedger(getattr(bench, "ledger_key", bench.key), f"endpoint:{args.pair_id}")
+    alpha_stated = args.alpha / len(settings.budgets) if args.joint else args.alpha
+    ledger = ledger_of(settings)
     wanted = args.items if args.confirm_items is None else args.confirm_items
     n_confirm = min(wanted, len(pool)) if wanted else len(pool)
-    attempt, items, earlier, refusal = None, pool[:n_confirm], [], refused
+    attempt, items, earlier, refusal, number, cap = None, pool[:n_confirm], [], refused, None, None
     plan_keys = tuple((cand_key,) if cand.search_drop <= b + 1e-9 else () for b in settings.budgets)
     if refused is None and any(plan_keys):
-        plan = Plan(name, tuple(float(b) for b in settings.budgets), tuple(alpha_each for _ in settings.budgets),
+        plan = Plan(name, tuple(float(b) for b in settings.budgets), tuple(alpha_stated for _ in settings.budgets),
                     plan_keys, args.looks, n_confirm, str(run_dir.resolve()))
         try:
             attempt, ids, earlier = ledger.open(plan, [it.id for it in pool], bool(args.new_items), pair=args.pair_id,
@@ -176,9 +177,13 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                                           "reference": {**reference.endpoint.describe(),
                                                                         "model_card": cards["reference"]}})
             items = attempt_items(attempt, ids, pool, earlier, bool(args.new_items))
+            mine = ledger.attempts()[attempt]
+            number, cap = mine.get("number"), (mine.get("family") or {}).get("cap")
         except LedgerRefusal as err:
             refusal = f"the ledger ({ledger.path}) refused the attempt: {err}"
             log(f"confirmation {refusal}")
+    held_attempt = Attempt(ledger, attempt, [], number=number, cap=cap)
+    alpha_each = held_attempt.level(alpha_stated)  # the family's share for this attempt (workers.certify.family)
     for row in pool_outlook(candidates, settings.budgets, 1, len(pool), len(items), alpha_each):
         if row.get("items_needed") is not None and "search_drop" in row:
             log(f"budget {row['budget'] * 100:g}%: a certificate needs ~{row['items_needed']:,} items at the screen's "
@@ -193,7 +198,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         return runs[n]
 
     confirmation = Confirmation(lambda c, stop, n: upto(n).candidate.records, lambda n: upto(n).reference.records,
-                                args.alpha, 1, [it.id for it in items], looks=args.looks)
+                                held_attempt.level(args.alpha), 1, [it.id for it in items], looks=args.looks)
     confirmation.plan_futility(candidates, settings.budgets, alpha_each)
     chosen: dict[str, Any] = {}
 
@@ -201,8 +206,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         """The confirmation items the evidence ran on: up to a success stop's look, or a futility stop's, or all."""
         return confirmation.stopped.get(cand_key) or (max(runs) if runs else 0)
 
-    statement = (f"joint: every certified budget at once, family alpha {args.alpha:g} (Bonferroni, {alpha_each:g} "
-                 f"each)") if alpha_each != args.alpha else f"per budget, alpha {args.alpha:g} each"
+    said = statement(args.alpha, alpha_stated, held_attempt)
     for budget in settings.budgets:
         if refusal is not None:
             cert = Certificate(budget, alpha_each, False, None, None, [], None, f"refused: {refusal.removeprefix('refused: ')}")
@@ -236,7 +240,8 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                                          evidence_n(), confirmation.counts,
                                                          confirmation.plan(alpha_each, budget), confirmation.stopped,
                                                          pool_sources(it.id for it in items[:evidence_n()])),
-                                    "attempt": attempt, "new_items": bool(args.new_items), "statement": statement,
+                                    "attempt": attempt, "new_items": bool(args.new_items), "statement": said,
+                                    "family": family_fields(held_attempt, alpha_stated),
                                     "earlier_attempts": [AttemptLedger.describe(a) for a in earlier],
                                     "evidence_concurrency": level}}
         if cert.steps and runs:

@@ -247,3 +247,30 @@ def study_name(s: Settings) -> str:
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
 
 
+
+
+def ledger_of(settings: Settings) -> Any:
+    """The certificate ledger of the sweep's benchmark and pair (``workers.results.ledger.AttemptLedger``) at
+    ``--ledger`` (a SQLAlchemy URL or a folder; default ``$SPECTUNE_LEDGER``, else the asset cache's). A server's
+    weights are not here to fingerprint: the ledger keys on the pair id its user states."""
+    from workers.results.ledger import ledger_for
+
+    args = settings.args
+    server = args.engine == "openai"
+    return ledger_for(settings.bench, None if server else args.pair, args.pair_id if server else None,
+                      getattr(args, "ledger", None))
+
+
+def family_line(settings: Settings) -> str:
+    """What the next confirmation attempt of this benchmark and pair gets, before any item is spent."""
+    from workers.certify.family import family_alpha
+
+    args = settings.args
+    stated = args.alpha / len(settings.budgets) if args.joint else args.alpha
+    ledger = ledger_of(settings)
+    k = ledger.next_number()
+    return (f"certificate ledger {ledger.path}: {k - 1} earlier attempt(s) on this benchmark and pair; a new "
+            f"confirmation attempt would be #{k} of the family, each budget tested at {stated:g} x 2^-{k} = "
+            f"{family_alpha(stated, k):.4g} (a resumed attempt keeps its own number; `python -m jobs.plan "
+            f"--benchmark {settings.bench.name} --pair {args.pair if args.engine != 'openai' else '...'}` gives the "
+            f"items that level needs)")

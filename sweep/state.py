@@ -59,6 +59,11 @@ class SweepState:
         return self.pool[: self.n_confirm]
 
 
+def optuna_storage(args: Any, run_dir: Path) -> str:
+    """``--optuna-storage`` (a team's database URL), else a sqlite file under the run directory."""
+    return getattr(args, "optuna_storage", None) or f"sqlite:///{run_dir / 'optuna.db'}"
+
+
 def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
     """The run directory, the search sample and the confirmation pool, a local (or given) Ray with the pair
     actors, the Optuna study (resumed where it exists) and the MLflow parent run. ``config_yaml``: every option
@@ -85,6 +90,10 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
              "search_sample": len(items)}
     log(f"search sample: {len(items)} items; confirmation pool: {len(pool)} held-apart items "
         f"({', '.join(f'{k} {v}' for k, v in sources.items())}), {n_confirm} used")
+    if not args.search_only:
+        from sweep.settings import family_line
+
+        log(family_line(settings))
     init_ray(args.address)
     # a server's clients hold no model: two by default (the speed phase times on one, request by request)
     n = args.actors or (2 if args.engine == "openai" else
@@ -102,11 +111,11 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
     profile = _study_profile(before.get("profile"), profile, args.engine)
     cost = CostModel.from_profile(profile, args.cost_ratio, getattr(args, "verify_factor", None))
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(study_name=name, storage=f"sqlite:///{run_dir / 'optuna.db'}", load_if_exists=True,
+    study = optuna.create_study(study_name=name, storage=optuna_storage(args, run_dir), load_if_exists=True,
                                 directions=["maximize", "maximize"], sampler=make_sampler(args.seed, 0, args.trials))
     if study.trials:
         study.sampler = make_sampler(args.seed, len(study.trials), args.trials)
-    tracker = SweepTracker(run_dir)
+    tracker = SweepTracker(run_dir, getattr(args, "tracking_uri", None))
     parent = tracker.start_parent(
         name, {"benchmark": args.benchmark, "pair": args.pair, "dtype": args.dtype, "items": len(items),
                "confirm_items": n_confirm, "alpha": args.alpha,

@@ -36,9 +36,13 @@ class SweepTracker:
         mlflow.set_tracking_uri(uri or tracking_uri(run_dir))
         exp = mlflow.get_experiment_by_name(EXPERIMENT)
         if exp is None:
-            artifacts = (run_dir / "mlartifacts").resolve()
-            artifacts.mkdir(parents=True, exist_ok=True)
-            mlflow.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri(), tags={KIND_TAG: KIND})
+            if uri is None or not uri.startswith(("http://", "https://")):
+                # beside the run (a database URL has no artifact store of its own); an MLflow server keeps its own
+                artifacts = (run_dir / "mlartifacts").resolve()
+                artifacts.mkdir(parents=True, exist_ok=True)
+                mlflow.create_experiment(EXPERIMENT, artifact_location=artifacts.as_uri(), tags={KIND_TAG: KIND})
+            else:
+                mlflow.create_experiment(EXPERIMENT, tags={KIND_TAG: KIND})
         elif exp.tags.get(KIND_TAG) != KIND:  # a store from before the tag: the runs view from now on
             mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         mlflow.set_experiment(EXPERIMENT)

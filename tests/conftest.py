@@ -44,8 +44,18 @@ def _ledger(tmp_path_factory, name: str):
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_ledger(tmp_path_factory):
-    """No test may write into the user's certificate ledger (workers.results.ledger) in the asset cache."""
+    """No test may write into the user's certificate ledger (workers.results.ledger) in the asset cache, nor
+    into the repository's shipped history (an export writes its attempt there: here, into a copy)."""
+    import shutil
+
+    from workers.results.history import KNOWN
+
+    copy = tmp_path_factory.mktemp("history") / KNOWN.name
+    shutil.copy(KNOWN, copy)
+    patch = pytest.MonkeyPatch()
+    patch.setenv("SPECTUNE_HISTORY", str(copy))
     yield from _ledger(tmp_path_factory, "ledger-session")
+    patch.undo()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -104,3 +104,18 @@ def test_empty_or_unrelated_record_dirs_are_one_line_errors(tmp_path, capsys):
     assert "--records" in capsys.readouterr().err
     assert main(["--records", a, "--reference", b, "--budget", "0.02"]) == 2
     assert "share no item ids" in capsys.readouterr().err
+
+
+def test_the_plan_is_made_at_the_level_the_next_attempt_of_the_family_gets(tmp_path, capsys):
+    from workers.certify.exact import exact_plan
+
+    assert main(["--discordance", "0.05", "--budget", "0.05", "--benchmark", "gsm8k", "--pair-id", "srv",
+                 "--ledger", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "attempt #1 of its family" in out and "0.05 x 2^-1 = 0.025" in out
+    assert f"{exact_plan(0.05, 0.05, 0.0, 0.025, 0.8)} items needed" in out
+    assert main(["--discordance", "0.05", "--budget", "0.05", "--attempt", "5"]) == 0
+    assert f"{exact_plan(0.05, 0.05, 0.0, 0.05 / 32, 0.8)} items needed" in capsys.readouterr().out
+    assert main(["--discordance", "0.05", "--budget", "0.05", "--benchmark", "gsm8k", "--pair-id", "srv",
+                 "--ledger", str(tmp_path), "--attempt", "3"]) == 2
+    assert "would open attempt #1 next" in capsys.readouterr().err

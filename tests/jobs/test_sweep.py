@@ -48,11 +48,12 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
     for budget in ("0.05", "0.2"):
         c = json.loads((report / f"chosen-budget-{budget}.json").read_text())
         cert = c["certification"]
-        assert isinstance(c["certified"], bool) and cert["alpha"] == 0.05 and "held-apart items: gsm8k/" in cert["confirm_split"]
+        # the sweep's first attempt on this pair: tested at 0.05 x 2^-1
+        assert isinstance(c["certified"], bool) and cert["alpha"] == 0.025 and "held-apart items: gsm8k/" in cert["confirm_split"]
         assert sum(cert["confirm_sources"].values()) == 6 and cert["attempt"]
         if cert["steps"]:
             first = cert["steps"][0]
-            assert first["passed"] == (first["p_value"] <= 0.05), "certified means the exact test rejects"
+            assert first["passed"] == (first["p_value"] <= 0.025), "certified means the exact test rejects"
             assert first["passed"] == (first["upper"] <= float(budget) + 1e-4), "and its bound agrees"
             assert c["certified"] == any(step["passed"] for step in cert["steps"])
             # judged on every confirmation item, with failures reported by arm
@@ -275,10 +276,16 @@ def test_search_only_then_a_group_sequential_confirmation(tmp_path):
     assert (report / "report.md").is_file() and not list(report.glob("chosen-budget-*.json"))
     assert sweep(tmp_path, *extra)["parent_run_id"] == meta["parent_run_id"]
     assert len([t for t in trials(tmp_path / "sweep") if t.state.name in ("COMPLETE", "PRUNED")]) == 1
+    # the resumed process ran no trial: its frontier still has lossless at L 0 and every L, from the stores
+    frontier = json.loads((report / "frontier.json").read_text())
+    assert [r["draft_len"] for r in frontier["lossless"]] == [0, 2, 3, 4] and frontier["lossless"][0]["items"] == 6
+    assert frontier["best_lossless"]["draft_len"] is not None and frontier["ceiling"]
     for budget in ("0.05", "0.2"):
         cert = json.loads((report / f"chosen-budget-{budget}.json").read_text())["certification"]
         seq = cert["sequential"]
-        assert seq["sizes"] == [4, 8] and len(seq["alphas"]) == 2 and seq["spent"][-1] == 0.05
+        # the first attempt of its family: its looks spend 0.05 x 2^-1
+        assert seq["sizes"] == [4, 8] and len(seq["alphas"]) == 2 and seq["spent"][-1] == 0.025
+        assert cert["family"]["number"] == 1 and cert["family"]["level"] == 0.025
         if cert["steps"]:
             step = cert["steps"][0]
             assert step["looks"] == 2 and step["n"] == seq["sizes"][step["look"] - 1]

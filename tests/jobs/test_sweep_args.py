@@ -142,3 +142,27 @@ def test_a_sweep_on_a_server_names_its_pair_and_needs_c():
     from sweep.settings import study_name
 
     assert study_name(other) != study_name(s), "another server is another study"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [["jobs/sweep.py"], ["-m", "jobs.evaluate"], ["-m", "jobs.plan"],
+                                     ["-m", "jobs.serve"]], ids=["sweep", "evaluate", "plan", "serve"])
+def test_help_names_every_type_in_words(command):
+    """--help as a person runs it: every flag's type is words (jsonargparse would print a ``type`` function
+    as ``<function comma_list at 0x...>``, and a flag with choices as its own wrapper)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "COLUMNS": "10000"}  # one line a flag: argparse wraps help text anywhere, even at a "-"
+    got = subprocess.run([sys.executable, *command, "--help"], cwd=root, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert got.returncode == 0, got.stderr
+    text = " ".join(got.stdout.split())
+    assert "usage:" in text
+    for leak in ("<function", "<class", " at 0x", "<lambda>"):
+        assert leak not in text, leak
+    if command == ["jobs/sweep.py"]:
+        assert "--budgets BUDGETS accuracy-drop budgets, comma separated (type: comma-separated list," in text
+        assert "(type: int or 'file', default: 0)" in text and "(type: str, default: cpu)" in text

@@ -53,3 +53,24 @@ def test_one_attempt_per_item_whatever_changes_and_new_items_confirms_elsewhere(
     new_items = [r.split(",")[0] for r in (tmp_path / "b" / "sweep" / "report" / fresh["evidence"]).read_text().splitlines()[1:]]
     assert len(new_items) == 3 and not set(new_items) & set(items)
     assert any(first["attempt"] in e for e in fresh["earlier_attempts"])
+
+
+def test_exporting_a_result_ships_its_attempt_and_the_folder_then_checks(tmp_path, capsys):
+    """`python -m jobs.results export` writes the attempt's ledger rows into the shipped history (here the
+    session's copy, $SPECTUNE_HISTORY), so the exported folder's `check` finds its attempt there."""
+    import os
+
+    from jobs.results import main as results
+    from workers.models.tiny import save_tiny_pair
+    from workers.results.history import read_rows
+
+    draft, target = save_tiny_pair(tmp_path / "pair", head_dim=16)
+    first = certification(run(tmp_path / "a", f"{draft}+{target}"))
+    history = Path(os.environ["SPECTUNE_HISTORY"])
+    assert not [r for r in read_rows(history) if r.get("attempt") == first["attempt"]]
+    out = tmp_path / "exported"
+    rc = results(["export", "--run-dir", str(tmp_path / "a" / "sweep"), "--out", str(out)])
+    said = capsys.readouterr().out
+    rows = [r for r in read_rows(history) if r.get("attempt") == first["attempt"]]
+    assert {r["event"] for r in rows} == {"opened", "decided"} and "row(s) of this result's attempt added" in said
+    assert "ledger: ok" in said and rc == 0, said

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
@@ -32,8 +33,19 @@ def make_study(root: Path, ledger: Path) -> Path:
     other.mkdir(parents=True)
     (other / "records.jsonl").write_text("another dtype's: not carried\n")
     ledger.mkdir(parents=True, exist_ok=True)
-    (ledger / "gsm8k-abc.jsonl").write_text('{"event": "opened", "items": ["q1"]}\n')
+    (ledger / "gsm8k-abc.jsonl").write_text(json.dumps(row("a1", "q1")) + "\n")  # an older version's ledger file
     return run
+
+
+def row(attempt: str, item: str) -> dict:
+    return {"event": "opened", "attempt": attempt, "benchmark": "gsm8k", "pair_id": "pair:abc", "study": "study-a",
+            "budgets": [0.05], "items": [item], "search_items": []}
+
+
+def attempts(ledger: Path) -> list[str]:
+    from workers.results.ledger import AttemptLedger
+
+    return list(AttemptLedger("gsm8k", "pair:abc", ledger).attempts())
 
 
 def test_pack_then_unpack_on_a_bare_machine_restores_the_study(tmp_path):
@@ -45,16 +57,18 @@ def test_pack_then_unpack_on_a_bare_machine_restores_the_study(tmp_path):
     where = reference_root(root, "tiny-random", "int8").relative_to(root).as_posix()
     assert ("references", f"{where}/gsm8k/target-only-x/records.jsonl") in parts
     assert not any("fp32" in p for _, p in parts), "only the study's pair and dtype"
-    assert ("ledger", "gsm8k-abc.jsonl") in parts and ("run", "optuna.db") in parts
+    assert ("ledger", f"gsm8k-{hashlib.sha256(b'pair:abc').hexdigest()[:16]}.jsonl") in parts
+    assert ("run", "optuna.db") in parts and manifest["study_ledger_rows"] == 1
     def files() -> dict[Path, bytes]:
         return {p: p.read_bytes() for p in sorted(tmp_path.rglob("*"))
-                if p.is_file() and "carried" not in p.parts and p.suffix != ".db" and p.name != ".lock"}
+                if p.is_file() and "carried" not in p.parts and "ledger" not in p.parts and p.suffix != ".db"}
 
     before = files()
     shutil.rmtree(root)
     shutil.rmtree(ledger)
     got = unpack(archive, ledger=ledger)
     assert (got["run"], got["references"], got["ledger rows"]) == (3, 1, 1)
+    assert attempts(ledger) == ["a1"], "the carried attempt is in this machine's ledger database"
     assert {p: b for p, b in before.items() if "fp32" not in str(p)} == files()
     db = sqlite3.connect(run / "optuna.db")
     assert db.execute("select number, value from trials").fetchall() == [(0, 1.25)]
@@ -69,10 +83,12 @@ def test_the_ledger_is_merged_never_replaced(tmp_path):
     run = make_study(root, ledger)
     archive = tmp_path / "a.tar.xz"
     pack(run, archive, ledger=ledger)
-    (ledger / "gsm8k-abc.jsonl").write_text('{"event": "opened", "items": ["q9"]}\n')  # this machine's own attempt
+    shutil.rmtree(ledger)
+    from workers.results.ledger import AttemptLedger
+
+    AttemptLedger("gsm8k", "pair:abc", ledger).store.import_rows([row("a9", "q9")], "this machine's own attempt")
     unpack(archive, ledger=ledger)
-    rows = (ledger / "gsm8k-abc.jsonl").read_text().splitlines()
-    assert rows == ['{"event": "opened", "items": ["q9"]}', '{"event": "opened", "items": ["q1"]}']
+    assert attempts(ledger) == ["a9", "a1"], "rows are added, never replaced"
 
 
 def test_refusals_name_the_problem_and_write_nothing(tmp_path):
@@ -116,18 +132,18 @@ def test_refusals_name_the_problem_and_write_nothing(tmp_path):
         unpack(bad, ledger=ledger)
 
 
-def test_a_torn_ledger_line_is_ended_before_the_carried_rows_and_a_grown_cache_is_kept(tmp_path):
+def test_carried_rows_go_into_the_ledger_database_once_and_a_grown_cache_is_kept(tmp_path):
     root, ledger = tmp_path / "runs", tmp_path / "ledger"
     run = make_study(root, ledger)
     archive = tmp_path / "a.tar.xz"
-    pack(run, archive, ledger=ledger)
+    pack(run, archive, ledger=ledger)  # the old ledger file was imported into the database when packing
     shutil.rmtree(run)
-    (ledger / "gsm8k-abc.jsonl").write_text('{"event": "dec')  # a crash mid-append on this machine
+    (ledger / "more.jsonl").write_text('{"event": "dec')  # a line torn by a crash in an older version's file
     ref = reference_root(root, "tiny-random", "int8") / "gsm8k" / "target-only-x" / "records.jsonl"
     ref.write_text(ref.read_text() + '{"item_id": "b", "tokens": [3]}\n')  # this machine's cache grew since
     got = unpack(archive, ledger=ledger)
-    assert got["ledger rows"] == 1 and got["references"] == 0
-    assert (ledger / "gsm8k-abc.jsonl").read_text().splitlines() == ['{"event": "dec', '{"event": "opened", "items": ["q1"]}']
+    assert got["ledger rows"] == 0 and got["references"] == 0, "the database holds every carried row already"
+    assert attempts(ledger) == ["a1"]
     assert '"b"' in ref.read_text(), "the grown cache is kept as it is"
 
 
@@ -165,7 +181,8 @@ def test_a_fixed_server_study_packs_its_run_directory_and_ledger(tmp_path):
     run.mkdir(parents=True)
     (run / "sweep.json").write_text(json.dumps({"study": "server-a", "mode": "server-config"}))
     ledger.mkdir()
-    (ledger / "gsm8k-x.jsonl").write_text('{"event": "opened", "study": "server-a"}\n')
+    (ledger / "gsm8k-x.jsonl").write_text(json.dumps({**row("s1", "q1"), "pair_id": "endpoint:srv",
+                                                     "study": "server-a"}) + "\n")
     manifest = pack(run, tmp_path / "s.tar.xz", ledger=ledger)
     assert {f["part"] for f in manifest["files"]} == {"run", "ledger"} and manifest["study_ledger_rows"] == 1
 

@@ -27,7 +27,7 @@ def argv(reference: FakeServer, candidate: FakeServer, tmp_path, *extra: str) ->
     return ["--engine", "openai", "--base-url", candidate.url, "--model", candidate.model, "--pair-id", "fake-pair",
             "--reference-url", reference.url, "--server-config", '{"rejection_sample_method": "fly", "fly_window_size": 6}',
             "--reference-config", '{"rejection_sample_method": "standard"}',
-            "--benchmark", "gsm8k", "--items", "6", "--confirm-items", "12", "--budgets", "0.3,0.5",
+            "--benchmark", "gsm8k", "--items", "6", "--confirm-items", "12", "--budgets", "0.4,0.5",
             "--max-new-tokens", "8", "--concurrency", "4,2", "--speed-items", "4",
             "--runs-root", str(tmp_path), "--run-dir", str(tmp_path / "run"), *extra]
 
@@ -39,8 +39,8 @@ def test_a_fixed_configuration_is_certified_with_its_scope_evidence_and_speed(se
     reference, candidate = servers
     assert sweep_job.main(argv(reference, candidate, tmp_path)) == 0
     out = tmp_path / "run" / "report"
-    chosen = json.loads((out / "chosen-budget-0.3.json").read_text())
-    # same outputs on both sides: no item lost, so 12 items certify a 30% budget
+    chosen = json.loads((out / "chosen-budget-0.4.json").read_text())
+    # same outputs on both sides: no item lost, so 12 items certify a 40% budget at the first attempt's level (0.025)
     assert chosen["certified"] is True and chosen["mode"] == "server-config", chosen["certification"]["reason"]
     assert chosen["endpoint"]["server_config"] == {"rejection_sample_method": "fly", "fly_window_size": 6}
     assert chosen["reference"]["base_url"] == reference.url and chosen["pair_fingerprint"] == "endpoint:fake-pair"
@@ -56,7 +56,7 @@ def test_a_fixed_configuration_is_certified_with_its_scope_evidence_and_speed(se
     ledger = AttemptLedger("gsm8k", "endpoint:fake-pair")
     (attempt,) = ledger.attempts().values()
     assert not set(attempt["items"]) & set(attempt["search_items"]) and len(attempt["search_items"]) == 6
-    assert set(attempt["decided"]) == {"0.3", "0.5"}
+    assert set(attempt["decided"]) == {"0.4", "0.5"}
     assert attempt["endpoint"]["candidate"]["base_url"] == candidate.url  # what the servers said, for an audit
     assert attempt["endpoint"]["reference"]["model_card"]["id"] == reference.model
     assert "CERTIFIED" in (out / "certification.md").read_text()
@@ -92,7 +92,9 @@ def test_a_run_directory_of_another_configuration_is_refused_and_speed_items_0_t
     assert sweep_job.main(argv(reference, candidate, tmp_path, "--speed-items", "0")) == 0
     chosen = json.loads((tmp_path / "run" / "report" / "chosen-budget-0.5.json").read_text())
     assert "speed_at" not in chosen and chosen["speed"]["items"] == chosen["certification"]["n"] == 12
-    assert chosen["certification"]["statement"] == "per budget, alpha 0.05 each"
+    assert chosen["certification"]["statement"].startswith("per budget, alpha 0.05 each; across this benchmark")
+    assert chosen["certification"]["family"] == {"number": 1, "spending": chosen["certification"]["family"]["spending"],
+                                                 "alpha": 0.05, "level": 0.025}
     other = argv(reference, candidate, tmp_path, "--speed-items", "0", "--server-config", '{"fly_window_size": 2}')
     assert sweep_job.main(other) == 2
     assert "holds another configuration's records" in capsys.readouterr().err.strip().splitlines()[-1]

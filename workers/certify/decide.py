@@ -286,14 +286,31 @@ def certifies(bound: DropBound) -> bool:
     return bound.upper <= bound.budget
 
 
+def bound_text(bound: DropBound, value: str, single: str = "confirmation upper bound") -> str:
+    """``bound.upper`` (written ``value``) named for what it is. One look: the confirmation's upper bound
+    (``single``). A look of a group-sequential plan: the fixed-n bound on that look's items at that look's
+    level; with calibrated thresholds that level is nominal (the levels add up to more than alpha), so the
+    figure describes the look and is not a bound valid under the plan; with the union bound over looks, it
+    is at the alpha the look spends."""
+    if bound.looks <= 1:
+        return f"{single} {value}"
+    if math.isnan(bound.z_max):
+        return f"fixed-n upper bound {value} at the alpha its look spends"
+    return (f"fixed-n upper bound {value} at its look's nominal level (a description, not a bound valid under "
+            f"the {bound.looks}-look plan)")
+
+
 def _evidence(bound: DropBound) -> str:
     """How a tested bound reads in a reason: the exact test's p-value with its bound, or the betting bound."""
+    upper = bound_text(bound, f"{bound.upper:.4f}")
     look = "" if bound.looks == 1 else f" at look {bound.look} of {bound.looks}" + (
         " (the alpha it spends)" if math.isnan(bound.z_max) else f", Z_b {bound.z:.3f} vs its threshold {bound.z_max:.3f}")
     if bound.method == EXACT:
-        return (f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}{look}), confirmation upper bound "
-                f"{bound.upper:.4f},")
-    return f"confirmation upper bound {bound.upper:.4f}{look}"
+        return f"exact test p = {bound.p_value:.3g} (alpha {bound.alpha:g}{look}), {upper},"
+    if bound.looks == 1:
+        return upper
+    return f"{upper} (look {bound.look} of {bound.looks}" + (
+        ")" if math.isnan(bound.z_max) else f", Z_b {bound.z:.3f} vs its threshold {bound.z_max:.3f})")
 
 
 def fixed_sequence(ordered: Sequence[Candidate], bound_of: Callable[[Candidate], DropBound], budget: float,

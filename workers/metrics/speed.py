@@ -27,6 +27,19 @@ from workers.metrics.cost import CostModel, modelled_cost
 MODEL_TOLERANCE = 0.15  # the modelled speed must agree with the measured one within this, or the measured is stated
 
 
+def ratio_text(value: float | None, digits: int = 2, missing: str = "not timed") -> str:
+    """A speed ratio for a log or report line: ``1.23x``, or ``missing`` where there is no figure (None or
+    NaN: a measured speed where nothing was timed, a modelled one with no items to model), never ``nanx``."""
+    if value is None or not math.isfinite(value):
+        return missing
+    return f"{value:.{digits}f}x"
+
+
+def measured_text(value: float | None, digits: int = 2) -> str:
+    """A measured speed ratio for a log or report line: ``measured 1.23x``, or ``not timed`` without one."""
+    return "not timed" if value is None or not math.isfinite(value) else f"measured {ratio_text(value, digits)}"
+
+
 def _interval(stat: Callable[[list[int]], float], n: int, seed: int = 0, resamples: int = 1000
               ) -> tuple[float, float, float]:
     """``stat`` over all n items and a paired (item-resampling) 95% bootstrap interval. A description

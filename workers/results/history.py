@@ -14,25 +14,37 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 KNOWN = Path(__file__).with_name("known_attempts.jsonl")
+HISTORY_ENV = "SPECTUNE_HISTORY"  # another history file to write to (the tests': never the repository's)
+
+
+def history_path() -> Path:
+    """Where exported attempts are written: ``$SPECTUNE_HISTORY``, else the shipped ``known_attempts.jsonl``."""
+    given = os.environ.get(HISTORY_ENV)
+    return Path(given) if given else KNOWN
 
 
 def read_rows(path: Path = KNOWN) -> list[dict[str, Any]]:
     """The history's rows in file order (a line that is not a JSON object is skipped)."""
+    return parse_lines(path.read_text().splitlines()) if path.is_file() else []
+
+
+def parse_lines(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The JSON objects among ``lines`` (a line that is not one is skipped: a line torn by a crash)."""
     out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict):
-                out.append(row)
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            out.append(row)
     return out
 
 
@@ -40,9 +52,10 @@ def _key(row: dict[str, Any]) -> str:
     return json.dumps(row, sort_keys=True)
 
 
-def append_rows(rows: Iterable[dict[str, Any]], path: Path = KNOWN) -> int:
+def append_rows(rows: Iterable[dict[str, Any]], path: Path | None = None) -> int:
     """Add to the history the rows it does not hold yet (compared as whole rows); returns how many were added.
-    Rows are never rewritten or removed: the history only grows."""
+    Rows are never rewritten or removed: the history only grows. ``path``: default :func:`history_path`."""
+    path = history_path() if path is None else path
     have = {_key(r) for r in read_rows(path)}
     new = []
     for row in rows:
@@ -160,3 +173,23 @@ def holds(folder: Path, rows: Sequence[dict[str, Any]]) -> list[str]:
             missing.append(f"attempt {attempt}'s decided row at {float(c['budget']) * 100:g}% says certified "
                            f"{got[0].get('certified')}, the result {c['certified']}")
     return sorted(set(missing))
+
+
+def combine(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """attempt id -> its opened row with ``decided`` (budget -> decided row) and ``used`` (item ids), in the order
+    the attempts opened."""
+    out: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row.get("event") == "opened":
+            out.setdefault(row["attempt"], {**row, "decided": {}})
+    for row in rows:
+        if row.get("event") == "decided" and row.get("attempt") in out:
+            out[row["attempt"]]["decided"].setdefault(str(float(row["budget"])), row)
+    for a in out.values():
+        done = a["decided"]
+        closed = len(done) >= len(a.get("budgets", ())) and all(r.get("items_used") is not None
+                                                               for r in done.values())
+        # an attempt that never closed (killed mid-run) used every item it planned
+        a["used"] = a["items"][: max(int(r["items_used"]) for r in done.values())] if closed and done \
+            else list(a["items"])
+    return out

@@ -22,91 +22,35 @@ never by names, dtype or where runs are written:
   would be evaluated afresh, a second look; and a budget a resumed attempt had decided keeps that decision
   as its ceiling (``decided``: a recorded "not certified" never turns into "certified").
 
-The ledger lives with the asset cache (``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger``), shared by every
-runs root on the machine (a cluster: point both at the shared volume). Attempts made before it existed are
-shipped with the project (``known_attempts.jsonl`` beside this file) and read as part of every ledger.
+The rows live in a SQL database (:mod:`workers.results.ledger_store`: sqlite in ``$SPECTUNE_LEDGER``, else
+``<asset cache>/ledger``, by default; any SQLAlchemy URL, e.g. Postgres, for a team), where an item is claimed by a
+uniqueness constraint, so two attempts racing from two processes or machines cannot both take it. Attempts behind
+committed results, and those made before the ledger existed, are shipped with the project
+(:mod:`workers.results.history`) and imported into every ledger.
+
+The attempts on one (benchmark, pair) form a **family** that spends alpha across attempts
+(:mod:`workers.certify.family`): the k-th attempt's budgets are tested at ``alpha * 2^-k``, and each opened row
+records its number and level.
 
 Knows item ids, budgets and candidate keys; nothing about models (it gets their fingerprint), Ray or MLflow.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
-from workers.results.store import slug
+from workers.certify.family import SPENDING, family_alpha
+from workers.results.history import KNOWN, combine
+from workers.results.ledger_store import LEDGER_ENV, Store, ledger_root, ledger_url, shown, store
 
-LEDGER_ENV = "SPECTUNE_LEDGER"
-KNOWN = Path(__file__).with_name("known_attempts.jsonl")
-
-
-def ledger_root() -> Path:
-    """``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger`` (``$SPECTUNE_CACHE`` moves the asset cache)."""
-    given = os.environ.get(LEDGER_ENV)
-    if given:
-        return Path(given).expanduser().resolve()
-    from workers.models.assets import cache_root
-
-    return cache_root() / "ledger"
-
-
-@contextlib.contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    """The ledger folder's lock: one writer at a time across processes."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with (folder / ".lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _append_lines(path: Path, lines: Sequence[str]) -> None:
-    """Append ``lines`` (one row each) to ``path``, durably; a last line a crash left unfinished is ended first, or
-    the first new row would be glued to it and lost (the caller holds the folder's lock)."""
-    torn = False
-    if path.is_file() and path.stat().st_size:
-        with path.open("rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            torn = fh.read(1) != b"\n"
-    with path.open("a") as fh:  # one line per row: an append is all or (torn, ignored) nothing
-        if torn:
-            fh.write("\n")
-        fh.write("".join(line + "\n" for line in lines))
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def merge_rows(path: Path, lines: Sequence[str]) -> int:
-    """Add to the ledger file ``path`` the rows of ``lines`` it does not hold (another machine's ledger of the same
-    file name: the same benchmark and models), under the folder's lock; rows are never removed or rewritten, so
-    an item another machine's attempt used stays used here. Lines that are not JSON rows are skipped. Returns the
-    rows added."""
-    with _folder_lock(path.parent):
-        have = set(path.read_text(errors="replace").splitlines()) if path.is_file() else set()
-        new: list[str] = []
-        for line in lines:
-            line = line.strip()
-            if not line or line in have or line in new:
-                continue
-            try:
-                if not isinstance(json.loads(line), dict):
-                    continue
-            except json.JSONDecodeError:
-                continue
-            new.append(line)
-        if new:
-            _append_lines(path, new)
-        return len(new)
+__all__ = ["KNOWN", "LEDGER_ENV", "AttemptLedger", "LedgerRefusal", "Plan", "combine", "ledger_for", "ledger_root",
+           "ledger_url"]
 
 
 @dataclass(frozen=True)
@@ -134,46 +78,50 @@ class AttemptLedger:
     """The attempts on one (benchmark, model pair)."""
 
     def __init__(self, benchmark: str, pair_id: str, root: str | os.PathLike[str] | None = None) -> None:
+        """``root``: the ledger's SQLAlchemy URL, or a folder for a sqlite file in it (default:
+        ``$SPECTUNE_LEDGER``, else ``<asset cache>/ledger``)."""
         self.benchmark, self.pair_id = benchmark, pair_id
-        base = Path(root) if root is not None else ledger_root()
-        tag = hashlib.sha256(pair_id.encode()).hexdigest()[:16]
-        self.path = base / f"{slug(benchmark, 60)}-{tag}.jsonl"
+        self.url = ledger_url(root)
+        self.path = shown(self.url)  # where it is, as a log line names it
+
+    @property
+    def store(self) -> Store:
+        return store(self.url)
 
     # -- reading ---------------------------------------------------------------------------------
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every row of this (benchmark, pair): the shipped ones, then this machine's."""
-        out = []
-        for path in (KNOWN, self.path):
-            if not path.is_file():
-                continue
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by a crash: its attempt never finished opening
-                if row.get("benchmark") == self.benchmark and row.get("pair_id") == self.pair_id:
-                    out.append(row)
-        return out
+        """Every row of this (benchmark, pair) in the order written (the shipped history imported first)."""
+        return self.store.rows(self.benchmark, self.pair_id)
 
     def attempts(self) -> dict[str, dict[str, Any]]:
-        """attempt id -> its opened row with ``decided`` (budget -> decided row) and ``used`` (item ids)."""
-        out: dict[str, dict[str, Any]] = {}
-        rows = self.rows()  # both files read once
-        for row in rows:
-            if row.get("event") == "opened":
-                out.setdefault(row["attempt"], {**row, "decided": {}})
-        for row in rows:
-            if row.get("event") == "decided" and row.get("attempt") in out:
-                out[row["attempt"]]["decided"].setdefault(str(float(row["budget"])), row)
-        for a in out.values():
-            done = a["decided"]
-            closed = len(done) >= len(a.get("budgets", ())) and all(r.get("items_used") is not None
-                                                                   for r in done.values())
-            # an attempt that never closed (killed mid-run) used every item it planned
-            a["used"] = a["items"][: max(int(r["items_used"]) for r in done.values())] if closed and done \
-                else list(a["items"])
+        """attempt id -> its opened row with ``decided`` (budget -> decided row), ``used`` (item ids) and
+        ``number`` (its place in the family), in the order the attempts opened."""
+        out = combine(self.rows())
+        numbers = self.store.numbers(self.benchmark, self.pair_id)
+        for aid, a in out.items():
+            a["number"] = numbers.get(aid, (a.get("family") or {}).get("number"))
         return out
+
+    def next_number(self) -> int:
+        """The number the next attempt of this family gets."""
+        return max(self.store.numbers(self.benchmark, self.pair_id).values(), default=0) + 1
+
+    def family_cap(self) -> float | None:
+        """The family's alpha, fixed by its first attempt (the alpha it stated per budget; None: no attempt yet).
+        A later attempt that states a larger alpha is tested at this one's share: stating alpha 0.05 x 2^k at
+        attempt k would otherwise give every attempt 0.05."""
+        first = next((a for a in sorted(self.attempts().values(), key=lambda a: a.get("number") or 0)
+                      if a.get("alphas")), None)
+        return None if first is None else float(first["alphas"][0])
+
+    def family(self, alpha: float, number: int | None = None) -> dict[str, Any]:
+        """What the family gives attempt ``number`` (default: the next one) for ``alpha`` stated per budget: its
+        level, at the smaller of ``alpha`` and the family's own (:meth:`family_cap`)."""
+        k = self.next_number() if number is None else number
+        cap = self.family_cap()
+        base = alpha if cap is None else min(alpha, cap)
+        return {"number": k, "spending": SPENDING, "alpha": base, "level": family_alpha(base, k)}
 
     def find(self, plan: Plan) -> dict[str, Any] | None:
         """The attempt this plan resumes (same study and plan), or None."""
@@ -197,7 +145,8 @@ class AttemptLedger:
     def describe(a: dict[str, Any]) -> str:
         outcome = ", ".join(f"{float(b) * 100:g}% {'certified' if r.get('certified') else 'not certified'}"
                             for b, r in sorted(a["decided"].items(), key=lambda kv: float(kv[0]))) or "never decided"
-        return (f"attempt {a['attempt']} (study {a.get('study')}, {a.get('when')}, pair spelled {a.get('pair')!r}, "
+        number = f"#{a['number']} of the family, " if a.get("number") else ""
+        return (f"attempt {a['attempt']} ({number}study {a.get('study')}, {a.get('when')}, pair spelled {a.get('pair')!r}, "
                 f"{a.get('dtype')}, budgets {', '.join(f'{float(b) * 100:g}%' for b in a.get('budgets', []))}, "
                 f"{len(a['used'])} items: {outcome})")
 
@@ -239,42 +188,79 @@ class AttemptLedger:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def _locked(self) -> contextlib.AbstractContextManager[None]:
-        return _folder_lock(self.path.parent)
-
-    def _append(self, row: dict[str, Any]) -> None:
-        _append_lines(self.path, [json.dumps(row)])
-
     def open(self, plan: Plan, pool: Sequence[str], fresh: bool, *, pair: str, dtype: str,
              search_items: Sequence[str] = (), endpoint: dict[str, Any] | None = None
              ) -> tuple[str, list[str], list[dict[str, Any]]]:
-        """Choose the attempt's items (:meth:`choose`) and, for a new attempt, write its ``opened`` row
-        before anything is evaluated. Returns (attempt id, items, earlier attempts). ``endpoint``: for a server's
-        pair (keyed on the id its user states), what the servers said they serve (urls and model cards), kept in the
-        row so an audit can tell two ids of one deployment apart from two deployments."""
-        with self._locked():
+        """Choose the attempt's items (:meth:`choose`) and, for a new attempt, write its ``opened`` row, its number
+        in the family and a claim on each item in one transaction, before anything is evaluated. Returns (attempt
+        id, items, earlier attempts). Where another attempt took an item or the number first (a race), the choice
+        is made again on what it took; a clash without ``fresh`` is then refused. ``endpoint``: for a server's
+        pair (keyed on the id its user states), what the servers said they serve (urls and model cards), kept in
+        the row so an audit can tell two ids of one deployment apart from two deployments."""
+        from sqlalchemy.exc import IntegrityError
+
+        for _ in range(50):
             items, resumed, earlier = self.choose(plan, pool, fresh)
             if resumed is not None:
                 return resumed["attempt"], items, earlier
+            number = self.next_number()
+            cap = self.family_cap()
             aid = hashlib.sha256(f"{plan.study}/{plan.digest}/{time.time_ns()}".encode()).hexdigest()[:12]
-            self._append({"event": "opened", "attempt": aid, "benchmark": self.benchmark, "pair_id": self.pair_id,
-                          "pair": pair, "dtype": dtype, "study": plan.study, "plan": plan.digest,
-                          "budgets": list(plan.budgets), "alphas": list(plan.alphas),
-                          "candidates": [list(c) for c in plan.candidates], "looks": plan.looks, "new_items": fresh,
-                          "earlier": [a["attempt"] for a in earlier], "when": time.strftime("%Y-%m-%d %H:%M:%S"),
-                          "run_dir": plan.run_dir, "items": list(items), "search_items": list(search_items),
-                          **({"endpoint": endpoint} if endpoint else {})})
+            row = {"event": "opened", "attempt": aid, "benchmark": self.benchmark, "pair_id": self.pair_id,
+                   "pair": pair, "dtype": dtype, "study": plan.study, "plan": plan.digest,
+                   "budgets": list(plan.budgets), "alphas": list(plan.alphas),
+                   "candidates": [list(c) for c in plan.candidates], "looks": plan.looks, "new_items": fresh,
+                   "earlier": [a["attempt"] for a in earlier], "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+                   "run_dir": plan.run_dir, "items": list(items), "search_items": list(search_items),
+                   "family": {"number": number, "spending": SPENDING, "cap": cap,
+                              "levels": [family_alpha(x if cap is None else min(x, cap), number)
+                                         for x in plan.alphas]},
+                   **({"endpoint": endpoint} if endpoint else {})}
+            try:
+                self.store.open_attempt(row, number, items)
+            except IntegrityError:
+                continue  # another attempt took an item or the number meanwhile: choose again on what it took
             return aid, items, earlier
+        raise LedgerRefusal(f"the ledger at {self.path} stayed contended through 50 tries to open an attempt")
 
     def decide(self, attempt: str, budget: float, certified: bool, reason: str, items_used: int) -> None:
-        """Record a budget's decision (once: a resumed attempt that decides again adds nothing)."""
-        with self._locked():
-            mine = self.attempts().get(attempt)
-            if mine is None:
-                raise ValueError(f"attempt {attempt} was never opened in {self.path}")
-            if str(float(budget)) in mine["decided"]:
-                return
-            self._append({"event": "decided", "attempt": attempt, "benchmark": self.benchmark,
-                          "pair_id": self.pair_id, "budget": float(budget), "certified": bool(certified),
-                          "reason": reason, "items_used": int(items_used),
-                          "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+        """Record a budget's decision (once: a resumed attempt that decides again adds nothing). When the attempt
+        is closed (every budget decided) the items it never evaluated are released for later attempts."""
+        mine = self.attempts().get(attempt)
+        if mine is None:
+            raise ValueError(f"attempt {attempt} was never opened in the ledger at {self.path}")
+        if str(float(budget)) in mine["decided"]:
+            return
+        self.store.add_row({"event": "decided", "attempt": attempt, "benchmark": self.benchmark,
+                            "pair_id": self.pair_id, "budget": float(budget), "certified": bool(certified),
+                            "reason": reason, "items_used": int(items_used),
+                            "when": time.strftime("%Y-%m-%d %H:%M:%S")})
+        after = self.attempts()[attempt]
+        self.store.release(self.benchmark, self.pair_id, attempt, set(after["items"]) - set(after["used"]))
+
+    def ship(self, attempt: str) -> int:
+        """Write ``attempt``'s rows into the shipped history (:mod:`workers.results.history`), as exporting a
+        result does; returns the rows added."""
+        from workers.results.history import append_rows
+
+        rows = [r for r in self.rows() if r.get("attempt") == attempt]
+        if not any(r.get("event") == "opened" for r in rows):
+            raise ValueError(f"attempt {attempt} is not in the ledger at {self.path} "
+                             f"({self.benchmark}, {self.pair_id}): its rows cannot be shipped")
+        return append_rows(rows)
+
+
+def ledger_for(bench: Any, pair: str | None = None, pair_id: str | None = None,
+               root: str | os.PathLike[str] | None = None) -> AttemptLedger:
+    """The ledger of benchmark ``bench`` (a ``workers.benchmarks`` benchmark) and a pair: ``pair`` (a name or two
+    model directories: keyed on what the models are) or an endpoint's ``pair_id`` (keyed on the id its user
+    states: a server's weights are not here to fingerprint). ``root``: the ledger's URL or folder."""
+    if (pair is None) == (pair_id is None):
+        raise ValueError("give a model pair (--pair) or an endpoint's pair id (--pair-id), one of them")
+    if pair_id is not None:
+        key = f"endpoint:{pair_id}"
+    else:
+        from workers.models.identity import pair_fingerprint
+
+        key = pair_fingerprint(pair)
+    return AttemptLedger(getattr(bench, "ledger_key", bench.key), key, root)

@@ -4,6 +4,7 @@ spelling of the pair; resuming the same attempt is allowed; --new-items takes it
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -60,14 +61,24 @@ def test_a_group_sequential_attempt_that_stopped_early_frees_the_items_it_never_
     assert set(ledger.used()) == set(POOL[:100]) and len(ledger.rows()) == 3
 
 
-def test_ledgers_are_per_benchmark_and_pair_identity_and_survive_a_torn_line(tmp_path):
+def test_ledgers_are_per_benchmark_and_pair_identity(tmp_path):
     a = AttemptLedger("gsm8k", "pair:abc", tmp_path)
     a.open(plan(), POOL, False, pair="p", dtype="fp32")
-    with a.path.open("a") as fh:
-        fh.write('{"event": "opened", "torn')
     assert len(a.rows()) == 1
     assert AttemptLedger("mmlu", "pair:abc", tmp_path).open(plan(), POOL, False, pair="p", dtype="fp32")[1] == POOL[:100]
     assert AttemptLedger("gsm8k", "pair:xyz", tmp_path).open(plan(), POOL, False, pair="p", dtype="fp32")[1] == POOL[:100]
+
+
+def test_an_old_json_lines_ledger_in_the_folder_is_imported_once_and_a_torn_line_skipped(tmp_path):
+    old = {"event": "opened", "attempt": "old1", "benchmark": "gsm8k", "pair_id": "pair:abc", "budgets": [0.05],
+           "items": POOL[:10], "search_items": []}
+    (tmp_path / "gsm8k-abc.jsonl").write_text(json.dumps(old) + '\n{"event": "opened", "torn')
+    ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
+    assert list(ledger.attempts()) == ["old1"] and set(ledger.used()) == set(POOL[:10])
+    assert ledger.attempts()["old1"]["number"] == 1  # numbered in its family when imported
+    _, items, earlier = ledger.open(plan(n=5), POOL, True, pair="p", dtype="fp32")
+    assert items == POOL[10:15] and [a["attempt"] for a in earlier] == ["old1"]
+    assert len(AttemptLedger("gsm8k", "pair:abc", tmp_path).rows()) == 2, "imported once, however often opened"
 
 
 def test_the_ledger_lives_outside_any_runs_root(tmp_path, monkeypatch):
@@ -78,15 +89,16 @@ def test_the_ledger_lives_outside_any_runs_root(tmp_path, monkeypatch):
     assert ledger_root() == tmp_path / "cache" / "ledger"
 
 
-def test_the_attempts_made_before_the_ledger_are_shipped_in_it():
+def test_the_attempts_behind_committed_results_are_shipped_in_every_ledger(tmp_path):
     """The 2026-11-30 real-pair sweep (40 confirmation items), the 2026-12-01 KL-judge certificate (120 of its
-    240 planned items used) and the 2026-12-02 frontier's attempt are in every ledger of the shipped pair on GSM8K: the committed certificate's items
-    overlap the first attempt's on 19 items, which is why it is marked superseded."""
-    from workers.models.identity import pair_fingerprint
-
-    ledger = AttemptLedger("gsm8k", pair_fingerprint("qwen2.5-coder-0.5b+1.5b"), "/nonexistent")
+    240 planned items used), the 2026-12-02 frontier's attempt and the 2026-12-04 int4+int8 frontier's (320 items,
+    reconstructed from its exported folder) are in every ledger of the shipped pair on GSM8K, numbered 1 to 4 in
+    their family: the committed certificate's items overlap the first attempt's on 19 items, which is why it is
+    marked superseded."""
+    ledger = AttemptLedger("gsm8k", "pair:160a47d7a09bd32b511d1dfcb7c21692", tmp_path)
     attempts = ledger.attempts()
-    assert sorted(attempts) == ["467f0c67fa7e", "known-2026-11-30", "known-2026-12-01"]
+    assert list(attempts) == ["known-2026-11-30", "known-2026-12-01", "467f0c67fa7e", "62cf91379d51"]
+    assert [a["number"] for a in attempts.values()] == [1, 2, 3, 4] and ledger.next_number() == 5
     first, second = attempts["known-2026-11-30"], attempts["known-2026-12-01"]
     assert len(first["used"]) == 40 and len(second["used"]) == 120 and len(second["items"]) == 240
     assert len(set(first["used"]) & set(second["used"])) == 19
@@ -96,16 +108,68 @@ def test_the_attempts_made_before_the_ledger_are_shipped_in_it():
     frontier = attempts["467f0c67fa7e"]
     assert len(frontier["used"]) == 64 and not set(frontier["used"]) & (set(first["used"]) | set(second["used"]))
     assert sorted(float(b) for b in frontier["decided"]) == [0.01, 0.02, 0.05, 0.1]
+    int4 = attempts["62cf91379d51"]
+    assert int4["reconstructed"] and len(int4["used"]) == 320 and int4["decided"]["0.05"]["certified"]
+    others = set().union(*(set(a["used"]) for k, a in attempts.items() if k != "62cf91379d51"))
+    assert not set(int4["used"]) & others
     assert all(json.loads(line)["pair_id"] == ledger.pair_id for line in KNOWN.read_text().splitlines())
+    # a fresh attempt with --new-items takes none of them
+    pool = sorted({i for a in attempts.values() for i in a["used"]}) + [f"gsm8k/test/x{i}" for i in range(20)]
+    _, items, earlier = ledger.open(plan(n=20), pool, True, pair="p", dtype="int8")
+    assert items == pool[-20:] and len(earlier) == 4
 
 
-def test_a_torn_last_line_does_not_swallow_the_next_attempt(tmp_path):
+def test_each_attempt_gets_its_number_and_level_in_the_family_and_resumes_keep_theirs(tmp_path):
     ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
-    ledger.open(plan(n=10), POOL, False, pair="p", dtype="fp32")
-    with ledger.path.open("a") as fh:
-        fh.write('{"event": "opened", "torn')  # a crash mid-write
-    second, items, _ = ledger.open(plan(study="s2", n=10), POOL, True, pair="p", dtype="fp32")
-    assert second in ledger.attempts() and set(items) <= set(ledger.used())
+    first, _, _ = ledger.open(plan(n=10), POOL, True, pair="p", dtype="fp32")
+    second, _, _ = ledger.open(plan(study="s2", n=10), POOL, True, pair="p", dtype="fp32")
+    got = ledger.attempts()
+    assert (got[first]["number"], got[second]["number"]) == (1, 2)
+    assert got[second]["family"]["levels"] == [0.05 / 4]
+    assert ledger.open(plan(n=10), POOL, True, pair="p", dtype="fp32")[0] == first and ledger.next_number() == 3
+    assert ledger.family(0.05) == {"number": 3, "spending": got[first]["family"]["spending"], "alpha": 0.05,
+                                   "level": 0.05 / 8}
+
+
+def test_an_attempt_that_stopped_early_releases_its_claims_on_the_items_it_never_used(tmp_path):
+    ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
+    aid, _, _ = ledger.open(plan(n=100, looks=2), POOL, False, pair="p", dtype="fp32")
+    assert set(ledger.store.claims("gsm8k", "pair:abc")) == set(POOL[:100])
+    ledger.decide(aid, 0.05, True, "certified at look 1", 50)
+    assert set(ledger.store.claims("gsm8k", "pair:abc")) == set(POOL[:50])
+    _, items, _ = ledger.open(plan(study="s2", n=50), POOL, True, pair="p", dtype="fp32")
+    assert items == POOL[50:100]
+
+
+def _race(url: str, study: str, out: str) -> None:
+    from workers.results.ledger import AttemptLedger as Ledger
+
+    ledger = Ledger("gsm8k", "pair:race", url)
+    got = [ledger.open(plan(study=f"{study}-{k}", n=7), POOL, True, pair="p", dtype="fp32") for k in range(4)]
+    Path(out).write_text(json.dumps([[aid, items] for aid, items, _ in got]))
+
+
+def test_attempts_racing_from_separate_processes_never_share_an_item(tmp_path):
+    """Six processes open four attempts each on one sqlite ledger at once, every one asking for the first unused
+    items of the same pool: the claims' uniqueness constraint hands every item to one attempt."""
+    import multiprocessing as mp
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    AttemptLedger("gsm8k", "pair:race", url).rows()  # the tables exist before the race
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_race, args=(url, f"p{k}", str(tmp_path / f"out{k}.json"))) for k in range(6)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    attempts = [a for k in range(6) for a in json.loads((tmp_path / f"out{k}.json").read_text())]
+    items = [i for _, got in attempts for i in got]
+    assert len(attempts) == 24 and len(items) == 24 * 7
+    assert len(set(items)) == len(items), "two racing attempts took one item"
+    assert set(items) == set(POOL[:24 * 7]), "each took the first items no other attempt had"
+    numbers = [a["number"] for a in AttemptLedger("gsm8k", "pair:race", url).attempts().values()]
+    assert sorted(numbers) == list(range(1, 25)), "each attempt its own place in the family"
 
 
 def test_a_resume_is_the_same_run_directory_and_earlier_search_items_are_never_confirmed_on(tmp_path):
@@ -118,3 +182,14 @@ def test_a_resume_is_the_same_run_directory_and_earlier_search_items_are_never_c
     # a later study's pool front skips the first study's search items as well as its confirmation items
     _, later, _ = ledger.open(plan(study="s2", n=30), POOL, True, pair="p", dtype="fp32")
     assert later == POOL[20:30] + POOL[40:60]
+
+
+def test_the_familys_alpha_is_fixed_by_its_first_attempt(tmp_path):
+    """Stating alpha 0.05 x 2^k at attempt k would give every attempt 0.05: a later attempt is tested at the
+    family's share of the smaller of its alpha and the first attempt's."""
+    ledger = AttemptLedger("gsm8k", "pair:abc", tmp_path)
+    ledger.open(plan(n=10), POOL, True, pair="p", dtype="fp32")
+    aid, _, _ = ledger.open(plan(study="s2", n=10, alpha=0.2), POOL, True, pair="p", dtype="fp32")
+    fam = ledger.attempts()[aid]["family"]
+    assert fam["cap"] == 0.05 and fam["levels"] == [0.05 / 4]
+    assert ledger.family(0.4) == {"number": 3, "spending": fam["spending"], "alpha": 0.05, "level": 0.05 / 8}
