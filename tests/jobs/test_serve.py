@@ -104,7 +104,7 @@ def test_an_uncertified_budget_is_refused_unless_allowed(swept, capsys):
     tags = mlflow.get_run(run_id).data.tags
     assert tags["certified.0.05"] == "false" and tags["certified.0.9"] == "true"
     tag = json.loads(tags["chosen.0.05"])
-    assert tag["certified"] is False and tag["n"] == 4 and tag["alpha"] == 0.05
+    assert tag["certified"] is False and tag["n"] == 4 and tag["alpha"] == 0.025  # the first attempt of its family: 0.05 x 2^-1
 
 
 def test_sweep_source_errors_are_clear(swept, capsys):

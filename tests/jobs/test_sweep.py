@@ -143,9 +143,12 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
         assert reason.startswith("refused: ") or c["certification"]["steps"] == first_steps[budget], reason
     import os
 
-    ledger = list(Path(os.environ["SPECTUNE_LEDGER"]).glob("*.jsonl"))  # with the asset cache, not the runs root
-    assert len(ledger) == 1 and not list(tmp_path.rglob("attempts"))
-    rows = [json.loads(line) for line in ledger[0].read_text().splitlines()]
+    ledger = Path(os.environ["SPECTUNE_LEDGER"]) / "ledger.db"  # with the asset cache, not the runs root
+    assert ledger.is_file() and not list(tmp_path.rglob("attempts")) and not list(tmp_path.rglob("ledger.db"))
+    from workers.models.identity import pair_fingerprint
+    from workers.results.ledger import AttemptLedger
+
+    rows = AttemptLedger("gsm8k", pair_fingerprint("tiny-random"), ledger.parent).rows()
     assert rows[0]["event"] == "opened" and len(rows[0]["items"]) == 6
 
 
