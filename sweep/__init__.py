@@ -12,7 +12,8 @@ Its rooms, one phase each, every phase taking the state and returning values:
   directory, the search sample and the confirmation pool, the pair actors, the study, the tracker);
 - ``references``: target-only and lossless on the same items, typed keys, the resumable record runner;
 - ``search``: ask / run / prune / tell per trial, the trials frame;
-- ``confirm`` (with ``certificates``): the attempt the ledger opens, each budget certified or not;
+- ``confirm`` (with ``certificates``): each budget certified or not; ``attempt``: the attempt the ledger opens
+  and the level its family gives it;
 - ``server``: a fixed server configuration (``--server-config``) certified as one candidate, no search;
 - ``report``: the report, the flips page and the frontier; ``progress``: the log and progress lines;
   ``tracking``: MLflow; ``carry``: a study moved to another machine;

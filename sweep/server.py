@@ -85,8 +85,9 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     """Screen, confirm and time a fixed server configuration (see the module). Writes ``report/`` (the chosen
     file per budget, ``certification.json`` and ``.md``, the evidence CSV) under the run directory and logs them
     to MLflow. Returns the run directory, the MLflow run and the decision per budget."""
+    from sweep.attempt import Attempt, attempt_items, family_fields, prior_refusal, statement
     from sweep.certificates import certificate_fields, pool_outlook
-    from sweep.confirm import Attempt, Confirmation, attempt_items, family_fields, prior_refusal, statement
+    from sweep.confirm import Confirmation
     from sweep.settings import ledger_of
     from sweep.tracking import SweepTracker
     from workers.benchmarks.base import pool_sources
