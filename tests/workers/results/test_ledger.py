@@ -149,21 +149,28 @@ def _race(url: str, study: str, out: str) -> None:
     Path(out).write_text(json.dumps([[aid, items] for aid, items, _ in got]))
 
 
-def test_attempts_racing_from_separate_processes_never_share_an_item(tmp_path):
-    """Six processes open four attempts each on one sqlite ledger at once, every one asking for the first unused
-    items of the same pool: the claims' uniqueness constraint hands every item to one attempt."""
+def race(url: str, processes: int, prefix: str, tmp_path: Path) -> list[list]:
+    """``processes`` spawned processes, each opening four attempts on the ledger at ``url`` at once: every
+    attempt's [id, items]."""
     import multiprocessing as mp
 
-    url = f"sqlite:///{tmp_path / 'ledger.db'}"
     AttemptLedger("gsm8k", "pair:race", url).rows()  # the tables exist before the race
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_race, args=(url, f"p{k}", str(tmp_path / f"out{k}.json"))) for k in range(6)]
+    procs = [ctx.Process(target=_race, args=(url, f"{prefix}{k}", str(tmp_path / f"out{k}.json")))
+             for k in range(processes)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(300)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    attempts = [a for k in range(6) for a in json.loads((tmp_path / f"out{k}.json").read_text())]
+    return [a for k in range(processes) for a in json.loads((tmp_path / f"out{k}.json").read_text())]
+
+
+def test_attempts_racing_from_separate_processes_never_share_an_item(tmp_path):
+    """Six processes open four attempts each on one sqlite ledger at once, every one asking for the first unused
+    items of the same pool: the claims' uniqueness constraint hands every item to one attempt."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    attempts = race(url, 6, "p", tmp_path)
     items = [i for _, got in attempts for i in got]
     assert len(attempts) == 24 and len(items) == 24 * 7
     assert len(set(items)) == len(items), "two racing attempts took one item"

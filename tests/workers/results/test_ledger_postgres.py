@@ -3,7 +3,6 @@ cluster on 127.0.0.1), the same contract as on sqlite, and racing processes stil
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers.results.test_ledger import POOL, _race, plan
+from tests.workers.results.test_ledger import POOL, plan, race
 from workers.results.ledger import AttemptLedger, LedgerRefusal
 
 
@@ -67,15 +66,5 @@ def test_a_postgres_ledger_keeps_the_contract(postgres):
 
 
 def test_attempts_racing_on_postgres_never_share_an_item(postgres, tmp_path):
-    import multiprocessing as mp
-
-    AttemptLedger("gsm8k", "pair:race", postgres).rows()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_race, args=(postgres, f"q{k}", str(tmp_path / f"out{k}.json"))) for k in range(4)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    items = [i for k in range(4) for _, got in json.loads((tmp_path / f"out{k}.json").read_text()) for i in got]
+    items = [i for _, got in race(postgres, 4, "q", tmp_path) for i in got]
     assert len(items) == 16 * 7 and len(set(items)) == len(items), "two racing attempts took one item"
