@@ -47,19 +47,36 @@ OnTokens = Callable[[list[int]], "bool | None"]
 class _LM:
     """A causal LM split into decoder + LM head, with its own KV cache and the ids it holds."""
 
-    def __init__(self, model: torch.nn.Module, width: int = 0, real: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, width: int = 0, real: int = 0, batcher: Any = None,
+                 rank: int = 1) -> None:
         """``width``: pad the head's logits with -inf up to this many ids (a draft narrower than
         its target). ``real``: set logits from this id on to -inf (the target of such a pair: those
-        ids are no tokens and the draft cannot score them, so neither model may put mass there)."""
+        ids are no tokens and the draft cannot score them, so neither model may put mass there).
+        ``batcher``: a row of the batched engine (``workers.cpu_batch``): model calls go through it;
+        ``rank`` 0 for the draft, 1 for the target (the draft's calls of a step run first)."""
         self.model = model
         self.decoder = model.get_decoder()
         self._head = model.get_output_embeddings()
         self.width, self.real = width, real
         self.cache: Any = None
         self.ids: list[int] = []  # the token ids whose keys/values the cache holds, in order
+        self.batcher, self.rank = batcher, rank
+        if batcher is not None:
+            from workers.cpu_batch import FORWARD, HEAD, forward_runner, row_exact_linear, rows_runner
+
+            self._forward_key, self._forward_runner = (rank, FORWARD, 0), forward_runner(self.decoder)
+            self._head_key = (rank, HEAD, 0)
+            self._head_runner = rows_runner(self._head, row_exact_linear(self._head))
+
+    def row(self, batcher: Any) -> _LM:
+        """The same model with a cache of its own, its calls batched by ``batcher`` (a row of the batched engine)."""
+        return _LM(self.model, self.width, self.real, batcher=batcher, rank=self.rank)
+
+    def _batched(self) -> bool:
+        return self.batcher is not None and self.batcher.active()
 
     def head(self, hidden: Tensor) -> Tensor:
-        logits = self._head(hidden)
+        logits = self.batcher.call(self._head_key, self._head_runner, hidden) if self._batched() else self._head(hidden)
         if self.width > logits.shape[-1]:
             logits = torch.nn.functional.pad(logits, (0, self.width - logits.shape[-1]), value=float("-inf"))
         if self.real:
@@ -76,10 +93,14 @@ class _LM:
 
     def forward(self, input_ids: Tensor) -> Tensor:
         """Feed tokens [B, n]; return final hidden states [B, n, d] (post final norm)."""
-        out = self.decoder(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        if self._batched():
+            hidden = self.batcher.call(self._forward_key, self._forward_runner, (self, input_ids))
+        else:
+            out = self.decoder(input_ids=input_ids, past_key_values=self.cache, use_cache=True)
+            self.cache = out.past_key_values
+            hidden = out.last_hidden_state
         self.ids += input_ids[0].tolist()
-        return out.last_hidden_state
+        return hidden
 
     def crop(self, length: int) -> None:
         if self.length > length:
@@ -91,13 +112,20 @@ class _LM:
         """Keep the cached prefix shared with ``context`` (prefix caching); return its length."""
         if self.cache is None:
             self.reset()
-            return 0
         n = 0
         for a, b in zip(self.ids, context, strict=False):
             if a != b:
                 break
             n += 1
         self.crop(n)
+        if self.batcher is not None and hasattr(self.cache, "copy_prefix"):
+            found = self.batcher.donor(self, context, n)  # another row holds more of it: copy, do not recompute
+            if found is not None:
+                donor, n = found
+                self.cache.copy_prefix(donor.cache, n)
+                self.ids = donor.ids[:n]
+                self.batcher.stats.prefix_copies += 1
+                self.batcher.stats.prefix_tokens += n
         return n
 
 
@@ -182,7 +210,9 @@ class SpecDecoder:
         # no tokens: KL stays finite and lossless output equals target-only.
         real = pair.draft_width if pair.padded else 0
         self.target = _LM(pair.target, real=real)
-        self.draft = _LM(pair.draft, width=pair.vocab_size)
+        self.draft = _LM(pair.draft, width=pair.vocab_size, rank=0)
+        self.batch_size: int | str = 1  # evaluate_items' rows at once (workers.cpu_batch); "auto": measured
+        self._batcher: Any = None
         self.proposal = proposal_for_pair(pair, proposal_size)
         head = pair.target.get_output_embeddings()
         self.lm_head_weight = head.weight.detach()  # [V, d]
@@ -192,6 +222,68 @@ class SpecDecoder:
             self.lm_head_bias = bias.index_fill_(0, torch.arange(real, pair.vocab_size), float("-inf"))
 
     # -- public API ------------------------------------------------------------------------------
+
+    def row(self, batcher: Any) -> SpecDecoder:
+        """A view of this engine for one row of the batched engine (``workers.cpu_batch``): the same models, rule
+        code and proposal head, KV caches of its own, its model calls batched by ``batcher``."""
+        import copy
+
+        from workers.cpu_batch import BatchedProposal
+
+        view = copy.copy(self)
+        view.target, view.draft = self.target.row(batcher), self.draft.row(batcher)
+        view.proposal = None if self.proposal is None else BatchedProposal(self.proposal, batcher)
+        view._batcher = None
+        return view
+
+    def batcher(self, size: int | None = None) -> Any:
+        """The engine's :class:`workers.cpu_batch.Batcher` of ``size`` rows (default :attr:`batch_size`, ``auto``
+        measured once), kept, so its rows' caches keep their prefixes from one call to the next."""
+        from workers.cpu_batch import Batcher, pick_batch_size
+
+        if size is None:
+            if self.batch_size == "auto":
+                self.batch_size, self.batch_choice = pick_batch_size(self)
+            size = int(self.batch_size)
+        if self._batcher is None or self._batcher.size != size:
+            self._batcher = Batcher(self, size)
+        return self._batcher
+
+    def evaluate_items(self, bench: Any, items: list[Any], spec: Any, references: dict[str, Any] | None = None,
+                       *, batch_size: int | None = None, on_record: Any = None, stop: Any = None) -> list[Any]:
+        """``items`` under ``spec`` (``workers.evaluation.evaluate_item`` each, replayed where ``references`` hold
+        a target-only record's payload), ``batch_size`` at once (default :attr:`batch_size`; 1: one after another,
+        today's engine): each record is the one batch 1 makes, token for token. ``on_record(record)`` as each
+        finishes; ``stop()`` True: start no more items (the records of those not started are left out)."""
+        from workers.evaluation import evaluate_item
+
+        refs = references or {}
+        batcher = self.batcher(batch_size)
+        if batcher.size == 1:
+            out = []
+            for item in items:
+                if stop is not None and stop():
+                    break
+                out.append(evaluate_item(self, bench, item, spec, refs.get(item.id)))
+                if on_record is not None:
+                    on_record(out[-1])
+            return out
+        jobs = [lambda row, item=item: evaluate_item(row, bench, item, spec, refs.get(item.id)) for item in items]
+        done = batcher.run(jobs, on_done=None if on_record is None else (lambda _i, rec: on_record(rec)), stop=stop)
+        return [r for r in done if r is not None]
+
+    def evaluate_bundles(self, bench: Any, items: list[Any], specs: list[Any], references: dict[str, Any] | None = None,
+                         *, batch_size: int | None = None) -> list[list[Any]]:
+        """``workers.evaluation.evaluate_bundle`` on each item (every spec, one teacher-forced pass per item), the
+        items ``batch_size`` at once as :meth:`evaluate_items` runs them."""
+        from workers.evaluation import evaluate_bundle
+
+        refs = references or {}
+        batcher = self.batcher(batch_size)
+        if batcher.size == 1:
+            return [evaluate_bundle(self, bench, item, specs, refs.get(item.id)) for item in items]
+        return batcher.run([lambda row, item=item: evaluate_bundle(row, bench, item, specs, refs.get(item.id))
+                            for item in items])
 
     @resets_on_error
     @torch.inference_mode()

@@ -82,6 +82,18 @@ class KVCache:
         keep = self.length + count if count < 0 else count
         self.length = max(0, min(self.length, keep))
 
+    def copy_prefix(self, other: KVCache, length: int) -> None:
+        """Hold ``other``'s first ``length`` positions (a prefix both share): a copy of the same numbers."""
+        if (other.layers, other.kv_heads, other.head_dim) != (self.layers, self.kv_heads, self.head_dim):
+            raise ValueError("copy_prefix: the caches are of different models")
+        if length > other.length:
+            raise ValueError(f"copy_prefix: the other cache holds {other.length} positions, not {length}")
+        self.reserve(length)
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for a, b in zip(mine, theirs, strict=True):
+                a[:, :length] = b[:, :length]
+        self.length = length
+
     def reserve(self, length: int) -> None:
         if length <= self.capacity:
             return
@@ -205,6 +217,7 @@ class _Decoder(torch.nn.Module):
         self._cos = self._sin = torch.empty(0, self.head_dim)
         self._scripted: Any = None  # the layers as one scripted graph (workers.models.fast_step), built at first use
         self.scripted = True  # False: the layers run eagerly (an A/B; the outputs are the same)
+        self._gathered: Any = None  # the layers' weights gathered for several sequences at once (forward_ragged)
 
     def new_cache(self) -> KVCache:
         return KVCache(len(self.layers), self.kv_heads, self.head_dim)
@@ -220,6 +233,7 @@ class _Decoder(torch.nn.Module):
         """A scripted function cannot be pickled or deep-copied: a copy scripts its layers again at first use."""
         state = dict(self.__dict__)
         state["_scripted"] = None
+        state["_gathered"] = None
         return state
 
     def _rope(self, start: int, n: int) -> tuple[Tensor, Tensor]:
@@ -257,6 +271,46 @@ class _Decoder(torch.nn.Module):
         cache.length = start + n
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         return _Out(last_hidden_state=x.unsqueeze(0), past_key_values=cache)
+
+
+    def ragged_ready(self) -> bool:
+        """Whether :meth:`forward_ragged` runs several sequences in one pass here: every linear of one kind (all
+        int8 or all 4-bit: the layers :class:`workers.models.fast_step.ScriptedLayers` gathers). Otherwise the
+        batched engine runs each sequence's pass alone (exact, without the shared weight reads)."""
+        if self._gathered is None:
+            from workers.models.fast_step import _NAMES, ScriptedLayers, _four_bits
+
+            kinds = _four_bits([getattr(layer, name, None) for layer in self.layers for name in _NAMES])
+            self._gathered = False if kinds is None else ScriptedLayers(list(self.layers))
+        return self._gathered is not False
+
+    def forward_ragged(self, feeds: list[tuple[Tensor, KVCache]]) -> list[Tensor]:
+        """Several sequences' passes as one: ``feeds`` holds each sequence's new ids [n_s] and its own cache;
+        returns each one's final hidden states [1, n_s, d] (post final norm), as :meth:`forward` would, bit for
+        bit: the linears and norms run once over all rows (one read of each weight for the whole batch),
+        attention per sequence over its own cache (:func:`workers.models.fast_step._layers_ragged`)."""
+        if not feeds:
+            return []
+        if not self.ragged_ready():
+            raise TypeError("forward_ragged needs layers whose linears are all int8 or all 4-bit")
+        counts = [int(ids.shape[0]) for ids, _ in feeds]
+        starts = [cache.length for _, cache in feeds]
+        if len({id(cache) for _, cache in feeds}) != len(feeds):
+            raise ValueError("forward_ragged: each sequence needs its own KV cache")
+        for (_, cache), start, n in zip(feeds, starts, counts, strict=True):
+            cache.reserve(start + n)
+        self._rope(0, max(s + n for s, n in zip(starts, counts, strict=True)))
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        cos, sin = self._cos.index_select(0, positions), self._sin.index_select(0, positions)
+        x = self.embed[torch.cat([ids for ids, _ in feeds])]
+        from workers.models.fast_step import enabled
+
+        x = self._gathered.ragged(x, cos, sin, [c.keys for _, c in feeds], [c.values for _, c in feeds], starts,
+                                  counts, scripted=self.scripted and enabled())
+        for (_, cache), start, n in zip(feeds, starts, counts, strict=True):
+            cache.length = start + n
+        x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
+        return [part.unsqueeze(0) for part in x.split(counts)]
 
 
 class Int8CausalLM(torch.nn.Module):

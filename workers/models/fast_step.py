@@ -121,6 +121,49 @@ def _layers(x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: lis
     return x
 
 
+def _layers_ragged(x: Tensor, cos: Tensor, sin: Tensor, keys: list[list[Tensor]], values: list[list[Tensor]],
+                   starts: list[int], counts: list[int], norms1: list[Tensor], norms2: list[Tensor], eps: float,
+                   four: bool, packed4: list[Tensor], groups: list[int], scales_zeros: list[Tensor],
+                   packed8: list[torch.classes.quantized.LinearPackedParamsBase], spans: list[Tensor],
+                   span_of: list[int], reduce_range: bool, outs: list[int], biases: list[Tensor | None], heads: int,
+                   kv_heads: int, head_dim: int, intermediate: int) -> Tensor:
+    """:func:`_layers` for several sequences at once (the batched engine): rows ``x`` [N, d] are sequence s's
+    ``counts[s]`` rows at positions ``starts[s]``.. in order, ``cos``/``sin`` [N, D] each row's own, ``keys[s]`` /
+    ``values[s]`` sequence s's cache per layer. Every op but attention is row-wise (norms, rotary, the linears,
+    whose rows do not depend on the rows beside them), so they run once over all N rows and read each weight once;
+    attention runs per sequence over its own cache, one query row per call, as :func:`_layers` does: a row's
+    result is bit-identical to the same row decoded alone (``tests/workers/test_batched_engine.py``)."""
+    n = x.shape[0]
+    d = x.shape[-1]
+    q_end = heads * head_dim
+    k_end = (heads + kv_heads) * head_dim
+    offsets: list[int] = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    for i in range(len(norms1)):
+        j = 4 * i
+        h = torch.rms_norm(x, [d], norms1[i], eps)
+        qkv = _linear(h, j, four, packed4, groups, scales_zeros, packed8, spans, span_of, reduce_range, outs, biases)
+        rot = qkv[:, :k_end].view(n, heads + kv_heads, head_dim).transpose(0, 1)
+        qk = rot * cos + torch.roll(rot, head_dim // 2, -1) * sin
+        parts: list[Tensor] = []
+        for s in range(len(counts)):
+            a, b, start = offsets[s], offsets[s + 1], starts[s]
+            keys[s][i][:, start:start + b - a] = qk[heads:, a:b]
+            values[s][i][:, start:start + b - a] = qkv[a:b, k_end:].view(b - a, kv_heads, head_dim).transpose(0, 1)
+            parts.append(attend(qk[:heads, a:b], keys[s][i], values[s][i], start, kv_heads))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        x = _linear(attn.transpose(0, 1).reshape(n, q_end), j + 1, four, packed4, groups, scales_zeros, packed8,
+                    spans, span_of, reduce_range, outs, biases).add_(x)
+        h = torch.rms_norm(x, [d], norms2[i], eps)
+        gate_up = _linear(h, j + 2, four, packed4, groups, scales_zeros, packed8, spans, span_of, reduce_range, outs,
+                          biases)
+        act = torch.nn.functional.silu(gate_up[:, :intermediate]).mul_(gate_up[:, intermediate:])
+        x = _linear(act, j + 3, four, packed4, groups, scales_zeros, packed8, spans, span_of, reduce_range, outs,
+                    biases).add_(x)
+    return x
+
+
 def _four_bits(linears: list[Any]) -> bool | None:
     """True where every linear is 4-bit, False where every one is int8, None for anything else."""
     from workers.models.q4 import Q4Linear
@@ -138,6 +181,13 @@ def _scripted() -> Any:
     with warnings.catch_warnings():  # deprecated upstream (see the module docstring); torch is pinned
         warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated.*")
         return torch.jit.script(_layers)
+
+
+@functools.cache
+def _scripted_ragged() -> Any:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.jit.script.*deprecated.*")
+        return torch.jit.script(_layers_ragged)
 
 
 class ScriptedLayers:
@@ -182,3 +232,17 @@ class ScriptedLayers:
             return self._run(x, cos, sin, keys, values, start, self.norms1, self.norms2, self.eps, self.four,
                              self.packed4, self.groups, self.scales_zeros, self.packed8, spans, self.span_of,
                              _REDUCE_RANGE, self.outs, self.biases, heads, kv_heads, head_dim, intermediate)
+
+    def ragged(self, x: Tensor, cos: Tensor, sin: Tensor, keys: list[list[Tensor]], values: list[list[Tensor]],
+               starts: list[int], counts: list[int], scripted: bool = True) -> Tensor:
+        """Several sequences' rows in one pass (:func:`_layers_ragged`); ``scripted`` False runs the same function
+        eagerly (``SPECTUNE_SCRIPTED_STEP=0``: the same ops, bit-identical)."""
+        from workers.models.q8 import _REDUCE_RANGE, _SCRATCH_ROWS, _span_buffer
+
+        heads, kv_heads, head_dim, intermediate = self.shape
+        spans = [] if self.four else [_span_buffer(_SCRATCH_ROWS, w) for w in self.widths]
+        run = _scripted_ragged() if scripted else _layers_ragged
+        with torch.jit.optimized_execution(False):
+            return run(x, cos, sin, keys, values, starts, counts, self.norms1, self.norms2, self.eps, self.four,
+                       self.packed4, self.groups, self.scales_zeros, self.packed8, spans, self.span_of, _REDUCE_RANGE,
+                       self.outs, self.biases, heads, kv_heads, head_dim, intermediate)

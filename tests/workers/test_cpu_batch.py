@@ -1,0 +1,166 @@
+"""The batched CPU engine (``workers.cpu_batch``): every row's record is the one batch 1 makes, token for token, for
+every rule, at T = 0 and T > 0, with replay, whatever else is in the batch and whenever the row joined."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies import POLICIES, get_spec
+from workers.benchmarks import get_benchmark
+from workers.cpu_batch import Batcher
+from workers.cpu_engine import SpecDecoder
+from workers.evaluation import TARGET_ONLY, DecodeSpec, evaluate_item, reference_payload
+from workers.models.pair import load_pair
+
+ITEMS = 11  # more than the batch: rows finish and later items join a running batch
+
+
+@pytest.fixture(scope="module", params=["int8", "int4+int8"])
+def engine(request) -> SpecDecoder:
+    return SpecDecoder(load_pair("tiny-random", dtype=request.param))
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return get_benchmark("gsm8k")
+
+
+@pytest.fixture(scope="module")
+def items(bench):
+    return bench.items(limit=ITEMS)
+
+
+def same(a, b) -> list[str]:
+    """The fields of two records that differ (times aside)."""
+    fields = ("output_token_ids", "outputs", "finish_reasons", "score", "replay", "tokens", "num_drafts",
+              "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "target_forwards", "error")
+    return [f for f in fields if getattr(a, f) != getattr(b, f)]
+
+
+def spec_for(name: str, temperature: float = 0.0, draft_len: int = 3) -> DecodeSpec:
+    if name == TARGET_ONLY:
+        return DecodeSpec.make(TARGET_ONLY, temperature=temperature, seed=5, max_new_tokens=24)
+    params = dict(get_spec(name).example or {})
+    return DecodeSpec.make(name, params, draft_len, temperature=temperature, seed=5, max_new_tokens=24)
+
+
+def check(engine, bench, items, spec, references=None, size=8):
+    refs = references or {}
+    alone = [evaluate_item(engine, bench, item, spec, refs.get(item.id)) for item in items]
+    batched = engine.evaluate_items(bench, items, spec, refs, batch_size=size)
+    assert [r.item_id for r in batched] == [i.id for i in items]
+    for a, b in zip(alone, batched, strict=True):
+        assert not same(a, b), f"{spec.label()} item {a.item_id}: {same(a, b)} differ from batch 1"
+    return alone, batched
+
+
+@pytest.mark.parametrize("name", [TARGET_ONLY, *sorted(POLICIES)])
+def test_every_rule_at_t0_is_row_for_row_batch_1(engine, bench, items, name):
+    alone, _ = check(engine, bench, items, spec_for(name))
+    assert all(r.error is None for r in alone)
+    assert engine.batcher(8).shared, "the fast path shares each weight read across the rows"
+
+
+@pytest.mark.parametrize("name", [TARGET_ONLY, "lossless", "kl_judge", "dropmatch"])
+def test_sampling_rows_keep_their_own_seeded_streams(engine, bench, items, name):
+    alone, _ = check(engine, bench, items, spec_for(name, temperature=0.8, draft_len=2))
+    greedy = [evaluate_item(engine, bench, items[0], spec_for(name, draft_len=2))]
+    assert alone[0].output_token_ids != greedy[0].output_token_ids or name == TARGET_ONLY
+
+
+def test_replayed_rows_equal_replay_at_batch_1(engine, bench, items):
+    refs = {r.item_id: reference_payload(r) for r in
+            engine.evaluate_items(bench, items, spec_for(TARGET_ONLY), batch_size=8)}
+    for name in ("lossless", "kl_judge", "typical"):
+        alone, _ = check(engine, bench, items, spec_for(name, draft_len=4), refs)
+        assert all(r.replay for r in alone), "each record says how replay made it"
+
+
+def test_bundles_batch_like_batch_1(engine, bench, items):
+    specs = [DecodeSpec.make("lossless", {}, n, max_new_tokens=24) for n in (1, 3)]
+    refs = {r.item_id: reference_payload(r) for r in
+            engine.evaluate_items(bench, items, spec_for(TARGET_ONLY), batch_size=4)}
+    alone = engine.evaluate_bundles(bench, items, specs, refs, batch_size=1)
+    batched = engine.evaluate_bundles(bench, items, specs, refs, batch_size=6)
+    for a, b in zip(alone, batched, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert not same(x, y)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+def test_any_batch_size_and_joining_order_gives_the_same_rows(engine, bench, items, size):
+    spec = spec_for("kl_judge", draft_len=4)
+    want = [r.output_token_ids for r in engine.evaluate_items(bench, items, spec, batch_size=1)]
+    got = [r.output_token_ids for r in engine.evaluate_items(bench, items[::-1], spec, batch_size=size)][::-1]
+    assert got == want
+
+
+def test_the_shared_prefix_is_copied_not_recomputed(bench, items):
+    engine = SpecDecoder(load_pair("tiny-random", dtype="int8"))
+    spec = DecodeSpec.make("lossless", {}, 3, max_new_tokens=8, shots=2)  # a 2-shot preamble every prompt shares
+    engine.evaluate_items(bench, items[:6], spec, batch_size=4)
+    stats = engine.batcher(4).stats
+    assert stats.prefix_copies >= 3 and stats.prefix_tokens > 3 * 100
+    check(engine, bench, items[:6], spec, size=4)
+
+
+def test_a_float_model_runs_its_rows_in_turn_and_stays_exact(bench, items):
+    engine = SpecDecoder(load_pair("tiny-random", dtype=torch.float32))
+    assert not engine.batcher(4).shared
+    check(engine, bench, items[:5], spec_for("lossless"), size=4)
+
+
+def test_one_rows_bad_input_fails_that_row_alone(engine):
+    batcher = Batcher(engine, 4)
+    prompt = engine.pair.tokenizer.encode("Q: 2 + 2 = ?\nA:")
+
+    def bad(row):
+        row.target.reuse(prompt[:-1])
+        return row.target.forward(torch.tensor([[10 ** 6]]))  # outside the embedding: that row's pass fails
+
+    def good(row):
+        return row.autoregressive(prompt, max_new_tokens=6).token_ids
+
+    failed: list[int] = []
+
+    def guarded(job):
+        def run(row):
+            try:
+                return job(row)
+            except IndexError:
+                failed.append(1)
+                return "failed"
+        return run
+
+    out = batcher.run([guarded(good), guarded(bad), guarded(good), guarded(good)])
+    want = engine.autoregressive(prompt, max_new_tokens=6).token_ids
+    assert out[1] == "failed" and failed == [1] and [out[0], out[2], out[3]] == [want] * 3
+    assert batcher.stats.fallbacks >= 1
+
+
+def test_stop_starts_no_more_items(engine, bench, items):
+    done: list[str] = []
+    records = engine.evaluate_items(bench, items, spec_for(TARGET_ONLY), batch_size=3,
+                                    on_record=lambda r: done.append(r.item_id), stop=lambda: len(done) >= 1)
+    assert 1 <= len(records) < len(items) and sorted(done) == sorted(r.item_id for r in records)
+
+
+def test_bad_batch_sizes_are_refused_by_name(engine):
+    for bad in (0, -2, 1.5, "8"):
+        with pytest.raises(ValueError, match="batch size"):
+            Batcher(engine, bad)
+
+
+@pytest.mark.parametrize("size", range(1, 33))
+def test_a_4bit_rows_result_does_not_depend_on_the_batch(size):
+    """The 4-bit GEMM accumulates in float: its row independence is measured at every row count a batched draft
+    step has (the batch sizes ``auto`` picks, up to 32), on the real draft's widths."""
+    from workers.models.q4 import Q4Linear
+
+    gen = torch.Generator().manual_seed(size)
+    for out_f, in_f in ((1152, 896), (9728, 896), (896, 4864)):
+        lin = Q4Linear.quantized(torch.randn(out_f, in_f, generator=gen) * 0.02)
+        x = torch.randn(size, in_f, generator=gen)
+        alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(size)])
+        assert torch.equal(lin.forward(x), alone), f"{out_f}x{in_f} at {size} rows"
