@@ -38,6 +38,9 @@ class PairWorker:
     def __init__(self, pair: str, dtype: str = "bf16", cache_dir: str | None = None, num_threads: int | None = None,
                  tensor_parallel_size: int = 1, engine: str = "cpu", draft_len: int = 5,
                  vllm: dict[str, Any] | None = None) -> None:
+        from cluster.startup import attach
+
+        attach()  # the start's progress lines go to the driver (cluster.startup)
         import torch
 
         from workers.engines import make_engine

@@ -72,6 +72,7 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
 
     from cluster.pair_actor import make_workers, profile_of
     from cluster.runtime import default_num_actors, init_ray
+    from cluster.startup import Watch
     from sweep.references import References
     from sweep.tracking import SweepTracker
 
@@ -98,14 +99,17 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
     # a server's clients hold no model: two by default (the speed phase times on one, request by request)
     n = args.actors or (2 if args.engine == "openai" else
                         default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor))))
-    log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype})")
-    workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
-                           gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
-                           engine=args.engine, draft_len=settings.draft_len[0],
-                           vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
-                           python=getattr(args, "vllm_python", None))
-    # timed at the context the search items decode at (8-shot prompts: ~1,410 tokens), not a fixed short one
-    profile = profile_of(workers[0], bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
+    log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype}); their progress follows")
+    with Watch(log, f"the {n} pair actor(s)"):  # what each actor is loading, converting, calibrating, with an ETA
+        workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
+                               gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
+                               engine=args.engine, draft_len=settings.draft_len[0],
+                               vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
+                               python=getattr(args, "vllm_python", None))
+        log(f"{n} pair actor(s) loaded; the cost profile at the search items' context (stored: read back; "
+            "else measured on actor 1)")
+        # timed at the context the search items decode at (8-shot prompts: ~1,410 tokens), not a fixed short one
+        profile = profile_of(workers[0], bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
     meta = run_dir / "sweep.json"
     before = json.loads(meta.read_text()) if meta.is_file() else {}
     profile = _study_profile(before.get("profile"), profile, args.engine)

@@ -58,10 +58,17 @@ def make_engine(kind: str, pair: str, dtype: str, *, cache_dir: str | os.PathLik
 
         return EndpointEngine(vllm or {})
     if kind == "cpu":
+        from workers import startup
         from workers.cpu_engine import SpecDecoder
-        from workers.models.pair import load_pair
+        from workers.models.pair import load_pair, pair_dirs
 
-        return SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir), prefix_cache=prefix_cache)
+        try:
+            where = pair_dirs(pair, cache_dir)[2]  # the pair's cache: its start's last duration is kept there
+        except Exception:  # noqa: BLE001 - tiny-random, or assets not fetched: load_pair names the fix
+            where = None
+        with startup.phase(f"starting the CPU engine on {pair} ({dtype})", key=f"engine-cpu-{dtype}", where=where,
+                           every_s=0):  # the phases inside say how far they are
+            return SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir), prefix_cache=prefix_cache)
     from workers.vllm.engine import VLLMDecoder
 
     settings = vllm_settings(vllm or {}, dtype=dtype, draft_len=draft_len, tensor_parallel_size=tensor_parallel_size)

@@ -11,10 +11,20 @@ a verify pass. Attention's share of a step grows with the context, so a workload
 timed at its own context (:func:`workload_context`: its prompts' median length plus half its new tokens; a
 sweep's 8-shot GSM8K prompts are ~1,410 tokens (1,536 positions), the bench's 0-shot ones ~110 (128)). The step
 kinds are timed in rounds (:func:`_interleaved`). Stored at
-``<pair cache>/cost-<dtype>-<machine>-<threads>t-<layers>-ctx<context>.json``; the machine key is the CPU model
-and core count, since a ratio measured on one machine says little about another, and a profile is kept per torch
-thread count (a sweep's actors run one each, a bench every core), per way the fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and per context; a profile
-timed under another version of the fast path's kernels (``FAST_NUMERICS``) is measured again.
+``<pair cache>/cost-<dtype>-<machine>-<fingerprint>-<threads>t-<layers>-ctx<context>.json`` and reused by every later
+run whose key is the same: the machine key is the CPU model and core count, since a ratio measured on one machine says
+little about another; the fingerprint (:func:`fingerprint`) digests what else a step's time rests on (the CPU's flags,
+the torch build and the kernels ATen dispatches to, transformers' version, the fast path's kernel version
+``FAST_NUMERICS``, the draft's head); and a profile is kept per torch thread count (a sweep's actors run one each, a
+bench every core), per way the fast path's layers run (``scripted`` or ``eager``, :mod:`workers.models.fast_step`) and
+per context. A change to any of them measures again; nothing else does.
+
+A profile is timed against a context of ``context`` positions: on the fast path the KV cache is filled with random
+keys and values (a step's cost does not depend on what the cache holds, and prefilling 1,536 positions took 20-28 s a
+model at one thread), elsewhere one prefill per model is shared by every step kind (each step crops back to it).
+A calibration times contention where other processes take the CPUs while it runs: it measures the CPU time others
+took during its rounds (``others_cpu``, from ``/proc/stat``), and one contended is used for its run and never stored
+(:func:`get_profile`). While it runs it says how far it is (:mod:`workers.startup`).
 
 The same ratio measured through vLLM on the device that serves (``python -m workers.calibrate --engine
 vllm``) is stored next to it as ``cost-vllm-<dtype>-<device>.json`` (:func:`vllm_profile_path`); this
@@ -29,7 +39,6 @@ import os
 import platform
 import re
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -37,6 +46,7 @@ from typing import Any
 
 import torch
 
+from workers import startup
 from workers.cli import one_line_errors
 from workers.models.fast import new_cache
 from workers.models.pair import FAST_NUMERICS, ModelPair, dtype_tag, fast_path, load_pair
@@ -65,6 +75,11 @@ class CostProfile:
     # the fast path's kernel version it timed (workers.models.pair.FAST_NUMERICS; 0 on other dtypes, or a profile
     # older than the field): a step's cost moves with its kernels, so a profile of another version is remeasured
     numerics: int = 0
+    # CPUs' worth of other processes' work while the rounds were timed (/proc/stat's busy time less this process's
+    # own); -1: not measured (a profile older than the field, or no /proc/stat)
+    others_cpu: float = -1.0
+    # the machine-and-kernels digest it was timed under (fingerprint()); "" before the field
+    fingerprint: str = ""
 
     @property
     def cost_ratio(self) -> float:
@@ -112,15 +127,30 @@ def _dtype_tag(dtype: torch.dtype) -> str:
     return dtype_tag(dtype)
 
 
+def fingerprint_fields(pair: ModelPair) -> dict[str, Any]:
+    """What a stored profile of ``pair`` is keyed by beyond its dtype, thread count, layers and context (which name
+    its file): the host (CPU model, flags and count, torch, ATen's kernels, transformers; :func:`workers.startup.host`),
+    the fast path's kernel version and the draft's head."""
+    from workers.models.proposal import head_kind
+
+    return {**startup.host(), "numerics": numerics_of(pair), "draft_head": head_kind(pair)}
+
+
+def fingerprint(pair: ModelPair) -> str:
+    """The machine-and-kernels digest a profile of ``pair`` is stored under (:func:`fingerprint_fields`)."""
+    return startup.fingerprint(fingerprint_fields(pair))
+
+
 def profile_path(pair: ModelPair, threads: int | None = None, layers: str | None = None,
-                 context: int = CONTEXT) -> Path | None:
-    """Where this pair's profile at this dtype, machine, thread count, layers (default: as they run now) and
-    context is stored."""
+                 context: int = CONTEXT, key: str | None = None) -> Path | None:
+    """Where this pair's profile at this dtype, machine and kernels (``key``, default :func:`fingerprint`), thread
+    count, layers (default: as they run now) and context is stored."""
     if pair.cache_dir is None:
         return None
     threads = torch.get_num_threads() if threads is None else threads
     layers = layers_kind(pair) if layers is None else layers
-    name = f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{threads}t-{layers}-ctx{int(context)}.json"
+    key = fingerprint(pair) if key is None else key
+    name = f"cost-{_dtype_tag(pair.dtype)}-{machine_key()}-{key}-{threads}t-{layers}-ctx{int(context)}.json"
     return Path(pair.cache_dir) / name
 
 
@@ -166,37 +196,110 @@ def load_profile(pair: ModelPair, context: int = CONTEXT) -> CostProfile | None:
     return CostProfile(**data)
 
 
-def _interleaved(fns: dict[str, Any], reps: int, warmup: int = 2) -> dict[str, float]:
+def _interleaved(fns: dict[str, Any], reps: int, warmup: int = 2, on_round: Any = None) -> dict[str, float]:
     """The median seconds of each of ``fns`` over ``reps`` rounds, each round calling every one of them once in turn
     (after ``warmup`` untimed rounds): a slow phase of the machine (another process, reclaim, a page-cache refill
     after loading) lands on every step kind alike instead of on whichever was being timed then. Timed one after
     another, a 1,536-position profile once put the target's one-token step at 114 ms beside a 2-token verify pass
-    at 56 ms (a throwaway probe timed the same step at 63 ms a minute later)."""
-    for _ in range(warmup):
+    at 56 ms (a throwaway probe timed the same step at 63 ms a minute later). ``on_round(done, total)`` after each
+    round, warm-up ones included."""
+    total = warmup + reps
+    for i in range(warmup):
         for fn in fns.values():
             fn()
+        if on_round is not None:
+            on_round(i + 1, total)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
+    for i in range(reps):
         for k, fn in fns.items():
             t0 = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - t0)
+        if on_round is not None:
+            on_round(warmup + i + 1, total)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _busy_s() -> float | None:
+    """Seconds of CPU time the whole machine has spent busy (steal included: a VM's host taking the CPU) since boot;
+    None without ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OthersCPU:
+    """CPUs' worth of work other processes did between ``start`` and ``stop``: the machine's busy time less this
+    process's own (every thread of it), over the wall time; -1 where it cannot be read."""
+
+    def start(self) -> OthersCPU:
+        self.t0, self.busy0, self.own0 = time.perf_counter(), _busy_s(), time.process_time()
+        return self
+
+    def stop(self) -> float:
+        busy, own, wall = _busy_s(), time.process_time(), time.perf_counter() - self.t0
+        if busy is None or self.busy0 is None or wall <= 0:
+            return -1.0
+        return round(max(0.0, (busy - self.busy0) - (own - self.own0)) / wall, 3)
+
+
+def _context_cache(model: torch.nn.Module, context: int, prefix: torch.Tensor, g: torch.Generator) -> Any:
+    """A KV cache holding ``context`` positions: the fast path's cache filled with random keys and values (what the
+    cache holds does not change what a step costs, and a prefill of 1,536 positions is 20-28 s at one thread), any
+    other one prefilled with ``prefix``."""
+    cache = new_cache(model)
+    if _fill(cache, context, g):
+        return cache
+    model.get_decoder()(input_ids=prefix, past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _fill(cache: Any, context: int, g: torch.Generator) -> bool:
+    """Fill a preallocated cache (per layer ``keys``/``values`` [kv_heads, capacity, head_dim], ``length``) with
+    ``context`` random positions; False, cache untouched in length, for any cache not of that shape."""
+    try:
+        keys, values = cache.keys, cache.values
+        if not (isinstance(keys, list) and isinstance(values, list) and keys and len(keys) == len(values)
+                and isinstance(cache.length, int) and cache.length == 0 and hasattr(cache, "reserve")):
+            return False
+        cache.reserve(context)
+        keys, values = cache.keys, cache.values
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[1] >= context for t in keys + values):
+            return False
+        for t in keys + values:
+            t[:, :context].normal_(generator=g)
+        cache.length = context
+        return cache.get_seq_length() == context
+    except (AttributeError, TypeError, RuntimeError):
+        cache.length = 0
+        return False
+
+
 @torch.inference_mode()
-def measure(pair: ModelPair, context: int = CONTEXT, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9)) -> CostProfile:
+def measure(pair: ModelPair, context: int = CONTEXT, reps: int = 15, verify_sizes: tuple[int, ...] = (2, 4, 6, 9),
+            warmup: int = 2) -> CostProfile:
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, min(pair.vocab_size, 30_000), (1, context), generator=g)
 
     from workers.models import proposal as proposals
 
     proposal = proposals.for_pair(pair)
+    where, tag = pair.cache_dir, _dtype_tag(pair.dtype)
+    with startup.phase(f"calibrating: a {context:,}-position context for the draft and the target",
+                       key=f"calibrate-context-{tag}-{torch.get_num_threads()}t-ctx{context}", where=where):
+        caches = {"draft": _context_cache(pair.draft, context, prefix, g),
+                  "target": _context_cache(pair.target, context, prefix, g)}
 
-    def step_fn(model: torch.nn.Module, n: int, all_positions: bool, head: Any = None):
+    def step_fn(role: str, n: int, all_positions: bool, head: Any = None):
+        model = getattr(pair, role)
         decoder, head = model.get_decoder(), head or model.get_output_embeddings()
-        cache = new_cache(model)
-        decoder(input_ids=prefix, past_key_values=cache, use_cache=True)
+        cache = caches[role]  # one per model: each step kind appends, then crops back to the context
         ids = torch.randint(0, min(pair.vocab_size, 1000), (1, n), generator=g)
 
         def run() -> None:
@@ -206,18 +309,23 @@ def measure(pair: ModelPair, context: int = CONTEXT, reps: int = 15, verify_size
 
         return run
 
-    fns = {"draft": step_fn(pair.draft, 1, False, None if proposal is None else proposal.logits),
-           "target": step_fn(pair.target, 1, False), **{str(n): step_fn(pair.target, n, True) for n in verify_sizes}}
-    times = _interleaved(fns, reps)
+    fns = {"draft": step_fn("draft", 1, False, None if proposal is None else proposal.logits),
+           "target": step_fn("target", 1, False), **{str(n): step_fn("target", n, True) for n in verify_sizes}}
+    with startup.phase(f"calibrating: timing the draft step, the target step and {len(verify_sizes)} verify passes "
+                       f"at {context:,} positions, {warmup + reps} rounds",
+                       key=f"calibrate-rounds-{tag}-{torch.get_num_threads()}t-ctx{context}", where=where) as running:
+        others = OthersCPU().start()
+        times = _interleaved(fns, reps, warmup, on_round=lambda done, total: running.progress(done, total, "rounds"))
+        others_cpu = others.stop()
     draft_s, target_s = times.pop("draft"), times.pop("target")
     verify = times
-    return CostProfile(pair.name, _dtype_tag(pair.dtype), machine_key(), context, draft_s, target_s, verify,
+    return CostProfile(pair.name, tag, machine_key(), context, draft_s, target_s, verify,
                        os.getloadavg()[0], proposals.head_kind(pair), torch.get_num_threads(), layers_kind(pair),
-                       numerics_of(pair))
+                       numerics_of(pair), others_cpu, fingerprint(pair))
 
 
 def save_profile(pair: ModelPair, profile: CostProfile) -> Path | None:
-    path = profile_path(pair, profile.threads or None, profile.layers, profile.context)
+    path = profile_path(pair, profile.threads or None, profile.layers, profile.context, profile.fingerprint or None)
     if path is None:
         return None
     tmp = path.with_suffix(".tmp")
@@ -264,14 +372,29 @@ def under_load(load_1m: float, cpus: int | None = None) -> bool:
     return load_1m > LOADED * (cpus or os.cpu_count() or 1)
 
 
-def get_profile(pair: ModelPair, remeasure: bool = False, context: int = CONTEXT) -> CostProfile:
-    """The stored profile for this pair, dtype, machine and ``context`` (:func:`workload_context`); measured (and
-    stored) if absent, or if it timed other kernels (``numerics``).
+OTHERS = 0.25  # other processes' work while the rounds ran, above this share of the CPUs: the calibration is contended
 
-    Calibration under load is detected and never stored: a stored profile measured at a load above
-    ``LOADED`` x CPUs is measured again; a measurement that starts at such a load is used for this run only
-    (said on stderr) and measured again next time (a c timed under contention made the modelled speed
-    disagree with the measured one by 2-4x)."""
+
+def contended(profile: CostProfile, cpus: int | None = None) -> bool:
+    """Whether ``profile`` timed contention: other processes took more than ``OTHERS`` of the CPUs while its rounds ran
+    (``others_cpu``). A profile from before that was measured is judged as it was then, by the 1-minute load at its
+    start (:func:`under_load`). The load average is not the test any more: it lags by a minute, so a calibration that
+    starts right after the pair was converted or loaded (a sweep's actors, or ``make main``'s set-up) read the
+    machine's own past work as a busy machine and was never stored."""
+    if profile.others_cpu >= 0:
+        return profile.others_cpu > OTHERS * (cpus or os.cpu_count() or 1)
+    return under_load(profile.load_1m, cpus)
+
+
+def get_profile(pair: ModelPair, remeasure: bool = False, context: int = CONTEXT) -> CostProfile:
+    """The stored profile for this pair, dtype, machine and kernels (:func:`fingerprint`), thread count, layers and
+    ``context`` (:func:`workload_context`); measured (and stored) if absent.
+
+    A contended calibration (:func:`contended`: other processes took more than ``OTHERS`` of the CPUs while it was
+    timed) is used for this run only (said on stderr and to :mod:`workers.startup`'s listeners) and never stored, so
+    the next run measures again: a c timed under contention made the modelled speed disagree with the measured one by
+    2-4x, and the contention of one moment says nothing of the next run's. A stored contended one (from before
+    ``others_cpu``: judged by its load) is measured again. Stored with its load and ``others_cpu`` either way."""
     if not (isinstance(context, int) and context > 0):
         raise ValueError(f"a calibration context must be a positive number of positions, got {context!r}")
     limit = min(int(getattr(m.config, "max_position_embeddings", 0) or 1 << 30) for m in (pair.draft, pair.target))
@@ -281,33 +404,38 @@ def get_profile(pair: ModelPair, remeasure: bool = False, context: int = CONTEXT
     from workers.models.proposal import head_kind
 
     if profile is not None and profile.draft_head != head_kind(pair):
-        print(f"calibrate: the stored profile timed the draft with a {profile.draft_head} head: measuring again",
-              file=sys.stderr)
+        startup.warn(f"calibrate: the stored profile timed the draft with a {profile.draft_head} head: measuring again")
         profile = None
     if profile is not None and (profile.threads, profile.layers) != (torch.get_num_threads(), layers_kind(pair)):
-        print(f"calibrate: the stored profile timed {profile.layers} layers at {profile.threads or '?'} threads, "
-              f"this run {layers_kind(pair)} at {torch.get_num_threads()}: measuring again", file=sys.stderr)
+        startup.warn(f"calibrate: the stored profile timed {profile.layers} layers at {profile.threads or '?'} "
+                     f"threads, this run {layers_kind(pair)} at {torch.get_num_threads()}: measuring again")
         profile = None
     if profile is not None and profile.numerics != numerics_of(pair):
-        print(f"calibrate: the stored profile timed the fast path's kernels version {profile.numerics}, this code runs "
-              f"{numerics_of(pair)}: measuring again", file=sys.stderr)
+        startup.warn(f"calibrate: the stored profile timed the fast path's kernels version {profile.numerics}, this "
+                     f"code runs {numerics_of(pair)}: measuring again")
         profile = None
-    if profile is not None and under_load(profile.load_1m):
-        print(f"calibrate: the stored profile was measured at load {profile.load_1m:.2f}: measuring again",
-              file=sys.stderr)
+    if profile is not None and contended(profile):
+        startup.warn(f"calibrate: the stored profile was timed under contention (load {profile.load_1m:.2f}, others "
+                     f"{profile.others_cpu:.2f} CPUs): measuring again")
         profile = None
-    if profile is None:
-        load = os.getloadavg()[0]
-        profile = measure(pair, context=context)
-        profile = CostProfile(**{**asdict(profile), "load_1m": load})  # the load it was started at
-        if under_load(load):
-            print(f"calibrate: measured c = {profile.cost_ratio:.3f} at load {load:.2f} on {os.cpu_count()} CPUs: "
-                  "used for this run, not stored (busy machine); measured again next time", file=sys.stderr)
-            return profile
-        try:
-            save_profile(pair, profile)
-        except OSError as err:  # a read-only asset volume (KubeRay pods mount it so): use it unstored
-            print(f"calibrate: measured c = {profile.cost_ratio:.3f}, not stored ({err})", file=sys.stderr)
+    if profile is not None:
+        startup.say(f"calibrate: c = {profile.cost_ratio:.3f} at {context:,} positions, stored earlier for this "
+                    f"machine and kernels ({profile_path(pair, context=context).name})")
+        return profile
+    load = os.getloadavg()[0]
+    profile = measure(pair, context=context)
+    profile = CostProfile(**{**asdict(profile), "load_1m": load})  # the load it was started at
+    if contended(profile):
+        startup.warn(f"calibrate: measured c = {profile.cost_ratio:.3f} while other processes took "
+                     f"{profile.others_cpu:.2f} of {os.cpu_count()} CPUs (load {load:.2f} at the start): used for this "
+                     "run, not stored (busy machine); measured again next time")
+        return profile
+    try:
+        path = save_profile(pair, profile)
+        startup.say(f"calibrate: c = {profile.cost_ratio:.3f} at {context:,} positions (others took "
+                    f"{profile.others_cpu:.2f} CPUs), stored for this machine and kernels: {path}")
+    except OSError as err:  # a read-only asset volume (KubeRay pods mount it so): use it unstored
+        startup.warn(f"calibrate: measured c = {profile.cost_ratio:.3f}, not stored ({err})")
     return profile
 
 
@@ -320,11 +448,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=CONTEXT, help="KV-cache length the steps run against")
     ap.add_argument("--reps", type=int, default=15, help="timed repetitions (median reported)")
     args = ap.parse_args(argv)
-    pair = load_pair(args.pair, dtype=args.dtype, cache_dir=args.cache_dir)
-    profile = measure(pair, context=args.context, reps=args.reps)
+    with startup.to_stderr("calibrate: "):
+        pair = load_pair(args.pair, dtype=args.dtype, cache_dir=args.cache_dir)
+        profile = measure(pair, context=args.context, reps=args.reps)
     path = save_profile(pair, profile)
     print(f"pair={profile.pair} dtype={profile.dtype} machine={profile.machine} threads={profile.threads} "
-          f"layers={profile.layers} load(1m)={profile.load_1m:.2f}")
+          f"layers={profile.layers} load(1m)={profile.load_1m:.2f} others={profile.others_cpu:.2f} CPUs"
+          f"{' (contended: get_profile measures again)' if contended(profile) else ''}")
     print(f"draft step {profile.draft_step_s * 1e3:.1f} ms, target step {profile.target_step_s * 1e3:.1f} ms "
           f"-> c = {profile.cost_ratio:.3f}")
     for n, t in profile.verify_s.items():

@@ -132,7 +132,7 @@ def _layers_ragged(x: Tensor, cos: Tensor, sin: Tensor, keys: list[list[Tensor]]
     ``values[s]`` sequence s's cache per layer. Every op but attention is row-wise (norms, rotary, the linears,
     whose rows do not depend on the rows beside them), so they run once over all N rows and read each weight once;
     attention runs per sequence over its own cache, one query row per call, as :func:`_layers` does: a row's
-    result is bit-identical to the same row decoded alone (``tests/workers/test_batched_engine.py``)."""
+    result is bit-identical to the same row decoded alone (``tests/workers/test_cpu_batch.py``)."""
     n = x.shape[0]
     d = x.shape[-1]
     q_end = heads * head_dim

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from workers import startup
 from workers.models import assets
 
 REAL_PAIRS: dict[str, tuple[str, str]] = {
@@ -289,10 +290,21 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
                                           lambda: AutoModelForCausalLM.from_pretrained(
                                               str(model_dir), dtype=torch.float32, local_files_only=True), bits)
 
-        draft, target = convert(draft_dir, "draft", _draft_bits(dtype)), convert(target_dir, "target")
+        # Pair actors starting together: one converting the draft, the next takes the target rather than wait on
+        # the draft's lock, so a first start converts the two side by side (one float model each in memory)
+        bits = _draft_bits(dtype)
+        if fast_store.converting(pair_cache / f"int{bits}" / "draft"):
+            target = convert(target_dir, "target")
+            draft = convert(draft_dir, "draft", bits)
+        else:
+            draft, target = convert(draft_dir, "draft", bits), convert(target_dir, "target")
     else:
-        draft = AutoModelForCausalLM.from_pretrained(str(draft_dir), dtype=dtype, local_files_only=True)
-        target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=dtype, local_files_only=True)
+        def load(model_dir: Path, role: str) -> Any:
+            with startup.phase(f"loading the {role} ({dtype_tag(dtype)})", key=f"load-{dtype_tag(dtype)}-{role}",
+                               where=pair_cache):
+                return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+
+        draft, target = load(draft_dir, "draft"), load(target_dir, "target")
     return _finish(name, draft, target, tokenizer, dtype, pair_cache, (draft_dir, target_dir))
 
 

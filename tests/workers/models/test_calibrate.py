@@ -168,7 +168,7 @@ def test_a_stored_cpu_profile_is_kept_per_thread_count_and_per_way_the_layers_ru
     from workers.models import fast_step
     from workers.models.pair import load_pair
 
-    monkeypatch.setattr(stored, "under_load", lambda *a, **k: False)  # stored whatever this machine's load
+    monkeypatch.setattr(stored, "contended", lambda *a, **k: False)  # stored whatever else runs on this machine
     pair = dataclasses.replace(load_pair("tiny-random", dtype="int4+int8"), cache_dir=str(tmp_path))
     threads = torch.get_num_threads()
     try:
@@ -199,7 +199,7 @@ def test_a_profile_is_kept_per_context_and_remeasured_when_the_fast_path_changes
 
     from workers.models.pair import FAST_NUMERICS, load_pair
 
-    monkeypatch.setattr(stored, "under_load", lambda *a, **k: False)
+    monkeypatch.setattr(stored, "contended", lambda *a, **k: False)
     pair = dataclasses.replace(load_pair("tiny-random", dtype="int8"), cache_dir=str(tmp_path))
     short, long = stored.get_profile(pair), stored.get_profile(pair, context=320)
     assert (short.context, long.context) == (128, 320) and short.numerics == FAST_NUMERICS
@@ -240,3 +240,134 @@ def test_step_kinds_are_timed_in_rounds_so_a_slow_phase_lands_on_all_of_them():
     got = stored._interleaved(fns, reps=3, warmup=1)
     assert calls == ["draft", "target", "2"] * 4, "one warm-up round, then each round calls every kind in turn"
     assert set(got) == {"draft", "target", "2"} and all(v >= 0 for v in got.values())
+
+
+def test_a_stored_profile_is_reused_until_the_machine_or_its_kernels_change(tmp_path, monkeypatch):
+    """The file is keyed by a fingerprint of the CPU (model, flags, count), torch and ATen's kernels, transformers,
+    the fast path's kernel version and the draft's head: the same fingerprint reads it back, another measures again
+    and keeps both."""
+    import dataclasses
+
+    from workers import startup
+    from workers.models.pair import load_pair
+
+    monkeypatch.setattr(stored, "contended", lambda *a, **k: False)
+    pair = dataclasses.replace(load_pair("tiny-random", dtype="int8"), cache_dir=str(tmp_path))
+    first = stored.get_profile(pair, context=64)
+    assert first.fingerprint == stored.fingerprint(pair) and first.fingerprint in stored.profile_path(pair, context=64).name
+    assert set(stored.fingerprint_fields(pair)) >= {"cpu", "cpus", "flags", "torch", "aten", "transformers", "numerics",
+                                                    "draft_head"}
+    measured: list[int] = []
+    real_measure = stored.measure
+    monkeypatch.setattr(stored, "measure", lambda *a, **k: measured.append(1) or real_measure(*a, **k))
+    assert stored.get_profile(pair, context=64) == first and not measured, "same machine and kernels: read back"
+    host = startup.host()
+    monkeypatch.setattr(startup, "host", lambda: {**host, "torch": "9.9.9"})  # another torch build
+    again = stored.get_profile(pair, context=64)
+    assert measured == [1] and again.fingerprint != first.fingerprint
+    assert len(list(tmp_path.glob("cost-int8-*-ctx64.json"))) == 2, "each machine-and-kernels key keeps its own"
+    monkeypatch.setattr(startup, "host", lambda: host)
+    assert stored.get_profile(pair, context=64) == first and measured == [1], "back on the first: read back"
+
+
+def test_contention_is_what_others_took_while_timing_not_the_load_before(tmp_path, monkeypatch):
+    """A 1-minute load left by the pair's own loading does not stop a profile being stored; other processes taking
+    the CPUs while the rounds run does (used for the run, said, measured again next time)."""
+    import dataclasses
+    import os
+
+    from workers import startup
+    from workers.models.pair import load_pair
+
+    pair = dataclasses.replace(load_pair("tiny-random", dtype="fp32"), cache_dir=str(tmp_path))
+    cpus = os.cpu_count() or 1
+    monkeypatch.setattr(stored.os, "getloadavg", lambda: (cpus * 3.0, 0.0, 0.0))  # loaded a minute ago
+    monkeypatch.setattr(stored.OthersCPU, "stop", lambda self: 0.0)  # nothing else ran while timing
+    quiet = stored.get_profile(pair, context=64)
+    assert quiet.load_1m == cpus * 3.0 and quiet.others_cpu == 0.0 and not stored.contended(quiet)
+    assert stored.load_profile(pair, 64) == quiet, "stored, its load recorded"
+
+    lines: list[str] = []
+    stop = startup.listen(lines.append)
+    try:
+        monkeypatch.setattr(stored.OthersCPU, "stop", lambda self: cpus * 0.9)  # others took most of the machine
+        busy = stored.get_profile(pair, context=128)
+        assert stored.contended(busy) and stored.load_profile(pair, 128) is None, "used, not stored"
+        assert any("not stored (busy machine)" in line for line in lines)
+    finally:
+        stop()
+    path = stored.profile_path(pair, context=64)
+    legacy = {k: v for k, v in json.loads(path.read_text()).items() if k != "others_cpu"}
+    path.write_text(json.dumps(legacy))  # stored before others_cpu existed, at a high load: judged by its load
+    monkeypatch.setattr(stored.OthersCPU, "stop", lambda self: 0.0)
+    monkeypatch.setattr(stored.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    again = stored.get_profile(pair, context=64)
+    assert again.others_cpu == 0.0 and again.load_1m == 0.0, "measured again"
+    assert stored.contended(stored.CostProfile("p", "bf16", "m", 64, 0.01, 0.04, {}, load_1m=0.0,
+                                               others_cpu=stored.OTHERS * cpus + 0.01), cpus)
+
+
+def test_others_cpu_reads_the_machine_and_is_unknown_without_proc_stat(monkeypatch):
+    got = stored.OthersCPU().start().stop()
+    assert got == -1.0 or got >= 0.0
+    monkeypatch.setattr(stored, "_busy_s", lambda: None)
+    assert stored.OthersCPU().start().stop() == -1.0
+
+
+@pytest.mark.parametrize("dtype", ["int4+int8", "fp32"])
+def test_the_context_is_filled_once_per_model_and_every_step_kind_crops_back_to_it(dtype):
+    """The fast path's cache is filled with random positions (no prefill), any other is prefilled once; a step on it
+    sees ``context`` positions before it and the calibration's steps leave it there."""
+    import torch
+
+    from workers.models.fast import new_cache
+    from workers.models.pair import load_pair
+
+    pair = load_pair("tiny-random", dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, 300, (1, 96), generator=g)
+    calls: list[int] = []
+    decoder = pair.target.get_decoder()
+    real_forward = decoder.forward
+    decoder.forward = lambda input_ids, **kw: calls.append(input_ids.shape[1]) or real_forward(input_ids, **kw)
+    try:
+        with torch.inference_mode():
+            cache = stored._context_cache(pair.target, 96, prefix, g)
+            assert cache.get_seq_length() == 96
+            assert calls == ([] if dtype == "int4+int8" else [96]), "filled, not prefilled, on the fast path"
+            decoder(input_ids=prefix[:, :3], past_key_values=cache, use_cache=True)
+            assert cache.get_seq_length() == 99
+            cache.crop(-3)
+            assert cache.get_seq_length() == 96
+    finally:
+        del decoder.forward
+    assert not stored._fill(new_cache(load_pair("tiny-random", dtype="fp32").target), 8, g), "not a fast cache"
+
+
+def test_a_calibration_says_how_far_it_is(tmp_path, monkeypatch):
+    import dataclasses
+
+    from workers import startup
+    from workers.models.pair import load_pair
+
+    monkeypatch.setattr(stored, "contended", lambda *a, **k: False)
+    pair = dataclasses.replace(load_pair("tiny-random", dtype="int8"), cache_dir=str(tmp_path))
+    lines: list[str] = []
+    with_rounds: list[tuple] = []
+    real = stored._interleaved
+
+    def spy(fns, reps, warmup=2, on_round=None):
+        return real(fns, reps, warmup, on_round=lambda d, t: with_rounds.append((d, t)) or on_round(d, t))
+
+    monkeypatch.setattr(stored, "_interleaved", spy)
+    stop = startup.listen(lines.append)
+    try:
+        stored.get_profile(pair, context=64)
+        stored.get_profile(pair, context=64)
+    finally:
+        stop()
+    assert with_rounds == [(i, 17) for i in range(1, 18)], "every round counted, warm-up included"
+    timing = [line for line in lines if line.startswith("calibrating: timing")]
+    assert "17 rounds: started" in timing[0] and "done in" in timing[-1]
+    assert any(line.startswith("calibrate: c = ") and "stored for this machine" in line for line in lines)
+    assert lines[-1].startswith("calibrate: c = ") and "stored earlier" in lines[-1], "the second: read back, said"
