@@ -93,7 +93,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     from workers.benchmarks.base import pool_sources
     from workers.certify.decide import Candidate, Certificate, drop_bound
     from workers.endpoint import check
-    from workers.endpoint_eval import compare, knob_check
+    from workers.endpoint_eval import compare, knob_check, speed_interval
     from workers.metrics.trial import score_of
     from workers.results.evidence import write_evidence
     from workers.results.ledger import AttemptLedger, LedgerRefusal, Plan
@@ -142,7 +142,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     log(f"screen: {len(screen_items)} search-split items at concurrency {level}; confirmation pool: {len(pool):,} "
         f"held-apart items ({', '.join(f'{k} {v:,}' for k, v in sources.items())})")
     screen = run("screen", screen_items, level)
-    refused = knob_check(reference, candidate, screen.sides)
+    refused = knob_check(reference, candidate, [screen], decode.get("temperature"))
     keys = [k for k in screen.reference.records if k in screen.candidate.records]
     sb = drop_bound([score_of(screen.reference.records[k]) for k in keys],
                     [score_of(screen.candidate.records[k]) for k in keys], args.alpha)
@@ -154,10 +154,11 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             "speculates, not that its lossy settings took effect: the configuration is recorded as stated")
     screen_fields = {"items": len(screen_items), "concurrency": level, "drop": sb.drop, "upper": sb.upper,
                      "lost": sb.losses, "won": sb.wins, "discordance": sb.discordance, "tokens_per_s_ratio": speed,
+                     "tokens_per_s_interval": speed_interval(screen).to_dict(),
                      "reference": screen.reference.figures(), "candidate": screen.candidate.figures(),
                      "knob_check": refused or "applied"}
     log(f"screen: paired drop {sb.drop * 100:+.2f}% ({sb.losses} lost / {sb.wins} won, n={sb.n}), tokens/s "
-        f"{speed:.3f}x the reference at concurrency {level}; knobs: {refused or 'applied'}")
+        f"{speed_interval(screen).text()} the reference at concurrency {level}; knobs: {refused or 'applied'}")
     cand = Candidate(key=cand_key, speed=speed if math.isfinite(speed) else 1.0, search_drop=sb.drop,
                      search_upper=sb.upper, payload={"family": KEY}, search_discordance=sb.discordance)
     candidates = [] if refused else [cand]
@@ -218,7 +219,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             cert = confirmation.certify(candidates, budget, alpha_each)
             if cert.steps:  # the knob check again, on the evidence's own run
                 last = upto(evidence_n())
-                late = knob_check(reference, candidate, last.sides)
+                late = knob_check(reference, candidate, [last], decode.get("temperature"))
                 if late is not None and cert.certified:
                     cert.certified, cert.reason = False, late
             ceiling = prior_refusal(ledger, attempt, budget)
@@ -253,6 +254,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
                                "reference_endpoint": reference.endpoint.base_url,
                                "tokens_per_s_ratio": cand_f["tokens_per_s"] / ref_f["tokens_per_s"]
                                if ref_f["tokens_per_s"] > 0 else None,
+                               "tokens_per_s_interval": speed_interval(cmp).to_dict(),
                                "tpot_p50_ratio": cand_f["tpot_p50_s"] / ref_f["tpot_p50_s"]
                                if ref_f["tpot_p50_s"] > 0 else None,
                                "reference": ref_f, "candidate": cand_f,
@@ -265,7 +267,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         log(f"budget {budget * 100:g}%: {verdict}: "
             + (f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, {bound.losses} lost / "
                f"{bound.wins} won, alpha {cert.alpha:g})" if bound is not None else cert.reason)
-            + (f"; tokens/s {choice['speed']['tokens_per_s_ratio']:.3f}x the reference at concurrency {level}"
+            + (f"; tokens/s {ratio_cell(choice['speed'])} the reference at concurrency {level}"
                if choice.get("speed") and choice["speed"]["tokens_per_s_ratio"] else ""))
 
     # 3. speed at each further concurrency, on the first --speed-items confirmation items (a description)
@@ -277,9 +279,10 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             ref_f, cand_f = cmp.reference.figures(), cmp.candidate.figures()
             speed_at[str(at)] = {"items": n, "reference": ref_f, "candidate": cand_f,
                                  "tokens_per_s_ratio": cand_f["tokens_per_s"] / ref_f["tokens_per_s"]
-                                 if ref_f["tokens_per_s"] > 0 else None}
+                                 if ref_f["tokens_per_s"] > 0 else None,
+                                 "tokens_per_s_interval": speed_interval(cmp).to_dict()}
             log(f"speed at concurrency {at} ({n} confirmation items, interleaved): tokens/s "
-                f"{speed_at[str(at)]['tokens_per_s_ratio'] or math.nan:.3f}x the reference")
+                f"{speed_interval(cmp).text()} the reference")
     for choice in chosen.values():
         if speed_at and choice.get("speed"):
             choice["speed_at"] = speed_at
@@ -301,6 +304,16 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         tracker.end()
     log(f"report: {out / 'certification.md'}")
     return SweepResult(run_dir.resolve(), parent, chosen)
+
+
+def ratio_cell(speed: dict[str, Any]) -> str:
+    """A tokens/s ratio with its 95% interval over paired chunks (workers.endpoint_checks.speed_interval), or
+    saying there is none."""
+    ci = speed.get("tokens_per_s_interval") or {}
+    head = f"{speed['tokens_per_s_ratio']:.3f}x"
+    if ci.get("low") is None:
+        return head + f" (no interval: {ci.get('paired_chunks', 0)} paired chunks)"
+    return head + f" ({ci['low']:.3f}-{ci['high']:.3f}" + (", holds 1.0)" if ci.get("holds_one") else ")")
 
 
 def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, Any]) -> str:
@@ -333,10 +346,10 @@ def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, An
                      f"{pct(cert.get('bound'))} | {pct(cert.get('drop'))} | {f'{p:.3g}' if p is not None else '-'} | "
                      f"{cert.get('n') or '-'} | {step.get('losses', '-')} / {step.get('wins', '-')} | "
                      f"{cert.get('reference_failed', '-')} / {cert.get('candidate_failed', '-')} | "
-                     + (f"{sp['tokens_per_s_ratio']:.3f}x" if sp.get("tokens_per_s_ratio") else "-") + " | "
+                     + (ratio_cell(sp) if sp.get("tokens_per_s_ratio") else "-") + " | "
                      + (f"{sp['tpot_p50_ratio']:.3f}" if sp.get("tpot_p50_ratio") else "-") + " |")
     if speed_at:
         lines += ["", "Speed at further concurrency (descriptions; the evidence ran at the first):", ""]
-        lines += [f"- concurrency {at}: tokens/s {v['tokens_per_s_ratio']:.3f}x on {v['items']} items"
+        lines += [f"- concurrency {at}: tokens/s {ratio_cell(v)} on {v['items']} items"
                   for at, v in speed_at.items() if v.get("tokens_per_s_ratio")]
     return "\n".join(lines) + "\n"

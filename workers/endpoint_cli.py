@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.endpoint import Endpoint, EndpointError, check
-from workers.endpoint_eval import Side, compare, comparison_lines, knob_check
+from workers.endpoint_eval import Side, compare, comparison_lines, knob_verdict, speed_interval
 
 
 def concurrency_values(text: str) -> list[int]:
@@ -123,7 +123,7 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
           f"candidate {candidate.endpoint.base_url} {json.dumps(candidate.endpoint.extra_body)}, reference "
           f"{reference.endpoint.base_url} {json.dumps(reference.endpoint.extra_body)}; records in {root}", file=sys.stderr)
     summary: dict[str, Any] = {"config": json.loads(identity), "levels": {}}
-    refused = None
+    comparisons = []
     for level in levels:
         def stores(label: str, level: int = level) -> tuple[RecordStore, Path]:
             where = root / f"c{level}" / label
@@ -131,14 +131,18 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
 
         cmp = compare(reference, candidate, bench, items, level, stores,
                       log=lambda line: print(line, file=sys.stderr, flush=True), spec_key=spec_key, **decode)
-        print("\n".join(comparison_lines(cmp)), flush=True)
-        refused = refused or knob_check(reference, candidate, cmp.sides)
+        comparisons.append(cmp)
+        print("\n".join(comparison_lines(cmp, max_new_tokens=max_new, shots=args.shots)), flush=True)
         summary["levels"][str(level)] = {"reference": cmp.reference.figures(), "candidate": cmp.candidate.figures(),
-                                         "resumed": cmp.resumed}
-    summary["knobs_applied"] = refused is None
+                                         "tokens_per_s_ratio": speed_interval(cmp).to_dict(), "resumed": cmp.resumed}
+    # every level and every chunk pooled; at T = 0 the outputs at concurrency 1 too
+    verdict = knob_verdict(reference, candidate, comparisons, args.temperature)
+    summary["knobs_applied"] = verdict.applied
+    summary["knob_check"] = verdict.to_dict()
     (root / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"summary: {root / 'summary.json'}", file=sys.stderr)
-    if refused:
-        print(refused, file=sys.stderr)
-        return 3
-    return 0
+    if verdict.applied:
+        print(verdict.line(), flush=True)
+        return 0
+    print(verdict.refusal(), file=sys.stderr)
+    return 3

@@ -12,8 +12,11 @@ neither side runs on a colder prefix cache), timing each chunk's requests only:
 scoring (a sandbox, a judge) runs after the chunk's clock stops. A chunk's records and its wall are stored together
 when it ends. A record once stored is never sent again (an item's outcome is drawn once: a rerun may not redraw it
 on a nondeterministic server); an interrupted chunk's stored records are kept untimed, and only its missing items
-are sent on the rerun. :func:`knob_check` says whether a server
-applied each side's settings, from its rule reports or its ``/metrics`` counters.
+are sent on the rerun. Chunks hold 8 x the concurrency (at least 16) items, fewer where that would leave a run
+with fewer than 5 chunks (:func:`chunk_size`): the chunks are the paired units the tokens/s ratio's interval is
+formed from (:func:`speed_interval`). :func:`knob_verdict` says whether a server applied the candidate's settings
+(applied, ignored, or cannot tell yet, with what would decide), from its rule reports, the outputs at T = 0 and one
+request in flight, and its ``/metrics`` acceptance pooled over every chunk of every level.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ from workers.endpoint import (
     counts_between,
     run_concurrently,
     spec_counters,
+)
+from workers.endpoint_checks import (  # noqa: F401 - knob_check, knob_verdict, reported: public here too
+    chunk_size,
+    knob_check,
+    knob_verdict,
+    reported,
+    speed_interval,
+    truncation,
+    truncation_warning,
 )
 from workers.evaluation import Record, code_version
 from workers.prompts import plain_prompt
@@ -147,11 +159,6 @@ def warm(endpoints: Sequence[Endpoint], bench: Any, items: Sequence[Any], concur
         run_concurrently(one, items, concurrency)
 
 
-def reported(record: Record) -> dict[str, Any] | None:
-    """The rule report the server sent with a record's last reply (spectune's ``spec_decode``), or None."""
-    return json.loads(record.params).get("reported")
-
-
 def tpot_s(record: Record) -> float:
     """A record's time per output token after each turn's first (its streamed decode), or NaN."""
     n = record.tokens - len(record.finish_reasons)
@@ -206,6 +213,7 @@ class SideRun:
         tpot = [tpot_s(r) for r in recs]
         ttft = [r.prefill_time_s / max(1, len(r.finish_reasons)) for r in recs if not r.failed]
         counts = self.acceptance()
+        cut, replies = truncation(self)
         return {"items": len(recs), "failed": sum(r.failed for r in recs), "timed_items": len(timed),
                 "tokens_per_s": self.tokens_per_s, "wall_s": wall,
                 # requests in flight on average: short of the stated concurrency where chunks drain
@@ -215,7 +223,9 @@ class SideRun:
                 "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
                 "acceptance": counts[0] / counts[1] if counts and counts[1] > 0 else
                 (sum(self.gauge()) / len(self.gauge()) if self.gauge() else None),
-                "accepted_tokens": counts[0] if counts else None, "drafted_tokens": counts[1] if counts else None}
+                "accepted_tokens": counts[0] if counts else None, "drafted_tokens": counts[1] if counts else None,
+                # replies that stopped at the length limit: their answers are cut off
+                "length_limited": cut, "replies": replies}
 
 
 @dataclass
@@ -272,13 +282,71 @@ class GaugeSampler:
         return self.values
 
 
+class Progress:
+    """Per-item progress with an ETA while a level runs: a line when a request finishes (at most one every
+    ``gap_s``), and a line after ``every_s`` without one, so that a slow server is never silent for longer."""
+
+    def __init__(self, log: Callable[[str], None], concurrency: int, total: int, every_s: float = 30.0,
+                 gap_s: float = 5.0) -> None:
+        import threading
+
+        self.log, self.concurrency, self.total, self.every_s, self.gap_s = log, concurrency, total, every_s, gap_s
+        self.done_n, self.tokens, self.where = 0, 0, ""
+        self.t0 = self.last = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        if total:
+            self._thread.start()
+
+    def _line(self, now: float) -> str:
+        elapsed = now - self.t0
+        eta = f"ETA {_clock(elapsed / self.done_n * (self.total - self.done_n))}" if self.done_n else "ETA n/a"
+        rate = f"{self.tokens / elapsed:.1f} tok/s" if elapsed > 0 else "n/a tok/s"
+        return (f"concurrency {self.concurrency}: {self.done_n}/{self.total} requests done{self.where} | {rate} | "
+                f"{_clock(elapsed)} so far | {eta}")
+
+    def at(self, where: str) -> None:
+        """Where the run is (a chunk and a side), named in the next lines."""
+        with self._lock:
+            self.where = where
+
+    def done(self, tokens: int) -> None:
+        with self._lock:
+            self.done_n += 1
+            self.tokens += tokens
+            now = time.monotonic()
+            if now - self.last >= self.gap_s or self.done_n == self.total:
+                self.last = now
+                self.log(self._line(now))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, self.every_s / 3)):
+            with self._lock:
+                now = time.monotonic()
+                if now - self.last >= self.every_s:
+                    self.last = now
+                    self.log(self._line(now) + " (waiting on the server)")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+
+def _clock(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
 def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], concurrency: int, stores: Any,
             *, chunk: int | None = None, log: Callable[[str], None] = print, spec_key: str,
             restart: str = "--fresh starts over", **decode: Any) -> Comparison:
     """Both sides on ``items`` at ``concurrency``, interleaved chunk by chunk (see the module). ``stores(label)``: that
     side's ``RecordStore`` and its chunk log; what a side already holds (records of a whole stored chunk) is not
     sent again."""
-    size = chunk or max(8 * concurrency, 16)
+    size = chunk or chunk_size(len(items), concurrency)
     runs: dict[str, SideRun] = {}
     held: dict[str, Any] = {}
     for side in (reference, candidate):
@@ -295,53 +363,19 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
         log(f"concurrency {concurrency}: resuming: {resumed['reference']} reference and {resumed['candidate']} "
             f"candidate records of {len(items)} items held ({held['candidate'][0].dir.parent.parent}); {restart}")
     t0, n_done = time.perf_counter(), 0
-    for k, start in enumerate(range(0, len(todo), size)):
-        part = todo[start: start + size]
-        order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who goes first alternates
-        warm([reference.endpoint, candidate.endpoint], bench,
-             [it for it in part if any(it.id not in runs[s.label].records for s in order)], concurrency,
-             shots=decode.get("shots", 0))
-        fetched: dict[str, tuple[list[Fetched], dict[str, Any]]] = {}
-        for side in order:
-            run = runs[side.label]
-            missing = [it for it in part if it.id not in run.records]
-            if not missing:
-                continue
-            before = spec_counters(side.endpoint)
-            sampler = GaugeSampler(side.endpoint, before=before["accept_rate_gauge"]) \
-                if before and "accept_rate_gauge" in before else None
-            t1 = time.perf_counter()
-            try:
-                got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency)
-            finally:
-                gauge = sampler.stop() if sampler is not None else None
-            wall = time.perf_counter() - t1
-            counts = counts_between(before, spec_counters(side.endpoint))
-            fetched[side.label] = (got, {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
-                                         **({"gauge": gauge} if gauge is not None else {})})
-        # scored after both clocks stopped, the reference first: a scorer that reads the reference's output
-        # (MT-bench's) has it whichever side ran first
-        for side in (reference, candidate):
-            if side.label not in fetched:
-                continue
-            got, line = fetched[side.label]
-            store, walls = held[side.label]
-            run = runs[side.label]
-            refs = runs["reference"].records if side is candidate else {}
-            for g in got:
-                ref = refs.get(g.item.id)
-                rec = record_of(side, bench, g, spec_key, ref.outputs if ref is not None and not ref.failed else None)
-                store.append(rec)
-                run.records[rec.item_id] = rec
-            run.chunks.append(line)
-            walls.parent.mkdir(parents=True, exist_ok=True)
-            with walls.open("a") as fh:  # after its records: a chunk without its wall line is untimed
-                fh.write(json.dumps(line) + "\n")
-        n_done += len(part)
-        elapsed = time.perf_counter() - t0
-        log(f"concurrency {concurrency}: {n_done}/{len(todo)} items on both sides | "
-            f"{runs['candidate'].tokens_per_s:.1f} tok/s candidate, {runs['reference'].tokens_per_s:.1f} reference | "
-            f"ETA {elapsed / n_done * (len(todo) - n_done):.0f}s")
+    n_chunks = math.ceil(len(todo) / size)
+    progress = Progress(log, concurrency, sum(it.id not in runs[s.label].records for it in todo
+                                               for s in (reference, candidate)))
+    try:
+        for k, start in enumerate(range(0, len(todo), size)):
+            n_done = _chunk(k, todo[start: start + size], n_chunks, reference, candidate, bench, concurrency, runs,
+                            held, progress, spec_key, decode, n_done)
+            elapsed = time.perf_counter() - t0
+            log(f"concurrency {concurrency}: {n_done}/{len(todo)} items on both sides | "
+                f"{runs['candidate'].tokens_per_s:.1f} tok/s candidate, {runs['reference'].tokens_per_s:.1f} "
+                f"reference | ETA {elapsed / n_done * (len(todo) - n_done):.0f}s")
+    finally:
+        progress.stop()
     for side in (reference, candidate):
         held[side.label][0].write_parquet(runs[side.label].records.values())
     keep = [it.id for it in items]
@@ -349,9 +383,66 @@ def compare(reference: Side, candidate: Side, bench: Any, items: Sequence[Any], 
                                              runs[s].chunks) for s in ("reference", "candidate")), resumed)
 
 
-def comparison_lines(cmp: Comparison, alpha: float = 0.05) -> list[str]:
-    """What ``jobs.evaluate --engine openai`` prints per concurrency: each side's tokens/s, TPOT and TTFT and
-    accuracy, then the candidate against the reference (speed ratio, the paired drop and its exact bound)."""
+def _chunk(k: int, part: list[Any], n_chunks: int, reference: Side, candidate: Side, bench: Any, concurrency: int,
+           runs: dict[str, SideRun], held: dict[str, Any], progress: Progress, spec_key: str, decode: dict[str, Any],
+           n_done: int) -> int:
+    """One chunk on both sides (the one that goes first alternates), its records and wall stored; returns the items
+    done so far."""
+    import os
+
+    order = (reference, candidate) if k % 2 == 0 else (candidate, reference)  # who goes first alternates
+    warm([reference.endpoint, candidate.endpoint], bench,
+         [it for it in part if any(it.id not in runs[s.label].records for s in order)], concurrency,
+         shots=decode.get("shots", 0))
+    fetched: dict[str, tuple[list[Fetched], dict[str, Any]]] = {}
+    for side in order:
+        run = runs[side.label]
+        missing = [it for it in part if it.id not in run.records]
+        if not missing:
+            continue
+        before = spec_counters(side.endpoint)
+        sampler = GaugeSampler(side.endpoint, before=before["accept_rate_gauge"]) \
+            if before and "accept_rate_gauge" in before else None
+        progress.at(f" (chunk {k + 1}/{n_chunks}, {side.label})")
+        t1 = time.perf_counter()
+        try:
+            got = run_concurrently(lambda it, side=side: fetch(side, bench, it, **decode), missing, concurrency,
+                                   on_done=lambda _, g: progress.done(sum(r.completion_tokens for r in g.replies)))
+        finally:
+            gauge = sampler.stop() if sampler is not None else None
+        wall = time.perf_counter() - t1
+        counts = counts_between(before, spec_counters(side.endpoint))
+        fetched[side.label] = (got, {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
+                                     # this machine's 1-minute load at the chunk's end, stated beside the speed
+                                     "load": round(os.getloadavg()[0], 2),
+                                     **({"gauge": gauge} if gauge is not None else {})})
+    # scored after both clocks stopped, the reference first: a scorer that reads the reference's output
+    # (MT-bench's) has it whichever side ran first
+    for side in (reference, candidate):
+        if side.label not in fetched:
+            continue
+        got, line = fetched[side.label]
+        store, walls = held[side.label]
+        run = runs[side.label]
+        refs = runs["reference"].records if side is candidate else {}
+        for g in got:
+            ref = refs.get(g.item.id)
+            rec = record_of(side, bench, g, spec_key, ref.outputs if ref is not None and not ref.failed else None)
+            store.append(rec)
+            run.records[rec.item_id] = rec
+        run.chunks.append(line)
+        walls.parent.mkdir(parents=True, exist_ok=True)
+        with walls.open("a") as fh:  # after its records: a chunk without its wall line is untimed
+            fh.write(json.dumps(line) + "\n")
+    return n_done + len(part)
+
+
+def comparison_lines(cmp: Comparison, alpha: float = 0.05, *, max_new_tokens: int | None = None,
+                     shots: int | None = None) -> list[str]:
+    """What ``jobs.evaluate --engine openai`` prints per concurrency: each side's tokens/s, TPOT and TTFT, accuracy
+    and replies cut at the length limit, then the candidate against the reference (the speed ratio with its interval
+    over paired chunks and this machine's load, the paired drop and its exact bound), and a warning where more than
+    5% of a side's replies were cut."""
     from workers.certify.decide import drop_bound
     from workers.metrics.trial import score_of
 
@@ -366,7 +457,8 @@ def comparison_lines(cmp: Comparison, alpha: float = 0.05) -> list[str]:
         tps = f"{f['tokens_per_s']:8.2f}" if math.isfinite(f["tokens_per_s"]) else "     n/a"
         lines.append(f"  {label:<9}  tokens/s {tps} (in flight {f['effective_concurrency']:.1f})   TPOT p50 "
                      f"{ms(f['tpot_p50_s'])} p90 {ms(f['tpot_p90_s'])}   TTFT p50 {ms(f['ttft_p50_s'])}   "
-                     f"accuracy {acc * 100:5.1f}% (n={f['items']}, failed {f['failed']}, retries {f['retries']})"
+                     f"accuracy {acc * 100:5.1f}% (n={f['items']}, failed {f['failed']}, retries {f['retries']}, "
+                     f"at the length limit {f['length_limited']}/{f['replies']})"
                      + (f"   acceptance {f['acceptance']:.3f} (/metrics)" if f["acceptance"] is not None else ""))
         if f["timed_items"] < f["items"]:
             lines.append(f"  {label:<9}  tokens/s counts {f['timed_items']} of {f['items']} items: the others were run "
@@ -374,89 +466,10 @@ def comparison_lines(cmp: Comparison, alpha: float = 0.05) -> list[str]:
     keys = [k for k in cmp.reference.records if k in cmp.candidate.records]
     bound = drop_bound([score_of(cmp.reference.records[k]) for k in keys],
                        [score_of(cmp.candidate.records[k]) for k in keys], alpha)
-    ref_tps, cand_tps = cmp.reference.tokens_per_s, cmp.candidate.tokens_per_s
-    ratio = cand_tps / ref_tps if ref_tps > 0 else math.nan
     differ = sum(cmp.reference.records[k].outputs != cmp.candidate.records[k].outputs for k in keys)
-    lines.append(f"  candidate over reference: tokens/s {ratio:.3f}x; paired accuracy drop {bound.drop * 100:+.1f}% "
+    lines.append(f"  candidate over reference: tokens/s {speed_interval(cmp).text()}")
+    lines.append(f"  candidate over reference: paired accuracy drop {bound.drop * 100:+.1f}% "
                  f"(exact {100 * (1 - alpha):g}% upper bound {bound.upper * 100:.1f}%, n={bound.n}, "
                  f"{bound.losses} lost / {bound.wins} won); outputs differ on {differ}/{len(keys)}")
-    return lines
-
-
-def _differs(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """Whether two acceptance rates (accepted, drafted) differ beyond their sampling noise: a two-proportion z
-    above 3 and at least a point apart (/metrics is server-wide and batching is not invariant: identical settings
-    never give identical rates, so equality is no test)."""
-    (x1, n1), (x2, n2) = a, b
-    if n1 <= 0 or n2 <= 0:
-        return n1 > 0 or n2 > 0  # one side drafted nothing: they run different configurations
-    p1, p2, p = x1 / n1, x2 / n2, (x1 + x2) / (n1 + n2)
-    se = math.sqrt(max(p * (1 - p), 1e-12) * (1 / n1 + 1 / n2))
-    return abs(p1 - p2) >= 0.01 and abs(p1 - p2) / se > 3.0
-
-
-def _gauge_check(candidate: list[float], reference: list[float]) -> str | None:
-    """A server with an acceptance gauge only (SGLang): its distinct window values on each side must differ in mean
-    by at least two points and by more than 3 standard errors (Welch), with at least 5 windows a side; a reference
-    without a gauge (no speculation) counts as accepting nothing."""
-    import statistics
-
-    if len(candidate) < 5 or (reference and len(reference) < 5 and max(reference) > 0.0):
-        return (f"refused: cannot tell whether the server applied the candidate's settings: its acceptance gauge "
-                f"changed {len(candidate)} / {len(reference)} times (candidate / reference) during the run, 5 a side "
-                "are needed (more items, or the server's decode_log_interval lower)")
-    mc = statistics.fmean(candidate)
-    if reference and max(reference) <= 0.0:  # a gauge at 0 throughout: a reference that does not speculate
-        reference = []
-    if not reference:
-        return None if mc >= 0.02 else "refused: the candidate's acceptance gauge stayed at 0"
-    mr = statistics.fmean(reference)
-    se = math.sqrt(statistics.variance(candidate) / len(candidate) + statistics.variance(reference) / len(reference))
-    if abs(mc - mr) >= 0.02 and abs(mc - mr) > 3 * max(se, 1e-12):
-        return None
-    return (f"refused: acceptance did not move between the sides ({mc:.4f} over {len(candidate)} gauge windows vs "
-            f"{mr:.4f} over {len(reference)}, from /metrics): the server ignores the candidate's settings, or they "
-            "do not change acceptance")
-
-
-def knob_check(reference: Side, candidate: Side, runs: dict[str, SideRun]) -> str | None:
-    """Whether the server(s) applied each side's settings: None if so, else the one line that says what was
-    checked. spectune's rule fields (``spec_decode``): every reply must report exactly the rule, knobs and draft
-    length asked for (the reference: speculation off). Anything else (a stock vLLM's ``vllm_xargs``, another
-    engine's flags or fields): the acceptance read from ``/metrics`` must differ between the sides beyond noise
-    (a side without counters, e.g. a reference server that does not speculate, counts as drafting nothing)."""
-    ok = {label: [r for r in run.records.values() if not r.failed] for label, run in runs.items()}
-    if not ok["candidate"]:
-        return "refused: no candidate request succeeded, so nothing shows the server applied its settings"
-    asked = candidate.endpoint.extra_body.get("spec_decode")
-    if isinstance(asked, dict) and asked.get("policy") not in (None, "off"):
-        want = {"policy": asked["policy"], "params": asked.get("params") or {}, "draft_len": asked.get("draft_len")}
-        for r in ok["candidate"]:
-            rep = reported(r)
-            got = None if rep is None else {"policy": rep.get("policy"), "params": rep.get("params") or {},
-                                             "draft_len": rep.get("draft_len")}
-            if got != want:
-                return (f"refused: the candidate asked for {json.dumps(want, sort_keys=True)} in spec_decode, but the "
-                        f"server reported {json.dumps(got, sort_keys=True) if got else 'no rule (no spec_decode report)'}"
-                        f" for item {r.item_id}: it ignores or changes the knobs")
-        off = reference.endpoint.extra_body.get("spec_decode")
-        if isinstance(off, dict) and off.get("policy") == "off":
-            on = [r.item_id for r in ok["reference"] if (reported(r) or {}).get("enabled") is not False]
-            if on:
-                return (f"refused: the reference asked for speculation off, but the server's reply for item {on[0]} "
-                        "did not report it off")
-        return None
-    counts = {label: run.acceptance() for label, run in runs.items()}
-    if counts["candidate"] is None or (counts["candidate"][1] <= 0 and (counts["reference"] or (0, 0))[1] <= 0):
-        gauges = {label: run.gauge() for label, run in runs.items()}
-        if counts["candidate"] is None and gauges["candidate"]:
-            return _gauge_check(gauges["candidate"], gauges["reference"])
-        return ("refused: cannot tell whether the server applied the candidate's settings: its replies carry no rule "
-                "report and its /metrics has no speculative-decoding counts spectune reads (vLLM's counters, "
-                "TensorRT-LLM's iteration stats with enable_iter_perf_stats, SGLang's spec_accept_rate gauge)")
-    if not _differs(counts["candidate"], counts["reference"] or (0.0, 0.0)):
-        (a, d), (ra, rd) = counts["candidate"], counts["reference"] or (0.0, 0.0)
-        return (f"refused: acceptance did not move between the sides ({a / d:.4f} on {d:.0f} drafted tokens vs "
-                f"{ra / rd if rd else float('nan'):.4f} on {rd:.0f}, from /metrics): the server ignores the "
-                "candidate's settings, or they do not change acceptance")
-    return None
+    warning = truncation_warning(cmp, max_new_tokens, shots)
+    return lines + ([warning] if warning else [])

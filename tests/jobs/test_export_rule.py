@@ -278,3 +278,31 @@ def test_the_plugin_reads_a_request_rule_string_once_per_step():
         assert isinstance(b.policy, _InvalidRule) and c is None  # c: the rule file's rule
     finally:
         STEP.rules = STEP.request_seeds = STEP.positions = None
+
+
+def test_a_hand_written_rule_file_gets_the_same_command_and_says_no_certificate_covers_it(tmp_path, pair, capsys):
+    """--rule FILE: a rule alone (no sweep, no certificate), with the pair and draft length it runs at; the server
+    reads that very file. A hand-written chosen file is told apart from a sweep's old one."""
+    draft, target = pair
+    rule_file = tmp_path / "mine.json"
+    rule_file.write_text(json.dumps({**RULE, "seed": 3}))
+    rc, out, err = run(capsys, "--rule", str(rule_file), "--pair", f"{draft}+{target}", "--draft-len", "4", "--json",
+                       "--dtype", "fp32")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["rule_file"] == str(rule_file.resolve()) and res["rule"] == {**RULE, "seed": 3}
+    assert res["source"]["hand_written"] is True and res["source"]["certified"] is None
+    assert json.loads(res["speculative_config"] and res["argv"][res["argv"].index("--speculative-config") + 1])[
+        "num_speculative_tokens"] == 4
+    launch = shlex.split(res["launch"])
+    assert launch[:3] == ["python", "-m", "jobs.vllm_serve"] and launch[launch.index("--rule") + 1] == res["rule_file"]
+    rc, text, _ = run(capsys, "--rule", str(rule_file), "--pair", f"{draft}+{target}", "--draft-len", "4", "--dtype", "fp32")
+    assert rc == 0 and "a hand-written rule: no certificate covers it" in text and res["command"] in text.splitlines()
+    assert "sweep from before" not in text
+    rc, _, err = run(capsys, "--rule", str(rule_file), "--pair", f"{draft}+{target}")
+    assert rc == 2 and "--draft-len" in err
+    (tmp_path / "chosen.json").write_text(json.dumps({**RULE, "draft_len": 4, "pair": f"{draft}+{target}"}))
+    rc, _, err = run(capsys, "--chosen", str(tmp_path / "chosen.json"))
+    assert rc == 2 and "a hand-written choice" in err and "--rule FILE" in err and "sweep from before" not in err
+    rc, _, err = run(capsys, "--rule", str(tmp_path / "chosen.json"), "--pair", f"{draft}+{target}", "--draft-len", "4")
+    assert rc == 2 and "a sweep's choice is no rule file" in err

@@ -32,6 +32,8 @@ class Behaviour:
     accepted_per_request: int = 3  # counters: accepted tokens a request adds (the same for every request: the
     # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
     words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
+    rule_words: tuple[str, ...] | None = None  # a request carrying a rule (vllm_xargs) answers these: a rule that acts
+    finish: str = "stop"  # the finish reason of every reply ("length": cut at the limit)
     reasoning: tuple[str, ...] = ()  # delta.reasoning pieces before the content (a reasoning model)
     raw_utf8: bool = False  # JSON with non-ASCII characters unescaped (as vLLM and SGLang send it)
     abort_next: int = 0  # the next N streams finish with "abort"
@@ -148,7 +150,8 @@ class FakeServer:
                     self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
                     self.wfile.flush()
 
-                words = list(b.words)[: int(body.get("max_tokens") or 16)]
+                acts = b.rule_words is not None and "vllm_xargs" in body
+                words = list(b.rule_words if acts else b.words)[: int(body.get("max_tokens") or 16)]
                 if not warmup:
                     time.sleep(b.first_token_delay)
                 with server.lock:
@@ -175,7 +178,7 @@ class FakeServer:
                         self.close_connection = True
                         return
                 spec = body.get("spec_decode") if b.report_rule else None
-                final: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "abort" if abort else "stop",
+                final: dict[str, Any] = {"choices": [{"index": 0, "finish_reason": "abort" if abort else b.finish,
                                                       **({"delta": {}} if chat else {"text": ""})}]}
                 if spec:  # as spectune's endpoint reports the rule it ran (SpecChoice.to_dict)
                     on = spec.get("policy") not in (None, "off")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import UTC
 
 import pytest
@@ -130,21 +131,27 @@ def test_a_server_that_ignores_the_knobs_is_refused_in_one_line_and_nothing_is_l
     fake.b.report_rule = False
     assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("refused: the candidate asked for {") and "but the server reported no rule" in err[-1]
+    assert err[-1].startswith("refused: knob check: ignored: the candidate asked for {")
+    assert "but the server reported no rule" in err[-1]
     stored = list(tmp_path.glob("eval-endpoint/*/*/c1/candidate/records.jsonl"))
     assert stored and len(stored[0].read_text().splitlines()) == 6
 
 
 def test_a_fixed_server_configuration_is_checked_by_its_metrics(fake, tmp_path, capsys):
-    """--knobs none: the candidate's extra body is the server's business; acceptance from /metrics must move."""
+    """--knobs none: the candidate's extra body is the server's business; acceptance from /metrics must move, or
+    the outputs at T = 0 and one request in flight differ. Identical outputs over 480 drafted tokens: ignored."""
     fake.b.metrics = True
     rc = evaluate(fake, tmp_path, "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
-    assert rc == 3 and "acceptance did not move between the sides" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 3 and err.startswith("refused: knob check: ignored: outputs identical to the reference's on all 6 "
+                                      "items at T = 0 with one request in flight, over 480 drafted tokens"), err
     assert evaluate(fake, tmp_path / "same", "--knobs", "none") == 2, "the same configuration on both sides"
     assert "the reference and the candidate are the same configuration" in capsys.readouterr().err
     fake.b.metrics = False
     rc = evaluate(fake, tmp_path / "b", "--knobs", "none", "--extra-body", '{"my_engine_threshold": 0.3}')
-    assert rc == 3 and "no rule report and its /metrics has no speculative-decoding counts" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 3 and "knob check: cannot tell yet: the replies carry no rule report and the server's /metrics has no " \
+        "speculative-decoding counts" in err, err
 
 
 def test_tensorrt_llms_drained_iteration_stats_are_the_counts_of_what_ran_between_reads():
@@ -163,12 +170,14 @@ def test_tensorrt_llms_drained_iteration_stats_are_the_counts_of_what_ran_betwee
 
 
 def test_a_gauge_that_stayed_at_zero_is_a_reference_that_does_not_speculate():
-    from workers.endpoint_eval import _gauge_check
+    from workers.endpoint_checks import _gauge_verdict
 
     moving = [0.61, 0.63, 0.6, 0.64, 0.62, 0.65]
-    assert _gauge_check(moving, [0.0]) is None
-    assert _gauge_check(moving, [0.6, 0.62, 0.61, 0.63, 0.64]).startswith("refused: acceptance did not move")
-    assert _gauge_check(moving[:3], []).startswith("refused: cannot tell")
+    assert _gauge_verdict(moving, [0.0]).verdict == "applied"
+    assert _gauge_verdict(moving, [0.6, 0.62, 0.61, 0.63, 0.64]).verdict == "cannot tell yet", "too few windows"
+    assert _gauge_verdict(moving * 3, [0.625, 0.62, 0.635, 0.62, 0.63, 0.625] * 3).verdict == "ignored"
+    assert _gauge_verdict(moving, [0.3, 0.32, 0.31, 0.33, 0.34]).verdict == "applied"
+    assert _gauge_verdict(moving[:3], []).verdict == "cannot tell yet"
 
 
 @pytest.mark.parametrize("kind", ["trt", "sglang"])
@@ -184,7 +193,7 @@ def test_a_fixed_configuration_on_tensorrt_llm_or_sglang_is_checked_by_their_met
         assert "acceptance 0.75" in capsys.readouterr().out or kind == "sglang"
         candidate.b.accepted_per_request = reference.b.accepted_per_request  # the settings did nothing
         assert evaluate(candidate, tmp_path / "same", *args) == 3
-        assert "refused: acceptance did not move between the sides" in capsys.readouterr().err
+        assert "refused: knob check: ignored: " in capsys.readouterr().err
 
 
 def test_a_stock_vllm_serve_gets_the_rule_as_a_json_string_in_vllm_xargs(fake, tmp_path, capsys):
@@ -292,14 +301,128 @@ def test_an_interrupted_chunks_stored_records_are_kept_untimed_and_never_drawn_a
 
 
 def test_a_rerun_over_other_items_times_only_the_chunks_wholly_its_own(fake, tmp_path, capsys):
-    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "10") == 0  # chunks of 2 items: 5 a side
     sent = fake.b.requests
-    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2") == 0
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "3") == 0
     out = capsys.readouterr().out
-    assert fake.b.requests == sent and "tokens/s counts 0 of 2 items" in out and "tokens/s      n/a" in out
+    assert fake.b.requests == sent and "tokens/s counts 2 of 3 items" in out, "the chunk of items 2 and 3 is not timed"
+    assert "no interval: 1 paired chunk, 5 are needed" in out
     walls = next(tmp_path.glob("eval-endpoint/*/*/c1/candidate/walls.jsonl"))
     walls.write_text(walls.read_text() + '{"items": ["x"], "wal')  # a line torn by a crash: skipped when read
-    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2") == 0
-    assert fake.b.requests == sent and "tokens/s counts 0 of 2 items" in capsys.readouterr().out
-    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "2", "--fresh") == 0
-    assert fake.b.requests == sent + 4 and "tokens/s counts" not in capsys.readouterr().out
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "3") == 0
+    assert fake.b.requests == sent and "tokens/s counts 2 of 3 items" in capsys.readouterr().out
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--limit", "3", "--fresh") == 0
+    assert fake.b.requests == sent + 6 and "tokens/s counts" not in capsys.readouterr().out
+
+
+def test_the_knob_check_says_applied_ignored_or_cannot_tell_yet_with_what_would_decide(fake, tmp_path, capsys):
+    """--knobs vllm at T = 0: a rule that changes outputs at one request in flight is applied (no /metrics needed);
+    identical outputs over too few drafted tokens cannot tell yet, and say how many tokens (and items) would."""
+    fake.b.rule_words = ("The", " answer", " is", " 41", ".")  # the rule acts: another output
+    assert evaluate(fake, tmp_path, "--knobs", "vllm", "--policy", "kl_judge") == 0
+    out = capsys.readouterr().out
+    assert "knob check: applied: the candidate's outputs differ from the reference's on 6 of 6 items at T = 0" in out
+    fake.b.rule_words, fake.b.metrics = None, True  # ignored, on 2 items: 160 drafted tokens a side
+    fake.b.report_rule = False  # (the fake's rules then accept no more than the server's own)
+    assert evaluate(fake, tmp_path / "few", "--knobs", "vllm", "--policy", "kl_judge", "--limit", "2") in (0, 3)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("refused: knob check: cannot tell yet: outputs identical to the reference's on all 2 items"), err
+    assert "drafted tokens a side would decide at these rates" in err
+    assert "or 299 drafted tokens at one request in flight with no output differing (~4 items)" in err, err
+
+
+def _run(concurrency: int, pairs: list[tuple[list[str], list[str]]], counts: tuple, ref_counts: tuple):
+    """A synthetic comparison: items with (reference, candidate) outputs and one chunk's /metrics counts a side."""
+    from types import SimpleNamespace
+
+    from workers.endpoint_eval import Comparison, SideRun
+
+    def rec(i: int, outputs: list[str]) -> SimpleNamespace:
+        return SimpleNamespace(item_id=f"i{i}", outputs=outputs, failed=False, params="{}", tokens=10,
+                               finish_reasons=["stop"])
+
+    ids = [f"i{i}" for i in range(len(pairs))]
+    sides = [SideRun({f"i{i}": rec(i, p[k]) for i, p in enumerate(pairs)},
+                     [{"items": ids, "wall_s": 1.0, "counts": c}]) for k, c in ((0, ref_counts), (1, counts))]
+    return Comparison(concurrency, *sides)
+
+
+def test_the_knob_check_pools_every_level_and_reads_outputs_only_at_t0_and_one_in_flight():
+    """The issue's run: acceptance 0.819 on 740 drafted tokens against 0.767 on 780 at each of two levels (z about
+    2.5 each): one level cannot tell, the two pooled are applied. At T > 0 or concurrency 4, outputs say nothing."""
+    from workers.endpoint import Endpoint
+    from workers.endpoint_checks import knob_verdict
+    from workers.endpoint_eval import Side
+
+    url = "http://127.0.0.1:9/v1"
+    ref = Side("reference", Endpoint(url, "m"), "server")
+    cand = Side("candidate", Endpoint(url, "m", extra_body={"vllm_xargs": {"spectune_rule": "{}"}}), "kl_judge")
+    same = [(["a"], ["a"])] * 16
+    level = [_run(c, same, (606.0, 740.0), (598.0, 780.0)) for c in (1, 4)]
+    one = knob_verdict(ref, cand, level[:1], temperature=0.7)
+    assert one.verdict == "cannot tell yet" and re.search(r"about [\d,]+ drafted tokens a side would decide at these "
+                                                          r"rates \(~\d+ items at this run's 46 an item\)", one.needed)
+    both = knob_verdict(ref, cand, level, temperature=0.7)
+    assert both.verdict == "applied" and "pooled over every chunk and level" in both.evidence
+    differ = [(["a"], ["b"])] * 4 + [(["a"], ["a"])] * 4
+    at4 = _run(4, differ, (80.0, 100.0), (80.0, 100.0))
+    assert knob_verdict(ref, cand, [at4], temperature=0.0).verdict == "cannot tell yet", "C = 4: not batch-invariant"
+    at1 = _run(1, differ, (80.0, 100.0), (80.0, 100.0))
+    assert knob_verdict(ref, cand, [at1], temperature=0.7).verdict == "cannot tell yet", "T > 0: sampled"
+    assert knob_verdict(ref, cand, [at1], temperature=0.0).verdict == "applied"
+    big = _run(4, same, (40_000.0, 100_000.0), (40_100.0, 100_000.0))
+    got = knob_verdict(ref, cand, [big], temperature=0.7)
+    assert got.verdict == "ignored" and "the same within 0.01" in got.evidence, got.line()
+
+
+def test_the_speed_ratio_has_an_interval_from_paired_chunks_and_says_when_it_holds_one():
+    from types import SimpleNamespace
+
+    from workers.endpoint_checks import chunk_size, speed_interval
+    from workers.endpoint_eval import Comparison, SideRun
+
+    assert chunk_size(16, 1) == 3 and chunk_size(200, 1) == 16 and chunk_size(30, 4) == 6 and chunk_size(8, 4) == 4
+
+    def cmp(walls_ref: list[float], walls_cand: list[float]) -> Comparison:
+        runs = []
+        for walls in (walls_ref, walls_cand):
+            recs = {f"i{k}": SimpleNamespace(tokens=100, failed=False) for k in range(len(walls))}
+            runs.append(SideRun(recs, [{"items": [f"i{k}"], "wall_s": w, "load": 1.0 + k / 10}
+                                       for k, w in enumerate(walls)]))
+        return Comparison(1, *runs)
+
+    noisy = speed_interval(cmp([1.0, 1.2, 0.9, 1.1, 1.0, 0.95], [1.1, 1.0, 1.0, 1.2, 0.9, 1.0]))
+    assert noisy.low < 1.0 < noisy.high and noisy.chunks == 6 and "it holds 1.0, no speed difference is shown" in \
+        noisy.text() and "this machine's load 1.0-1.5 on" in noisy.text()
+    fast = speed_interval(cmp([2.0, 2.2, 1.9, 2.1, 2.0], [1.0, 1.1, 1.0, 1.05, 0.95]))
+    assert 1.0 < fast.low <= fast.ratio <= fast.high and "holds" not in fast.text()
+    assert fast.ratio == pytest.approx(10.2 / 5.1)
+    few = speed_interval(cmp([1.0, 1.0, 1.0], [0.5, 0.5, 0.5]))
+    assert few.low is None and "no interval: 3 paired chunks, 5 are needed" in few.text()
+
+
+def test_replies_cut_at_the_length_limit_are_counted_and_warned_of(fake, tmp_path, capsys):
+    fake.b.finish = "length"
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge") == 0
+    out = capsys.readouterr().out
+    assert out.count("at the length limit 6/6") == 2
+    assert "warning: 6 of 6 reference replies (100%) and 6 of 6 candidate replies (100%) stopped at the length limit " \
+           "(16 new tokens)" in out and "--shots" in out
+
+
+def test_progress_comes_per_item_and_at_least_every_30_s_while_the_server_is_silent():
+    import time
+
+    from workers.endpoint_eval import Progress
+
+    lines: list[str] = []
+    progress = Progress(lines.append, 2, total=4, every_s=0.3, gap_s=0.0)
+    progress.at(" (chunk 1/2, reference)")
+    progress.done(10)
+    time.sleep(0.8)  # nothing finishes: the heartbeat speaks
+    progress.done(10)
+    progress.stop()
+    assert lines[0].startswith("concurrency 2: 1/4 requests done (chunk 1/2, reference) |") and "ETA" in lines[0]
+    assert any(line.endswith("(waiting on the server)") for line in lines[1:-1]) and lines[-1].startswith(
+        "concurrency 2: 2/4 requests done")
+    assert Progress(lines.append, 1, total=1).every_s == 30.0
