@@ -37,7 +37,7 @@ class PairWorker:
 
     def __init__(self, pair: str, dtype: str = "bf16", cache_dir: str | None = None, num_threads: int | None = None,
                  tensor_parallel_size: int = 1, engine: str = "cpu", draft_len: int = 5,
-                 vllm: dict[str, Any] | None = None) -> None:
+                 vllm: dict[str, Any] | None = None, batch_size: int | str = 1) -> None:
         from cluster.startup import attach
 
         attach()  # the start's progress lines go to the driver (cluster.startup)
@@ -52,6 +52,8 @@ class PairWorker:
         self.engine_kind = engine
         self.engine = make_engine(engine, pair, dtype, cache_dir=cache_dir, draft_len=draft_len,
                                   tensor_parallel_size=tensor_parallel_size, vllm=vllm)
+        if engine == "cpu":  # the batched engine's rows per call (workers.cpu_batch); "auto": measured at first use
+            self.engine.batch_size = batch_size
         self.load_s = time.perf_counter() - t0
         self.items_done = 0
         self._stop: set[str] = set()
@@ -87,6 +89,17 @@ class PairWorker:
             return workload_profile(self.engine.pair, get_benchmark(benchmark), list(items), spec).to_json()
         return get_profile(self.engine.pair).to_json()
 
+    def batch(self, benchmark: str, items: list[Item], spec: DecodeSpec) -> dict[str, Any]:
+        """The rows this actor's CPU engine decodes at once (``auto`` measured now, at the context ``items`` decode
+        at under ``spec``) and how it chose; 1 on other engines."""
+        if self.engine_kind != "cpu":
+            return {"batch_size": 1}
+        from workers.evaluation import items_context
+
+        context = items_context(self.engine.pair, get_benchmark(benchmark), list(items), spec)
+        size = self.engine.batcher(context=context).size
+        return {"batch_size": size, "choice": getattr(self.engine, "batch_choice", None)}
+
     def evaluate(self, benchmark: str, spec: DecodeSpec, item: Item, references: dict[str, Any]) -> Record:
         """One item; ``references[item.id]``: the target-only outputs, or their record's replay payload
         (``workers.evaluation.reference_payload``: the rule is then replayed at T = 0)."""
@@ -99,7 +112,10 @@ class PairWorker:
         """Each item under every spec, one teacher-forced pass per item where they replay (CPU engine;
         ``workers.evaluation.evaluate_bundle``): per item, the records in ``specs``' order."""
         bench = get_benchmark(benchmark)
-        out = [evaluate_bundle(self.engine, bench, item, specs, references.get(item.id)) for item in items]
+        if self.engine_kind == "cpu":  # batched where the engine's batch size says so, row for row exact
+            out = self.engine.evaluate_bundles(bench, list(items), specs, references)
+        else:
+            out = [evaluate_bundle(self.engine, bench, item, specs, references.get(item.id)) for item in items]
         self.items_done += len(items) * len(specs)
         return out
 
@@ -121,12 +137,13 @@ class PairWorker:
         """Like-for-like timing at a concurrency: the items in chunks; in each chunk every spec in turn (the one
         that goes first rotating), its requests ``concurrency`` at a time: a server's clients keep that many in
         flight (``EndpointEngine.time_concurrent``), the vLLM engine decodes each group of ``concurrency`` items as
-        one batch. The records per spec in item order, and each spec's wall seconds over its own chunks."""
+        one batch, the CPU engine as that many rows of its batched engine (``workers.cpu_batch``; rows in turn off
+        the fast path). The records per spec in item order, and each spec's wall seconds over its own chunks."""
         bench = get_benchmark(benchmark)
         timer = getattr(self.engine, "time_concurrent", None)
-        if timer is not None:
+        if timer is not None and self.engine_kind != "cpu":
             return timer(bench, specs, items, concurrency)
-        if self.engine_kind != "vllm":
+        if self.engine_kind not in ("vllm", "cpu"):
             raise ValueError(f"the {self.engine_kind} engine decodes one request at a time: no concurrency to time")
         import time
 
@@ -138,7 +155,10 @@ class PairWorker:
             group = items[start: start + concurrency]
             for j in rotation(k, len(specs)):
                 t0 = time.perf_counter()
-                out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}))
+                if self.engine_kind == "cpu":  # the group as the batched engine's rows, decoded in full
+                    out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}, batch_size=concurrency))
+                else:
+                    out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}))
                 walls[j] += time.perf_counter() - t0
         return out, walls
 
@@ -151,11 +171,17 @@ class PairWorker:
                 return []
             return self.evaluate_list(benchmark, spec, [item_from_json(row["item"]) for row in shard.iter_rows()],
                                       references)
+        items = [item_from_json(row["item"]) for row in shard.iter_rows()]
+        if self.engine_kind == "cpu" and self.engine.batch_size != 1:  # the shard's items as batched rows
+            records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references,
+                                                 stop=lambda: tag in self._stop)
+            self.items_done += len(records)
+            return records
         records = []
-        for row in shard.iter_rows():
+        for item in items:
             if tag in self._stop:
                 break
-            records.append(self.evaluate(benchmark, spec, item_from_json(row["item"]), references))
+            records.append(self.evaluate(benchmark, spec, item, references))
         return records
 
     def evaluate_list(self, benchmark: str, spec: DecodeSpec, items: list[Item], references: dict[str, list[str]]
@@ -163,6 +189,10 @@ class PairWorker:
         if self.engine_kind == "vllm":  # replay is the CPU engine's: vLLM takes the outputs alone
             references = {k: v["outputs"] if isinstance(v, dict) else v for k, v in references.items()}
             records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references)
+            self.items_done += len(records)
+            return records
+        if self.engine_kind == "cpu" and self.engine.batch_size != 1:
+            records = self.engine.evaluate_items(get_benchmark(benchmark), list(items), spec, references)
             self.items_done += len(records)
             return records
         return [self.evaluate(benchmark, spec, item, references) for item in items]
@@ -191,7 +221,8 @@ class TrialRun:
 
 def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
                  cache_dir: str | None = None, tensor_parallel_size: int = 1, engine: str = "cpu",
-                 draft_len: int = 5, vllm: dict[str, Any] | None = None, python: str | None = None) -> list[Any]:
+                 draft_len: int = 5, vllm: dict[str, Any] | None = None, python: str | None = None,
+                 batch_size: int | str = 1) -> list[Any]:
     """``n`` loaded pair actors. ``python``: the interpreter they run in (the vLLM engine's own
     environment, see ``workers.engines.vllm_python``); None = the driver's."""
     threads = max(1, int(cpus_per_actor))
@@ -204,7 +235,8 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
 
     runtime_env = {"py_executable": python} if python else None
     workers = [PairWorker.options(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor, runtime_env=runtime_env).remote(
-        pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, engine_options(i)) for i in range(n)]
+        pair, dtype, cache_dir, threads, tensor_parallel_size, engine, draft_len, engine_options(i), batch_size)
+        for i in range(n)]
     ray.get([w.info.remote() for w in workers])  # surface load errors now, not mid-trial
     return workers
 

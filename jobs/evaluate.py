@@ -27,9 +27,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
-from workers.cli import parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
+from workers.cli import parse_batch_size, parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
-from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, workload_profile
+from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, items_context, workload_profile
 from workers.metrics.speed import measured_text, ratio_text
 from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
 from workers.models.calibrate import CostProfile
@@ -38,8 +38,9 @@ from workers.results.store import RecordStore, reference_dir, runs_root, slug
 
 def run_items(engine: Any, bench: Benchmark, items: list[Item], spec: DecodeSpec, store: RecordStore,
               label: str, references: dict[str, Record] | None = None, batch: int = 1) -> dict[str, Record]:
-    """Evaluate the items the store lacks, appending each record as it is made; show progress. ``batch`` > 1: the
-    vLLM engine, that many items per batched ``generate`` (continuous batching; each item keeps its own record)."""
+    """Evaluate the items the store lacks, appending each record as it is made; show progress. ``batch`` > 1: that
+    many items at once (the vLLM engine: one batched ``generate``; the CPU engine: its batched rows, each record
+    the one batch 1 makes), each item keeps its own record."""
     done = store.load()
     todo = [it for it in items if it.id not in done]
     if not todo:
@@ -124,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
     ap.add_argument("--runs-root", default=None, help="where runs and reference caches live (default ./runs)")
     ap.add_argument("--no-lossless-ref", action="store_true", help="skip the lossless reference run")
+    ap.add_argument("--batch-size", default="auto",
+                    help="CPU engine: items decoded at once, each row exact to batch 1 (workers/cpu_batch.py); auto "
+                         "(default) times the step at 1..32 rows and picks, 1 is one item after another")
     vl = ap.add_argument_group("the vLLM engine (--engine vllm): docs/vllm-engine.md")
     vl.add_argument("--batch", type=int, default=32, help="vllm: items per batched generate (continuous batching)")
     vl.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of each GPU")
@@ -238,6 +242,7 @@ def _main(args: argparse.Namespace) -> int:
         os.environ["SPECTUNE_JUDGE_URL"] = args.judge_url
     bench = get_benchmark(args.benchmark)
     max_new = args.max_new_tokens or bench.default_max_new_tokens
+    parse_batch_size(args.batch_size)  # a bad value is one line now, not after the pair loads
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots)
@@ -252,6 +257,10 @@ def _main(args: argparse.Namespace) -> int:
             pair = load_pair(args.pair, dtype=dtype)
             profile = workload_profile(pair, bench, items, spec)  # timed at the context these items decode at
             engine, tag = SpecDecoder(pair), dtype
+            engine.batch_size = parse_batch_size(args.batch_size)
+            batch = engine.batcher(context=items_context(pair, bench, items, spec)).size
+            if engine.batch_size == batch and getattr(engine, "batch_choice", None):
+                print(f"batch size {batch} (auto: {engine.batch_choice})", file=sys.stderr)
     except AssetError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -279,9 +288,13 @@ def _main(args: argparse.Namespace) -> int:
     floor = noise_floor(list(lossless.values()), list(ar.values())) if lossless else None
     text = report(args, metrics, floor, profile)
     print(text)
-    if batch > 1:
+    if batch > 1 and args.engine == "vllm":
         print(f"  (vLLM: {batch} items per batch, so a record's seconds overlap others': the measured speedups "
               "compare batched runs, not one request's latency)")
+    elif batch > 1:
+        print(f"  (CPU engine: {batch} items at once, each exact to batch 1; a batched record's seconds overlap its "
+              "neighbours', so no measured speedup is stated: --batch-size 1 times one item at a time, "
+              "python -m jobs.bench.throughput the batched engine's throughput)")
     close = getattr(engine, "close", None)
     if close is not None:
         close()

@@ -225,6 +225,10 @@ def build_parser() -> SweepParser:
                          "v(L) as the pair's calibration measured it; 1 where nothing was timed, e.g. vLLM)")
     ap.add_argument("--actors", type=int | None, default=None, help="pair actors (default: sized to the cluster's memory/CPUs)")
     ap.add_argument("--cpus-per-actor", type=float, default=1)
+    ap.add_argument("--batch-size", type=str, default="auto",
+                    help="CPU engine: items each actor decodes at once, every row exact to batch 1 (workers/cpu_batch.py); "
+                         "auto (default) times the step at 1..32 rows at the items' context and picks, 1 is one item "
+                         "after another. Like-for-like timing (--speed-items) stays at batch 1 or --concurrency")
     ap.add_argument("--gpus-per-actor", type=float, default=0)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
     ap.add_argument("--engine", type=str, choices=ENGINES, default="cpu",

@@ -221,7 +221,7 @@ def _decode(state: SweepState, row: dict[str, Any], todo: list[Item], reference:
     spec = spec_of(s, row)
     try:
         run = run_trial(state.workers, f"audit-{spec.key()}", s.bench.ref, spec, todo,
-                        {k: r.outputs for k, r in reference.items()})
+                        {k: r.outputs for k, r in reference.items()}, shard_size=state.refs.shard_size(todo))
     except Exception as err:  # noqa: BLE001 - a lost audit is reported; audit_withholds counts what it owed
         first = (str(err).splitlines() or [""])[0][:160]
         log(f"replay audit: lost ({type(err).__name__}: {first})")

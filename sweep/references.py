@@ -48,8 +48,9 @@ class RefKey:
 class References:
     """The sweep's cached reference records and its record runner, over the pair actors ``workers``."""
 
-    def __init__(self, settings: Settings, root: Path, workers: list[Any], items: list[Item]) -> None:
+    def __init__(self, settings: Settings, root: Path, workers: list[Any], items: list[Item], batch: int = 1) -> None:
         self.settings, self.root, self.workers, self.items = settings, root, workers, items
+        self.batch = batch  # the rows each CPU actor decodes at once (workers.cpu_batch): a shard's size
         self._cache: dict[RefKey, dict[str, Record]] = {}
 
     # -- where records live ----------------------------------------------------------------------
@@ -215,9 +216,13 @@ class References:
         return {k: reference_payload(r) if on and not r.failed else r.outputs for k, r in references.items()}
 
     def shard_size(self, items: list[Item]) -> int | None:
-        """vLLM batches a shard in one ``generate``: one shard per actor; the CPU engine small ones (the default)."""
+        """vLLM batches a shard in one ``generate``: one shard per actor; the batched CPU engine two batches' worth
+        (rows that finish take the shard's next items, so the batch drains once per shard; fewer where that would
+        leave an actor idle); at batch 1 small ones (the default)."""
         if self.settings.args.engine == "vllm" and items:
             return math.ceil(len(items) / max(1, len(self.workers)))
+        if self.batch > 1 and items:
+            return max(1, min(2 * self.batch, math.ceil(len(items) / max(1, len(self.workers)))))
         return None
 
     def _lossless_bundle(self, lengths: list[int]) -> None:
@@ -225,7 +230,7 @@ class References:
         teacher-forced pass per item for all of them (``evaluate_bundle``), into each L's reference store; the
         CPU engine at T = 0 only (elsewhere, and if the actors are lost, each L runs on its own as any reference
         does)."""
-        from cluster.pool import PoolError, run_bundles
+        from cluster.pool import CHUNK, PoolError, run_bundles
 
         args = self.settings.args
         if args.engine != "cpu" or self.settings.decode["temperature"] != 0.0 or args.replay == "off":
@@ -246,7 +251,8 @@ class References:
             bar.update(per_spec[0])
 
         try:
-            run_bundles(self.workers, self.settings.bench.ref, specs, todo, references, on_records)
+            run_bundles(self.workers, self.settings.bench.ref, specs, todo, references, on_records,
+                        chunk=self.shard_size(todo) or CHUNK)
         except PoolError as err:
             log(f"lossless references in one pass per item failed ({err}): each L runs on its own")
         bar.close()

@@ -81,9 +81,13 @@ def server_settings(args: argparse.Namespace) -> None:
         if extra:
             raise ValueError(f"{', '.join(extra)}: only with --server-config (a fixed server configuration)")
         levels = concurrency_values(getattr(args, "concurrency", "1"))
-        if levels != [1] and (args.engine not in ("openai", "vllm") or len(levels) > 1):
-            raise ValueError(f"--concurrency {args.concurrency}: a sweep times its speed phase at one concurrency, on "
-                             "--engine openai or vllm (the cpu engine decodes one request at a time)")
+        if len(levels) > 1:
+            raise ValueError(f"--concurrency {args.concurrency}: a sweep times its speed phase at one concurrency")
+        from workers.models.pair import auto_dtype, fast_path
+
+        if levels != [1] and args.engine == "cpu" and not fast_path(auto_dtype() if args.dtype == "auto" else args.dtype):
+            raise ValueError(f"--concurrency {args.concurrency}: the cpu engine times a concurrency as its batched rows, "
+                             f"on the fast path only (--dtype int8 or int4+int8, not {args.dtype})")
         return
     if args.engine != "openai":
         raise ValueError("--server-config goes with --engine openai (a running server)")
@@ -155,6 +159,9 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     enqueued = [enqueued_params(text, families, (lo, hi)) for text in args.enqueue]
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    from workers.cli import parse_batch_size
+
+    args.batch_size = parse_batch_size(getattr(args, "batch_size", 1))
     check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
                  vllm=vllm_options(args))
     if args.engine == "vllm":

@@ -105,11 +105,12 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                                gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
                                engine=args.engine, draft_len=settings.draft_len[0],
                                vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
-                               python=getattr(args, "vllm_python", None))
+                               python=getattr(args, "vllm_python", None), batch_size=args.batch_size)
         log(f"{n} pair actor(s) loaded; the cost profile at the search items' context (stored: read back; "
             "else measured on actor 1)")
         # timed at the context the search items decode at (8-shot prompts: ~1,410 tokens), not a fixed short one
         profile = profile_of(workers[0], bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
+        batch = batch_of(workers, bench.ref, items, DecodeSpec.make(TARGET_ONLY, **settings.decode))
     meta = run_dir / "sweep.json"
     before = json.loads(meta.read_text()) if meta.is_file() else {}
     profile = _study_profile(before.get("profile"), profile, args.engine)
@@ -126,17 +127,33 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
                "split.search": split["search"], "split.confirm": split["confirm"],
                "split.pool": split["pool"], "split.pool_sources": json.dumps(split["pool_sources"]),
                "budgets": settings.budgets, "policies": settings.families, "draft_len_range": list(settings.draft_len),
-               **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n},
+               **settings.decode, "objective": args.objective, "cost_ratio": cost.cost_ratio, "actors": n,
+               "batch_size": batch},
         {"machine": platform.node(), "python": platform.python_version(), "study": name,
          "run_dir": str(run_dir), **_versions()}, before.get("parent_run_id"))
     write_text(meta, json.dumps({"parent_run_id": parent, "study": name, "args": vars(args), "profile": profile,
                                  "runs_root": str(root.resolve())},  # where its references are (jobs.carry)
                                 indent=1, default=str))  # default: the --config files' paths
     _save_config(run_dir, name, config_yaml, tracker)
-    refs = References(settings, root, workers, items)
+    refs = References(settings, root, workers, items, batch=batch)
     return SweepState(settings=settings, name=name, root=root, dir=run_dir, items=items, pool=pool,
                       n_confirm=n_confirm, split=split, workers=workers, profile=profile, cost=cost, study=study,
                       tracker=tracker, refs=refs)
+
+
+def batch_of(workers: list[Any], benchmark: str, items: list[Any], spec: Any) -> int:
+    """The rows each CPU actor decodes at once (``--batch-size``; ``auto`` measured by each actor at the items'
+    context), said once; the smallest where the actors differ (a shard is cut for all of them)."""
+    import ray
+
+    chosen = ray.get([w.batch.remote(benchmark, items, spec) for w in workers])
+    size = min(c["batch_size"] for c in chosen)
+    if size > 1 or any(c.get("choice") for c in chosen):
+        why = chosen[0].get("choice") or {}
+        log(f"batched CPU engine: {size} item(s) at once per actor, each row exact to batch 1"
+            + (f" (auto: {why.get('why') or 'rows/s ' + str(why.get('rows_per_s'))} at {why.get('context')} positions)"
+               if why else ""))
+    return size
 
 
 def _study_profile(recorded: dict[str, Any] | None, fresh: dict[str, Any], engine: str) -> dict[str, Any]:

@@ -67,3 +67,16 @@ def parse_shard(text: str | None) -> tuple[int, int] | None:
     if not sep or not i.isdigit() or not n.isdigit() or not (0 <= int(i) < int(n)):
         raise ValueError(f"--shard must look like I/N with 0 <= I < N, got {text!r}")
     return int(i), int(n)
+
+
+def parse_batch_size(text: str | int) -> int | str:
+    """``--batch-size``: a positive number of rows, or ``auto`` (the batched CPU engine measures and picks)."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"--batch-size must be a positive number or auto, got {text!r}") from None
+    if value < 1 or str(value) != str(text).strip():
+        raise ValueError(f"--batch-size must be a positive number or auto, got {text!r}")
+    return value

@@ -27,9 +27,11 @@ A call that fails for the batch is run again row by row, so one row's bad input 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -286,22 +288,39 @@ class BatchedProposal:
         return self.ids[self.logits(hidden).argmax(dim=-1)]
 
 
+# A target step faster than this at one row is overhead-bound (the tiny test pair: ~0.7 ms): the batched engine's
+# per-row bookkeeping (a coroutine switch per model call, the calls' grouping) costs more than the weight reads it
+# shares, so ``auto`` keeps batch 1 (measured on the tiny pair at batch 3: 0.41x batch 1's tokens/s)
+OVERHEAD_BOUND_S = 0.005
+
+
 def pick_batch_size(engine: Any, context: int = 512, sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
                     keep: float = 0.85, memory_gib: float | None = None) -> tuple[int, dict[str, Any]]:
-    """``--batch-size auto``: time one target step of b one-token rows over ``context`` cached tokens for each b
-    of ``sizes`` (the weights' reads and the attention a batched step pays) and take the smallest b whose rows per
-    second reach ``keep`` of the best, within the memory the rows' KV caches may take (``memory_gib``, default a
-    quarter of the machine's available memory). Returns it and the measurements."""
+    """``--batch-size auto``: time one target step of b one-token rows over ``context`` cached positions (the
+    workload's: ``workers.models.calibrate.workload_context``) for each b of ``sizes`` (the weights' reads and the
+    per-row attention a batched step pays) and take the smallest b whose rows per second reach ``keep`` of the
+    best, within the memory the rows' KV caches may take (``memory_gib``, default a quarter of the machine's
+    available memory). Returns it and the measurements. The choice is kept in the pair's cache beside its cost
+    profile, keyed like it (machine, kernels, threads, context), and read back by later starts."""
     decoder = engine.pair.target.get_decoder()
     if not _ragged(decoder):
         return 1, {"why": "not the fast path: rows would run in turn, so batching gains nothing"}
+    path = _choice_path(engine.pair, context)
+    if path is not None and path.is_file():
+        try:
+            stored = json.loads(path.read_text())
+            return int(stored["batch_size"]), {**stored["measured"], "stored": str(path)}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: measure again
     per_token = _kv_bytes_per_token(engine.pair.target) + _kv_bytes_per_token(engine.pair.draft)
     budget = (memory_gib if memory_gib is not None else _available_gib() / 4) * 2 ** 30
     rows_per_s: dict[int, float] = {}
+    from workers.models.calibrate import _fill
+
     with torch.inference_mode():
         base = engine.pair.target.new_cache()
-        ids = torch.arange(context) % 200 + 10
-        decoder.forward_ragged([(ids, base)])
+        if not _fill(base, context, torch.Generator().manual_seed(0)):  # what the cache holds does not change a
+            decoder.forward_ragged([(torch.arange(context) % 200 + 10, base)])  # step's cost: random keys suffice
         for b in sizes:
             if b * per_token * 2 * context > budget:
                 break
@@ -319,8 +338,29 @@ def pick_batch_size(engine: Any, context: int = 512, sizes: Sequence[int] = (1, 
             rows_per_s[b] = b * reps / (time.perf_counter() - t0)
     best = max(rows_per_s.values())
     chosen = min(b for b, r in rows_per_s.items() if r >= keep * best)
-    return chosen, {"context": context, "rows_per_s": {str(k): round(v, 1) for k, v in rows_per_s.items()},
-                    "keep": keep, "kv_bytes_per_token": per_token}
+    if rows_per_s.get(1, 0.0) * OVERHEAD_BOUND_S > 1:  # a step of microseconds: nothing to share, rows cost more
+        chosen = 1
+    measured = {"context": context, "rows_per_s": {str(k): round(v, 1) for k, v in rows_per_s.items()},
+                "keep": keep, "kv_bytes_per_token": per_token, "threads": torch.get_num_threads()}
+    if path is not None:
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"batch_size": chosen, "measured": measured}, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass  # a read-only cache: measured again next time
+    return chosen, measured
+
+
+def _choice_path(pair: Any, context: int) -> Path | None:
+    """Where ``pick_batch_size``'s choice for ``pair`` at ``context`` is kept (None: the pair has no cache)."""
+    if getattr(pair, "cache_dir", None) is None:
+        return None
+    from workers.models.calibrate import fingerprint, machine_key
+    from workers.models.pair import dtype_tag
+
+    return Path(pair.cache_dir) / (f"batch-{dtype_tag(pair.dtype)}-{machine_key()}-{fingerprint(pair)}-"
+                                   f"{torch.get_num_threads()}t-ctx{int(context)}.json")
 
 
 def _kv_bytes_per_token(model: Any) -> int:

@@ -18,7 +18,9 @@ shared prefix (cropped) and prefills only the rest — a few-shot preamble or a 
 computed once per engine, and the same prompt under another rule costs one token of prefill.
 
 Only the logits rows that are used are computed: the LM head runs on the draft's last position
-and never in prefill. Tensors are ``[B, ...]`` throughout; B = 1 is what is supported today.
+and never in prefill. Tensors are ``[1, ...]``: one sequence per engine. Several items at once run as rows of
+the batched engine (``workers.cpu_batch``: each row a view of this engine with its own caches, its model calls
+served together), each row's output identical to the same item decoded here alone.
 """
 
 from __future__ import annotations
@@ -236,18 +238,28 @@ class SpecDecoder:
         view._batcher = None
         return view
 
-    def batcher(self, size: int | None = None) -> Any:
+    def batcher(self, size: int | None = None, context: int = 512) -> Any:
         """The engine's :class:`workers.cpu_batch.Batcher` of ``size`` rows (default :attr:`batch_size`, ``auto``
-        measured once), kept, so its rows' caches keep their prefixes from one call to the next."""
+        measured once, at ``context`` cached positions: the workload's), kept, so its rows' caches keep their
+        prefixes from one call to the next."""
         from workers.cpu_batch import Batcher, pick_batch_size
 
         if size is None:
             if self.batch_size == "auto":
-                self.batch_size, self.batch_choice = pick_batch_size(self)
+                self.batch_size, self.batch_choice = pick_batch_size(self, context=context)
             size = int(self.batch_size)
         if self._batcher is None or self._batcher.size != size:
             self._batcher = Batcher(self, size)
         return self._batcher
+
+    def _context(self, bench: Any, items: list[Any], spec: Any) -> int:
+        """The KV length ``items`` decode at (what ``auto`` times its batch sizes at); only worked out while
+        ``auto`` is still to be measured."""
+        if self.batch_size != "auto" or not items:
+            return 512
+        from workers.evaluation import items_context
+
+        return items_context(self.pair, bench, items, spec)
 
     def evaluate_items(self, bench: Any, items: list[Any], spec: Any, references: dict[str, Any] | None = None,
                        *, batch_size: int | None = None, on_record: Any = None, stop: Any = None) -> list[Any]:
@@ -258,7 +270,7 @@ class SpecDecoder:
         from workers.evaluation import evaluate_item
 
         refs = references or {}
-        batcher = self.batcher(batch_size)
+        batcher = self.batcher(batch_size, context=self._context(bench, items, spec))
         if batcher.size == 1:
             out = []
             for item in items:
@@ -268,7 +280,11 @@ class SpecDecoder:
                 if on_record is not None:
                     on_record(out[-1])
             return out
-        jobs = [lambda row, item=item: evaluate_item(row, bench, item, spec, refs.get(item.id)) for item in items]
+        from dataclasses import replace
+
+        size = batcher.size
+        jobs = [lambda row, item=item: replace(evaluate_item(row, bench, item, spec, refs.get(item.id)), batch=size)
+                for item in items]
         done = batcher.run(jobs, on_done=None if on_record is None else (lambda _i, rec: on_record(rec)), stop=stop)
         return [r for r in done if r is not None]
 
@@ -279,10 +295,14 @@ class SpecDecoder:
         from workers.evaluation import evaluate_bundle
 
         refs = references or {}
-        batcher = self.batcher(batch_size)
+        batcher = self.batcher(batch_size, context=self._context(bench, items, specs[0]) if specs else 512)
         if batcher.size == 1:
             return [evaluate_bundle(self, bench, item, specs, refs.get(item.id)) for item in items]
-        return batcher.run([lambda row, item=item: evaluate_bundle(row, bench, item, specs, refs.get(item.id))
+        from dataclasses import replace
+
+        size = batcher.size
+        return batcher.run([lambda row, item=item: [replace(r, batch=size)
+                                                    for r in evaluate_bundle(row, bench, item, specs, refs.get(item.id))]
                             for item in items])
 
     @resets_on_error

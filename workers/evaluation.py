@@ -116,6 +116,14 @@ class Record:
     # why the rules' fused statistics kernels (policies.fused) were switched off in the process that made it, by the
     # record's end ("" where they never failed): its decisions were then the eager kernels', which round otherwise
     fused_off: str = ""
+    # the rows the batched CPU engine decoded at once while it ran (workers.cpu_batch; 1: alone, as every engine
+    # before it): a batched record's seconds overlap its neighbours', so they are not its own decode's time
+    batch: int = 1
+
+    @property
+    def solo(self) -> bool:
+        """Whether the seconds are this record's own decode: decoded in full (:attr:`timed`) and alone (batch 1)."""
+        return self.timed and self.batch == 1
 
     @property
     def timed(self) -> bool:
@@ -128,8 +136,8 @@ class Record:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode throughput; 0 for a replayed record (its seconds are not the rule's decode)."""
-        return self.tokens / self.decode_time_s if self.decode_time_s > 0 and self.timed else 0.0
+        """Decode throughput; 0 for a replayed or batched record (its seconds are not the rule's decode alone)."""
+        return self.tokens / self.decode_time_s if self.decode_time_s > 0 and self.solo else 0.0
 
     @property
     def failed(self) -> bool:
@@ -199,10 +207,18 @@ def workload_profile(pair: Any, bench: Benchmark, items: list[Item], spec: Decod
     under ``spec``: the median of the first ``PROFILE_ITEMS`` prompts plus half the new tokens
     (:func:`workers.models.calibrate.workload_context`); a profile at a fixed short context under-prices
     attention for long (few-shot) prompts."""
-    from workers.models.calibrate import get_profile, workload_context
+    from workers.models.calibrate import get_profile
+
+    return get_profile(pair, context=items_context(pair, bench, items, spec))
+
+
+def items_context(pair: Any, bench: Benchmark, items: list[Item], spec: DecodeSpec) -> int:
+    """The KV length ``items`` decode at under ``spec``: the median of the first ``PROFILE_ITEMS`` prompts plus half
+    the new tokens, bucketed (:func:`workers.models.calibrate.workload_context`)."""
+    from workers.models.calibrate import workload_context
 
     lengths = prompt_lengths(pair.tokenizer, bench, list(items)[:PROFILE_ITEMS], spec)
-    return get_profile(pair, context=workload_context(lengths, spec.max_new_tokens))
+    return workload_context(lengths, spec.max_new_tokens)
 
 
 def evaluate_bundle(engine: SpecDecoder, bench: Benchmark, item: Item, specs: list[DecodeSpec],

@@ -91,3 +91,37 @@ def test_an_actor_ray_restarts_keeps_the_trial_going(items):
     run = kill_mid_trial([victim], victim, items, restart=True, shard_size=2)
     assert sorted(run.records) == sorted(it.id for it in items), "every item still has a record"
     assert run.actor_failures and all(not r.failed for r in run.records.values())
+
+
+def test_batched_actors_make_batch_1_records_for_shards_bundles_and_timing(items):
+    """An actor with ``batch_size`` 3 (the batched CPU engine): a trial's shards, the lossless bundles and a timed run
+    at concurrency 3 make the records batch 1 makes, token for token; each says its batch."""
+    from cluster.pair_actor import release
+    from cluster.pool import run_bundles
+    from workers.evaluation import TARGET_ONLY
+
+    init_ray(num_cpus=2)
+    (batched,) = make_workers(1, "tiny-random", "int8", cpus_per_actor=0.5, batch_size=3)
+    (alone,) = make_workers(1, "tiny-random", "int8", cpus_per_actor=0.5)
+    try:
+        assert ray.get(batched.batch.remote("gsm8k", items, spec()))["batch_size"] == 3
+        assert ray.get(alone.batch.remote("gsm8k", items, spec()))["batch_size"] == 1  # the default: batch 1
+        runs = [run_trial([w], f"batch-{i}", "gsm8k", spec(max_new_tokens=12), items, {}, shard_size=3)
+                for i, w in enumerate((batched, alone))]
+        for r in runs[0].records.values():
+            twin = runs[1].records[r.item_id]
+            assert r.output_token_ids == twin.output_token_ids and (r.batch, twin.batch) == (3, 1)
+        specs = [DecodeSpec.make("lossless", {}, n, max_new_tokens=12) for n in (1, 3)]
+        got: list[list] = [[], []]
+        for i, w in enumerate((batched, alone)):
+            run_bundles([w], "gsm8k", specs, items[:5], {}, got[i].append, chunk=3)
+        outputs = [{per[0].item_id: [r.output_token_ids for r in per] for per in side} for side in got]
+        assert outputs[0] == outputs[1] and len(outputs[0]) == 5, "each item's records, one per L, as at batch 1"
+        assert {r.batch for per in got[0] for r in per} == {3}
+        timing = [DecodeSpec.make(TARGET_ONLY, max_new_tokens=12), spec(max_new_tokens=12)]
+        arms, walls = ray.get(alone.time_concurrent.remote("gsm8k", timing, items[:6], 3))
+        assert [len(a) for a in arms] == [6, 6] and all(w > 0 for w in walls)
+        assert all(r.batch == 3 for arm in arms for r in arm), "concurrency 3: the chunk's items as 3 rows"
+        assert [r.output_token_ids for r in arms[1]] == [runs[1].records[it.id].output_token_ids for it in items[:6]]
+    finally:
+        release([batched, alone])

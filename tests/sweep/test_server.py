@@ -143,5 +143,5 @@ def test_the_fixed_configuration_flags_need_server_config(tmp_path, capsys):
     assert "--reference-url: only with --server-config" in capsys.readouterr().err
     assert sweep_job.main([*base, "--concurrency", "4,8"]) == 2  # a sweep's speed phase: one concurrency
     assert "a sweep times its speed phase at one concurrency" in capsys.readouterr().err
-    assert sweep_job.main(["--pair", "tiny-random", "--concurrency", "4"]) == 2
-    assert "the cpu engine decodes one request at a time" in capsys.readouterr().err
+    assert sweep_job.main(["--pair", "tiny-random", "--dtype", "bf16", "--concurrency", "4"]) == 2
+    assert "the cpu engine times a concurrency as its batched rows, on the fast path only" in capsys.readouterr().err

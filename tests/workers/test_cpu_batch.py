@@ -164,3 +164,56 @@ def test_a_4bit_rows_result_does_not_depend_on_the_batch(size):
         x = torch.randn(size, in_f, generator=gen)
         alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(size)])
         assert torch.equal(lin.forward(x), alone), f"{out_f}x{in_f} at {size} rows"
+
+
+def test_a_batched_record_says_its_batch_and_claims_no_time_of_its_own(engine, bench, items):
+    spec = spec_for(TARGET_ONLY)
+    alone = engine.evaluate_items(bench, items[:3], spec, batch_size=1)
+    batched = engine.evaluate_items(bench, items[:3], spec, batch_size=3)
+    assert {r.batch for r in alone} == {1} and all(r.solo and r.tokens_per_s > 0 for r in alone)
+    assert {r.batch for r in batched} == {3}
+    assert all(r.timed and not r.solo and r.tokens_per_s == 0 for r in batched), \
+        "a batched record's seconds overlap its neighbours': not its own decode's"
+
+
+def test_auto_keeps_batch_1_where_a_step_is_overhead_bound(engine):
+    from workers.cpu_batch import pick_batch_size
+
+    size, measured = pick_batch_size(engine, context=64, sizes=(1, 2, 4))
+    assert size == 1 and measured["rows_per_s"]["1"] > 200, measured  # the tiny pair: a step of microseconds
+
+
+def test_auto_picks_by_rows_per_second_and_keeps_its_choice(engine, tmp_path, monkeypatch):
+    import dataclasses
+
+    from workers import cpu_batch
+
+    monkeypatch.setattr(cpu_batch, "OVERHEAD_BOUND_S", 0.0)  # judge the tiny pair as if its steps were slow
+    view = dataclasses.replace(engine.pair, cache_dir=tmp_path) if dataclasses.is_dataclass(engine.pair) else None
+    assert view is not None
+    probe = type("Probe", (), {"pair": view})()
+    size, measured = cpu_batch.pick_batch_size(probe, context=64, sizes=(1, 2, 4), keep=0.0)
+    assert size == 1 and set(measured["rows_per_s"]) == {"1", "2", "4"}  # keep 0: the smallest size reaches it
+    size, measured = cpu_batch.pick_batch_size(probe, context=64, sizes=(1, 2, 4), keep=1.0)
+    assert size == 1 and "stored" in measured, "the first choice is kept and read back at this context"
+    size, measured = cpu_batch.pick_batch_size(probe, context=128, sizes=(1, 2, 4), keep=1.0)
+    assert str(size) == max(measured["rows_per_s"], key=lambda b: measured["rows_per_s"][b]) and "stored" not in measured
+    stored = list(tmp_path.glob("batch-*-ctx64.json")) + list(tmp_path.glob("batch-*-ctx128.json"))
+    assert len(stored) == 2
+
+
+def test_a_memory_budget_caps_the_batch(engine):
+    from workers import cpu_batch
+
+    per_row = (cpu_batch._kv_bytes_per_token(engine.pair.target) + cpu_batch._kv_bytes_per_token(engine.pair.draft)) * 2 * 64
+    size, measured = cpu_batch.pick_batch_size(engine, context=64, sizes=(1, 2, 4, 8), memory_gib=2.5 * per_row / 2 ** 30)
+    assert set(measured["rows_per_s"]) == {"1", "2"}, "rows whose KV caches would not fit are never timed"
+
+
+@pytest.mark.parametrize("text", ["0", "-2", "two", "1.5", ""])
+def test_a_bad_batch_size_is_one_line(text):
+    from workers.cli import parse_batch_size
+
+    with pytest.raises(ValueError, match="--batch-size must be a positive number or auto"):
+        parse_batch_size(text)
+    assert parse_batch_size("auto") == "auto" and parse_batch_size("8") == 8

@@ -80,8 +80,9 @@ def speed_figures(records: dict[str, Record], reference: dict[str, Record], cost
 
     units: dict[str, Callable[[Record], float]] = {"measured": seconds, "modelled": cost}
     for kind, unit in units.items():
-        # measured: only items both arms decoded (a replayed record's seconds are a pass's, not its rule's)
-        use = keys if kind == "modelled" else [k for k in keys if records[k].timed and reference[k].timed]
+        # measured: only items both arms decoded in full, alone (a replayed record's seconds are a pass's, not its
+        # rule's; a batched one's overlap its neighbours')
+        use = keys if kind == "modelled" else [k for k in keys if records[k].solo and reference[k].solo]
         if not use:
             continue
         trial, ref = [records[k] for k in use], [reference[k] for k in use]

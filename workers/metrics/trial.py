@@ -83,7 +83,8 @@ def in_situ_cost_ratio(records: Sequence[Record], target_only: Sequence[Record])
     items and machine state. The calibrated c (short context, idle machine) can differ a lot
     from this under long few-shot prompts or several actors per node; both are reported so the
     modelled speedup can be checked against the conditions it claims to describe."""
-    records = [r for r in records if r.timed]  # a replayed record's seconds are not its rule's decode
+    records = [r for r in records if r.solo]  # a replayed or batched record's seconds are not its rule's alone
+    target_only = [r for r in target_only if r.solo]
     drafts = sum(r.draft_forwards for r in records)
     steps = sum(r.target_forwards for r in target_only)
     step_s = sum(r.verify_time_s for r in target_only) / steps if steps else 0.0
@@ -119,7 +120,7 @@ def aggregate(records: Sequence[Record], target_only: Sequence[Record], lossless
     drafts = sum(r.num_drafts for r in ok.values())
     draft_tokens = sum(r.num_draft_tokens for r in ok.values())
     tokens = sum(r.tokens for r in ok.values())
-    timed = [r for r in ok.values() if r.timed]  # replayed records carry no decode time of their own
+    timed = [r for r in ok.values() if r.solo]  # replayed (batched) records carry no decode time of their own
     decode = sum(r.decode_time_s for r in timed)
     width = max((len(r.accepted_per_position) for r in ok.values()), default=0)
     per_pos = [sum(r.accepted_per_position[i] for r in ok.values() if i < len(r.accepted_per_position)) / drafts

@@ -10,6 +10,7 @@ from jobs.bench import draft_cost as bench_draft_cost
 from jobs.bench import load_serve
 from jobs.bench import quality as bench_quality
 from jobs.bench import step as bench_step
+from jobs.bench import throughput as bench_throughput
 from workers.models import calibrate
 
 
@@ -32,6 +33,10 @@ from workers.models import calibrate
     (bench_draft_cost.main, ["--dtype", "bf16"], "--dtype must be a fast-path dtype"),
     (bench_draft_cost.main, ["--threads", "-1"], "--threads must be >= 0"),
     (bench_draft_cost.main, ["--proposal-size", "0"], "--proposal-size must be >= 1"),
+    (bench_throughput.main, ["--batch-size", "0"], "--batch-size must be a positive number or auto"),
+    (bench_throughput.main, ["--dtype", "bf16"], "--dtype must be int8 or int4+int8"),
+    (bench_throughput.main, ["--chunks", "0"], "--chunks must be >= 1"),
+    (bench_throughput.main, ["--rule", "kl_jduge"], "unknown policy 'kl_jduge'"),
 ])
 def test_bad_input_is_one_line(main, argv, words, capsys):
     assert main(argv) == 2
@@ -177,3 +182,27 @@ def test_fast_quality_pairs_the_fast_path_with_its_reference_and_resumes(tmp_pat
     assert (tmp_path / "out" / "evidence.csv").read_text().count("\n") == 4
     assert fast_quality.main(argv) == 0  # everything held: nothing decoded again
     assert "target-only]" not in capsys.readouterr().err
+
+
+def test_throughput_prints_its_three_lines_with_intervals_and_checks_every_row(tmp_path):
+    """The batched engine against batch 1 on the tiny pair, 3 chunks of 3 items, interleaved: the three lines (the
+    vLLM one says there is no peer), intervals over 3 paired chunks, the projection, peak memory, and every batched
+    record equal to its batch-1 twin; the raw rows are written."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "jobs.bench.throughput", "--pair", "tiny-random", "--dtype", "int8",
+                           "--batch-size", "3", "--chunks", "3", "--max-new-tokens", "8", "--no-vllm",
+                           "--runs-root", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for line in ("reference throughput, batched over batch 1: ", "candidate throughput, batched over batch 1: ",
+                 "batched over vLLM-CPU batched, target-only: n/a (no vLLM peer)", "projected frontier (24 x 64",
+                 "peak memory: the CPU engine's process", "row-exact: every batched record equals its batch-1 twin"):
+        assert line in out, out
+    assert out.count("95% interval") == 2 and "over 3 paired chunks" in out
+    assert "chunk 3/3" in done.stderr, "progress per chunk and arm"
+    (raw,) = (tmp_path / "bench").glob("throughput-*.json")
+    rows = json.loads(raw.read_text())["cpu"]["rows"]
+    assert len(rows) == 12 and {r["batch"] for r in rows} == {1, 3} and all(r["items"] == 3 for r in rows)
