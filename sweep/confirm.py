@@ -378,6 +378,12 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                   + f"; over target-only: modelled {ratio_text(va['modelled'], 3, 'n/a')}, "
                   f"{measured_text(va['measured'], 3)}"
                 + f"; stated: {ratio_text(vl.get('stated'), 3, 'n/a')}, {vl.get('stated_from', 'modelled')}")
+            lat = (timed.get("latency") or {}).get("candidate")
+            if lat and lat.get("items"):
+                log(f"budget {budget * 100:g}%: latency at concurrency {timed['concurrency']} (candidate, "
+                    f"{lat['items']} items): time to first token p50 {lat['ttft_p50_s']:.2f} s, p90 "
+                    f"{lat['ttft_p90_s']:.2f} s; time per output token p50 {lat['tpot_p50_s'] * 1e3:.0f} ms, p90 "
+                    f"{lat['tpot_p90_s'] * 1e3:.0f} ms")
             check = choice.get("replay_check") or {}
             if check.get("items"):
                 differ = check["replayed_differ"] + check["full_differ"]

@@ -258,6 +258,12 @@ def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls()
     assert timed["tokens_per_s"] == {"target_only": 5.0, "lossless": 10.0, "candidate": 10.0}
     assert out["vs_lossless"]["measured"] == pytest.approx(1.0) and out["vs_target_only"]["measured"] == pytest.approx(2.0)
     assert timed["in_flight"]["target_only"] == pytest.approx(sum(r.wall_time_s for r in arms[0]) / 4.0)
+    # latency at that concurrency: a request's own seconds are a client's wait (p50 / p90 over the arm's items)
+    lat = timed["latency"]["target_only"]
+    assert lat["items"] == 2 and lat["ttft_p50_s"] == min(r.prefill_time_s for r in arms[0])
+    assert lat["ttft_p90_s"] == max(r.prefill_time_s for r in arms[0])
+    assert lat["tpot_p50_s"] == pytest.approx(min(r.decode_time_s / 9 for r in arms[0]))
+    assert timed["latency"]["candidate"]["items"] == 1, "a failed request has no latency to state"
     # an arm that made no tokens at all (every request failed): no ratio, never a crash
     dead = ([rec(k, 1.0, tokens=10) for k in "ab"], [rec(k, math.nan, tokens=0, error="boom") for k in "ab"],
             [rec(k, 1.0, tokens=10) for k in "ab"])

@@ -237,13 +237,33 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
                         "arm that goes first rotating; output tokens over each arm's walls",
                         tokens_per_s=dict(zip(("target_only", "lossless", "candidate"), rates, strict=True)),
                         # requests in flight on average: below the concurrency where items are few or chunks drain
-                        in_flight=dict(zip(("target_only", "lossless", "candidate"), in_flight, strict=True)))
+                        in_flight=dict(zip(("target_only", "lossless", "candidate"), in_flight, strict=True)),
+                        latency={name: latency(arm) for name, arm in zip(("target_only", "lossless", "candidate"),
+                                                                         timed.arms, strict=True)})
         out["vs_lossless"].update(measured=measured_ll, modelled_timed=modelled_ll, timed=like)
         out["vs_target_only"].update(measured=measured_ar, modelled_timed=modelled_ar, timed=like)
         out["replay_check"] = replay_check(timed, records, lossless, reference)
     for side in ("vs_lossless", "vs_target_only"):
         out[side].update(stated_figure(out[side]))
     return out
+
+
+def latency(records: Sequence[Record]) -> dict[str, float]:
+    """What a request waited at its concurrency, p50 and p90 over ``records`` (each decoded beside the others of its
+    chunk, so its seconds are a client's): time to first token (its prefill, queueing included) and time per output
+    token after the first."""
+    ok = [r for r in records if not r.failed and r.tokens > 0]
+
+    def pct(values: list[float], q: float) -> float:
+        if not values:
+            return math.nan
+        values = sorted(values)
+        return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+    ttft = [r.prefill_time_s for r in ok]
+    tpot = [r.decode_time_s / max(1, r.tokens - 1) for r in ok]
+    return {"ttft_p50_s": pct(ttft, 0.5), "ttft_p90_s": pct(ttft, 0.9), "tpot_p50_s": pct(tpot, 0.5),
+            "tpot_p90_s": pct(tpot, 0.9), "items": len(ok)}
 
 
 def stated_figure(figures: dict[str, Any]) -> dict[str, Any]:
