@@ -39,6 +39,21 @@ def bad(param: str, message: str) -> ApiError:
     return ApiError(400, f"{param}: {message}", param=param)
 
 
+def check_api_key(expected: str | None, authorization: str | None) -> None:
+    """A request's ``Authorization`` header against the server's key (None: no key asked for). Raises the 401
+    OpenAI answers (its error shape; the key sent is never echoed). Compared in constant time."""
+    import secrets
+
+    if expected is None:
+        return
+    scheme, _, sent = (authorization or "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not sent.strip():
+        raise ApiError(401, "You didn't provide an API key. This server needs one in an Authorization header using "
+                            "Bearer auth (Authorization: Bearer YOUR_KEY; the OpenAI client's api_key)")
+    if not secrets.compare_digest(sent.strip().encode(), expected.encode()):
+        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for. Excess is a 400/413, never a silently clipped request."""

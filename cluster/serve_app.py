@@ -9,7 +9,9 @@ asyncio loop stays free for health checks and streams. Admission: Serve sends at
 the proxy; anything beyond is answered 429 with ``Retry-After`` instead of queueing without bound.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` = server-sent
-events), ``GET /v1/models``, ``GET /v1/policy``, ``GET /healthz``. Aggregate metrics go to Ray's
+events), ``GET /v1/models``, ``GET /v1/policy``, ``GET /healthz``. With ``api_key_env`` set, every ``/v1``
+route needs ``Authorization: Bearer <key>`` (OpenAI's 401 otherwise, before the body is read); ``/healthz``
+stays open for probes. Aggregate metrics go to Ray's
 metrics (Prometheus) as ``spectune_*`` counters and histograms.
 
 Knows workers/ (pair, engine), policies/ and Ray Serve; nothing about sweeps or MLflow.
@@ -37,6 +39,7 @@ from cluster.openai_api import (
     GenRequest,
     Response,
     TextStream,
+    check_api_key,
     in_certificate,
     parse_chat,
     parse_completion,
@@ -75,6 +78,7 @@ class SpecDecodeServer:
         from workers.engines import make_engine
 
         self.s = ServeSettings.from_dict(settings)
+        self.key = self.s.api_key()  # before the pair loads: a replica without its key fails at once, never open
         torch.set_num_threads(max(1, round(self.s.num_cpus)))
         t0 = time.perf_counter()
         # vLLM: its async engine (continuous batching, per-request rules, token streaming); CPU: SpecDecoder
@@ -228,11 +232,24 @@ class SpecDecodeServer:
 
     def _error(self, route: str, err: ApiError, t0: float) -> JSONResponse:
         self.metrics.answered(route, err.status, time.perf_counter() - t0)
-        return JSONResponse(err.body(), status_code=err.status)
+        headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+    def _denied(self, request: Request, route: str, t0: float) -> JSONResponse | None:
+        """The 401 for a request without this server's key (None: let it in). Checked before the body is read:
+        a refused request costs no parsing and no decode."""
+        try:
+            check_api_key(self.key, request.headers.get("authorization"))
+        except ApiError as err:
+            return self._error(route, err, t0)
+        return None
 
     async def _serve(self, request: Request, kind: str) -> Any:
         route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         t0 = time.perf_counter()
+        denied = self._denied(request, route, t0)
+        if denied is not None:
+            return denied
         try:
             body = await self._json(request)
             parse = parse_chat if kind == "chat" else parse_completion
@@ -305,12 +322,18 @@ class SpecDecodeServer:
         return await self._serve(request, "chat")
 
     @api.get("/v1/models")
-    async def models(self) -> dict[str, Any]:
+    async def models(self, request: Request) -> Any:
+        denied = self._denied(request, "/v1/models", time.perf_counter())
+        if denied is not None:
+            return denied
         return {"object": "list", "data": [{"id": self.s.model, "object": "model", "created": int(self.started),
                                             "owned_by": "spectune", "max_model_len": self.max_positions or None}]}
 
     @api.get("/v1/policy")
-    async def policy(self) -> dict[str, Any]:
+    async def policy(self, request: Request) -> Any:
+        denied = self._denied(request, "/v1/policy", time.perf_counter())
+        if denied is not None:
+            return denied
         return {"model": self.s.model, "pair": self.s.pair, "dtype": self.s.dtype, **self.default.to_dict(),
                 "source": self.s.source, "limits": dataclasses.asdict(self.limits),
                 "max_ongoing_requests": self.s.max_ongoing_requests,

@@ -8,6 +8,7 @@ starts. The app that runs them is :mod:`cluster.serve_app`.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,9 @@ class ServeSettings:
     tensor_parallel_size: int = 1  # vLLM: GPUs per replica (give the replica as many in num_gpus)
     num_gpus: float = 0  # per replica
     vllm: dict[str, Any] = field(default_factory=dict)  # VLLMSettings fields (memory fraction, max_model_len)
+    # The environment variable that holds the API key in every replica's environment (the name, never the key: it
+    # travels in Serve configs). Set: every /v1 request must carry ``Authorization: Bearer <key>`` or is a 401.
+    api_key_env: str | None = None
     # Fault injection for tests of the error path: a prompt containing this text fails inside the
     # engine after its first round (off unless set; the text itself is never executed).
     fail_marker: str | None = None
@@ -50,6 +54,10 @@ class ServeSettings:
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus!r}")
         if not (isinstance(self.num_gpus, (int, float)) and self.num_gpus >= 0):
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus!r}")
+        if self.api_key_env is not None and not (isinstance(self.api_key_env, str)
+                                                  and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.api_key_env)):
+            raise ValueError(f"api_key_env must name an environment variable (letters, digits, _), got "
+                             f"{self.api_key_env!r}: the name of the variable holding the key, not the key")
         from workers.engines import check_engine
 
         check_engine(self.engine, draft_lens=(self.draft_len, self.draft_len),
@@ -58,6 +66,21 @@ class ServeSettings:
     @property
     def model(self) -> str:
         return self.model_name or f"spectune/{self.pair}"
+
+    def api_key(self) -> str | None:
+        """The key every /v1 request must carry (read from this process's environment), or None where no key is
+        asked for. A named variable that is unset or empty is an error: the server never runs open by mistake."""
+        import os
+
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env, "")
+        if not key.strip():
+            raise ValueError(f"api_key_env {self.api_key_env}: that environment variable is "
+                             f"{'empty' if self.api_key_env in os.environ else 'not set'} in this process "
+                             f"(pid {os.getpid()}); it must hold the API key wherever a replica runs (Kubernetes: "
+                             "from a Secret)")
+        return key.strip()
 
     def limits_obj(self) -> Limits:
         unknown = sorted(set(self.limits) - {f.name for f in dataclasses.fields(Limits)})

@@ -10,7 +10,9 @@
     python -m jobs.serve --policy kl_judge --param threshold=0.5 --write-config serve.yaml
 
 Starts a local Ray on 127.0.0.1 (or joins ``--address``), binds HTTP to ``--host`` (default
-127.0.0.1) and serves until Ctrl-C. Policy and settings are validated before Ray starts: a bad
+127.0.0.1) and serves until Ctrl-C. ``--api-key-env VAR``: every /v1 request must carry the key held in $VAR
+(a 401 in OpenAI's shape otherwise); binding beyond loopback without one prints a warning. Replicas read $VAR
+from their own environment (a local Ray's inherit this one; a cluster's nodes need it set, e.g. from a Secret). Policy and settings are validated before Ray starts: a bad
 name, parameter, run id or file is one line naming the problem (exit 2).
 """
 
@@ -234,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model-name", help="the OpenAI model id clients send (default spectune/<pair>)")
     ap.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key-env", metavar="VAR",
+                    help="the environment variable holding the API key every /v1 request must send (Authorization: "
+                         "Bearer KEY, the OpenAI client's api_key); the key itself never goes on the command line. "
+                         "Without it the endpoint is open: bind 127.0.0.1 only")
     ap.add_argument("--address", help="an existing Ray cluster (default: start one locally)")
     ap.add_argument("--replicas", type=int, default=1, help="replicas, one pair each")
     ap.add_argument("--num-cpus", type=float, default=None, help="CPUs (and torch threads) per replica (default: all)")
@@ -308,6 +314,7 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
         "prefix_cache": not args.no_prefix_cache, "runs_root": args.runs_root,
         "allow_uncertified": args.allow_uncertified,
         "engine": args.engine, "tensor_parallel_size": args.tensor_parallel_size, "num_gpus": args.num_gpus,
+        "api_key_env": args.api_key_env,
         "vllm": {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory_utilization),
                                    ("max_model_len", args.max_model_len), ("enforce_eager", args.enforce_eager),
                                    ("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -323,6 +330,27 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
     return spec
 
 
+def loopback(host: str) -> bool:
+    """Whether ``host`` binds this machine only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
+def open_warning(host: str, port: int, api_key_env: str | None) -> str | None:
+    """The warning for an endpoint any machine may reach with no key, or None."""
+    if api_key_env or loopback(host):
+        return None
+    return (f"warning: --host {host} binds beyond this machine and no --api-key-env is set: anyone who reaches port "
+            f"{port} can run generations on it. Set --api-key-env VAR (the variable holding a key), and put a "
+            "TLS-terminating proxy in front (docs/serving.md#keys-and-tls)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -331,9 +359,19 @@ def main(argv: list[str] | None = None) -> int:
         from workers.models.pair import check_pair_name
 
         check_pair_name(settings.pair, settings.dtype)
+        if settings.api_key_env and not args.write_config:  # a local Ray's replicas inherit this environment
+            try:
+                settings.api_key()
+            except ValueError:
+                raise ValueError(f"--api-key-env {settings.api_key_env}: that environment variable is "
+                                 f"{'empty' if settings.api_key_env in os.environ else 'not set'}; export the key in "
+                                 "it (the key itself never goes on the command line)") from None
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    warning = open_warning(args.host, args.port, settings.api_key_env)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     if args.write_config:
         import yaml
 

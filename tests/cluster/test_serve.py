@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow
 
 MODEL = "spectune/tiny-random"
 FAIL = "<<fail-here>>"
+KEY_ENV, KEY = "SPECTUNE_TEST_SERVE_KEY", "sk-test-0123456789"  # the "tight" app asks for this key
 
 
 def free_port() -> int:
@@ -41,6 +42,15 @@ def wait_healthy(url: str, timeout: float = 600) -> None:
 
 @pytest.fixture(scope="module")
 def server():
+    import os
+
+    import ray
+
+    # a replica reads its key from its own environment, which a local Ray's workers take from this process when
+    # Ray starts: start it after the variable is set
+    os.environ[KEY_ENV] = KEY
+    if ray.is_initialized():
+        ray.shutdown()
     init_ray(num_cpus=2)
     from ray import serve
 
@@ -51,7 +61,7 @@ def server():
                          source={"kind": "flags"}, limits={"max_prompt_tokens": 1000, "max_tokens": 300,
                                                            "max_body_bytes": 20_000})
     tight = ServeSettings(pair="tiny-random", dtype="fp32", policy="lossless", num_cpus=0.1,
-                          max_ongoing_requests=1, max_queued_requests=1)
+                          max_ongoing_requests=1, max_queued_requests=1, api_key_env=KEY_ENV)
     serve.run(build_app(main), name="main", route_prefix="/", blocking=False)
     serve.run(build_app(tight), name="tight", route_prefix="/tight", blocking=False)
     base = f"http://127.0.0.1:{port}"
@@ -59,12 +69,14 @@ def server():
     wait_healthy(base + "/tight")
     yield base
     serve.shutdown()
+    os.environ.pop(KEY_ENV, None)
 
 
-def post(url: str, path: str, body: dict | bytes, stream: bool = False) -> requests.Response:
+def post(url: str, path: str, body: dict | bytes, stream: bool = False, key: str | None = None) -> requests.Response:
+    auth = {"authorization": f"Bearer {key}"} if key else {}
     if isinstance(body, bytes):
-        return requests.post(url + path, data=body, headers={"content-type": "application/json"}, timeout=300)
-    return requests.post(url + path, json=body, timeout=300, stream=stream)
+        return requests.post(url + path, data=body, headers={"content-type": "application/json", **auth}, timeout=300)
+    return requests.post(url + path, json=body, timeout=300, stream=stream, headers=auth)
 
 
 def events(resp: requests.Response) -> list:
@@ -202,7 +214,7 @@ def test_excess_requests_are_429_with_retry_after_not_queued(server):
     def one(i: int) -> requests.Response:
         start.wait()
         return post(server, "/tight/v1/completions", {"prompt": f"count {i}", "max_tokens": 300, "temperature": 0.8,
-                                                     "seed": i})
+                                                     "seed": i}, key=KEY)
 
     with ThreadPoolExecutor(10) as pool:
         responses = list(pool.map(one, range(10)))
@@ -245,6 +257,39 @@ def test_the_official_openai_client_works_unchanged(server):
         client.completions.create(model=MODEL, prompt="x", max_tokens=10_000)
     assert "max_tokens" in str(info.value)
     assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_a_server_with_a_key_refuses_requests_without_it_before_any_decode(server):
+    """jobs.serve --api-key-env: the official client with the key is served; without it, or with a wrong one, a
+    401 in OpenAI's shape (the client's AuthenticationError), before the body is even read (a body that would be a
+    400 is a 401 first: it never reaches parsing, let alone the engine); /healthz stays open for probes."""
+    import openai
+
+    tight = server + "/tight"
+    good = openai.OpenAI(base_url=tight + "/v1", api_key=KEY, max_retries=0)
+    done = good.completions.create(model=MODEL, prompt="Hello", max_tokens=4, temperature=0)
+    assert done.usage.completion_tokens >= 1 and [m.id for m in good.models.list()] == [MODEL]
+
+    wrong = openai.OpenAI(base_url=tight + "/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        wrong.completions.create(model=MODEL, prompt="Hello", max_tokens=200, temperature=0)
+    assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
+    assert "sk-wrong" not in str(info.value), "the key sent is never echoed"
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=200,
+                                      stream=True)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    for path, body in (("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10_000}),
+                       ("/v1/chat/completions", b"{not json")):
+        r = post(tight, path, body)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert "Authorization: Bearer" in r.json()["error"]["message"]
+    assert requests.get(tight + "/v1/policy", timeout=30).status_code == 401
+    assert requests.get(tight + "/v1/policy", headers={"authorization": f"Bearer {KEY}"}, timeout=30).json()[
+        "policy"] == "lossless"
+    assert requests.get(tight + "/healthz", timeout=30).json()["status"] == "ok"
 
 
 def test_the_judge_scorer_asks_a_real_endpoint_and_caches_its_answer(server, tmp_path, monkeypatch):

@@ -127,6 +127,14 @@ def test_rayservice_serve_config_validates_and_builds_settings(variant):
     assert args.pop("policy_file").startswith("/runs/")  # the chosen policy comes from the runs volume
     settings = ServeSettings.from_dict(args)
     workers = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    # bound to 0.0.0.0: a key is asked for, and every pod a replica may run on holds it from a Secret, required
+    # (no Secret, no pod: the endpoint never runs open); the head runs no replica
+    assert config["http_options"]["host"] == "0.0.0.0" and settings.api_key_env
+    for group in workers:
+        (var,) = [e for e in group["template"]["spec"]["containers"][0]["env"] if e["name"] == settings.api_key_env]
+        ref = var["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == SECRET and not ref.get("optional") and "value" not in var
+    assert svc["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     per_pod = max(quantity(g["rayStartParams"]["num-cpus"]) for g in workers)
     assert settings.num_cpus <= per_pod, "a replica must fit on one worker pod"
     assert settings.num_replicas <= sum(g["maxReplicas"] for g in workers) * (per_pod // settings.num_cpus)
@@ -164,7 +172,7 @@ def test_volumes_claims_and_cache_paths_agree(doc):
                   if "persistentVolumeClaim" in v}
         assert set(mounts.values()) <= claims
         for c in pod["containers"]:
-            env = {e["name"]: e["value"] for e in c.get("env", [])}
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
             paths = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
             if "SPECTUNE_CACHE" in env:
                 assert env["SPECTUNE_CACHE"] in paths, "the asset cache must be the mounted volume"
@@ -262,6 +270,9 @@ def test_gpu_rayjob_measures_c_through_vllm_on_a_gpu_pod_then_sweeps_with_it():
     assert "/runs" in {m["mountPath"] for m in head["template"]["spec"]["containers"][0]["volumeMounts"]}
 
 
+SECRET = ("spectune-api-key", "api-key")  # infra/README.md creates it
+
+
 def test_the_endpoint_rayjob_certifies_the_rayservices_server_with_flags_the_sweep_accepts():
     from jobs import sweep as sweep_job
     from sweep.settings import parse_settings
@@ -273,6 +284,13 @@ def test_the_endpoint_rayjob_certifies_the_rayservices_server_with_flags_the_swe
     assert args.engine == "openai" and args.pair == args.pair_id and args.cost_ratio is not None
     (service,) = [d for d in docs("rayservice.yaml") if d["kind"] == "RayService"]
     assert args.base_url.startswith(f"http://{service['metadata']['name']}-serve-svc:8000/"), "the RayService's server"
+    # the service's key: the job's cluster holds it from the same Secret in every pod (its driver and actors send it)
+    app = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]
+    assert args.api_key_env == app["args"]["api_key_env"]
+    (cluster,) = [d for d in docs("raycluster.yaml") if d["metadata"]["name"] == job["spec"]["clusterSelector"]["ray.io/cluster"]]
+    for pod in pod_specs(cluster):
+        (var,) = [e for e in pod["containers"][0]["env"] if e["name"] == args.api_key_env]
+        assert (var["valueFrom"]["secretKeyRef"]["name"], var["valueFrom"]["secretKeyRef"]["key"]) == SECRET
     assert job["spec"]["runtimeEnvYAML"].count("SPECTUNE_LEDGER: /runs/ledger") == 1
 
 

@@ -171,8 +171,12 @@ def test_policy_file_and_flags(tmp_path):
     (["--engine", "vllm", "--max-num-batched-tokens", "8", "--max-num-seqs", "16"], "must be >= max_num_seqs"),
     (["--engine", "vllm", "--max-num-seqs", "0"], "max_num_seqs must be an integer >= 1"),
     (["--speculative-method", "eagle3"], "add --engine vllm"),
+    (["--api-key-env", "SPECTUNE_TEST_UNSET_KEY"], "--api-key-env SPECTUNE_TEST_UNSET_KEY: that environment variable "
+                                                   "is not set"),
+    (["--api-key-env", "sk-abc.123"], "api_key_env must name an environment variable"),
 ])
-def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys):
+def test_bad_cli_input_is_one_line_before_ray(argv, words, capsys, monkeypatch):
+    monkeypatch.delenv("SPECTUNE_TEST_UNSET_KEY", raising=False)
     assert serve_job.main(argv) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and err.count("\n") == 1
@@ -191,3 +195,39 @@ def test_written_serve_config_is_valid_and_builds_the_app(tmp_path):
     settings = serve_job.settings_from(app["args"])
     assert (settings.policy, settings.params, settings.draft_len) == ("top_k", {"k": 3}, 3)
     assert serve_job.app_builder(app["args"]) is not None
+
+
+@pytest.mark.parametrize("host,key,warned", [("0.0.0.0", None, True), ("10.1.2.3", None, True),
+                                             ("0.0.0.0", "SPECTUNE_KEY", False), ("127.0.0.1", None, False),
+                                             ("::1", None, False), ("localhost", None, False)])
+def test_binding_beyond_loopback_without_a_key_warns_and_the_key_travels_by_name(tmp_path, capsys, host, key,
+                                                                                   warned):
+    out = tmp_path / "serve.yaml"
+    assert serve_job.main(["--pair", "tiny-random", "--dtype", "fp32", "--host", host, "--write-config", str(out),
+                           *(["--api-key-env", key] if key else [])]) == 0
+    err = capsys.readouterr().err
+    assert ("warning: --host" in err and "--api-key-env" in err and "TLS" in err) is warned, err
+    args = yaml.safe_load(out.read_text())["applications"][0]["args"]
+    assert args.get("api_key_env") == key  # the variable's name: the key is read where a replica runs
+    assert serve_job.settings_from(args).api_key_env == key
+
+
+def test_a_replica_reads_its_key_from_its_environment_and_never_runs_open(monkeypatch):
+    from cluster.openai_api import ApiError, check_api_key
+
+    settings = serve_job.settings_from({"pair": "tiny-random", "dtype": "fp32", "api_key_env": "SPECTUNE_TEST_KEY"})
+    monkeypatch.delenv("SPECTUNE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="SPECTUNE_TEST_KEY: that environment variable is not set"):
+        settings.api_key()
+    monkeypatch.setenv("SPECTUNE_TEST_KEY", " ")
+    with pytest.raises(ValueError, match="empty"):
+        settings.api_key()
+    monkeypatch.setenv("SPECTUNE_TEST_KEY", "sk-1")
+    assert settings.api_key() == "sk-1"
+    assert serve_job.settings_from({"pair": "tiny-random", "dtype": "fp32"}).api_key() is None
+    check_api_key(None, None)  # no key asked for: everything passes
+    check_api_key("sk-1", "Bearer sk-1")
+    for header, code in ((None, None), ("Bearer ", None), ("Basic sk-1", None), ("Bearer sk-2", "invalid_api_key")):
+        with pytest.raises(ApiError) as info:
+            check_api_key("sk-1", header)
+        assert (info.value.status, info.value.code) == (401, code) and "sk-2" not in info.value.message
