@@ -52,6 +52,25 @@ def comma_list(value: Any) -> str:
     return value
 
 
+def json_object(value: Any) -> dict[str, Any] | None:
+    """A JSON-object flag (``--server-config``, ``--extra-body``, ...): a JSON text on the command line, a mapping in
+    a config file; anything else is one line saying what was wrong (not jsonargparse's list of Union subtypes)."""
+    import json
+
+    if value is None or isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise _ValueError(f"expected a JSON object such as '{{\"key\": 1}}', got {value!r}")
+    try:
+        got = json.loads(value)
+    except ValueError as err:
+        raise _ValueError(f"not valid JSON ({err}): {value[:80]!r}; write a JSON object in single quotes, e.g. "
+                          "'{\"rejection_sample_method\": \"fly\"}'") from None
+    if not isinstance(got, dict):
+        raise _ValueError(f"expected a JSON object ({{...}}), got {type(got).__name__} {value[:80]!r}")
+    return got
+
+
 def rules(value: Any) -> list[str]:
     """``--enqueue``: one rule per flag on the command line; in a config file one rule or a list."""
     items = list(value) if isinstance(value, list | tuple) else [value]
@@ -69,7 +88,8 @@ class _AppendRules(argparse._AppendAction):
 
 # what --help says a flag of these types takes (jsonargparse would print the function itself, <function ... at 0x...>)
 TYPE_NAMES: tuple[tuple[Any, str], ...] = (
-    (comma_list, "comma-separated list"), (subset_seed, "int or 'file'"), (rules, "rule[:knob=value,...]"))
+    (comma_list, "comma-separated list"), (subset_seed, "int or 'file'"), (rules, "rule[:knob=value,...]"),
+    (json_object, "JSON object"))
 
 
 class HelpFormatter(jsonargparse.DefaultHelpFormatter):
@@ -244,7 +264,7 @@ def build_parser() -> SweepParser:
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="openai: seconds to wait for a server's next bytes")
     ap.add_argument("--retries", type=int, default=4, help="openai: retries per request (5xx, timeouts, drops)")
-    ap.add_argument("--server-config", type=dict[str, Any] | None, default=None,
+    ap.add_argument("--server-config", type=json_object, default=None,
                     help="openai: certify the server at --base-url as it is configured, with no search: its lossy "
                          "settings as you state them (a JSON object recorded in the certificate's scope, e.g. "
                          "'{\"rejection_sample_method\": \"fly\", \"fly_window_size\": 6}'), against --reference-url")
@@ -252,11 +272,11 @@ def build_parser() -> SweepParser:
                     help="openai, --server-config: the lossless server of the same model (default: --base-url, "
                          "told apart by --reference-extra-body)")
     ap.add_argument("--reference-model", type=str | None, default=None, help="openai: the reference's model name")
-    ap.add_argument("--reference-config", type=dict[str, Any] | None, default=None,
+    ap.add_argument("--reference-config", type=json_object, default=None,
                     help="openai, --server-config: the reference server's settings as you state them (JSON, recorded)")
-    ap.add_argument("--extra-body", type=dict[str, Any] | None, default=None,
+    ap.add_argument("--extra-body", type=json_object, default=None,
                     help="openai, --server-config: JSON fields every candidate request carries")
-    ap.add_argument("--reference-extra-body", type=dict[str, Any] | None, default=None,
+    ap.add_argument("--reference-extra-body", type=json_object, default=None,
                     help="openai, --server-config: JSON fields every reference request carries")
     ap.add_argument("--concurrency", type=str, default="1",
                     help="requests in flight. A sweep (--engine openai or vllm): the speed phase's, one value. "

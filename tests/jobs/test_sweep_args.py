@@ -61,6 +61,8 @@ def test_a_bad_key_or_value_is_one_line_naming_it(tmp_path, text, message):
 
 def test_a_bad_flag_is_a_value_error_too():
     for argv, message in ((["--trials", "x"], '"trials"'), (["--subset-seed", "x"], "--subset-seed"),
+                          (["--server-config", "{fly: 4}"], "--server-config: not valid JSON"),
+                          (["--extra-body", "[1]"], "--extra-body: expected a JSON object"),
                           (["--colour", "blue"], "unrecognized arguments: --colour")):
         with pytest.raises(ValueError, match=message):
             parse_args(argv)
@@ -88,6 +90,13 @@ def test_search_space_narrows_the_rules_ranges_within_their_bounds(tmp_path):
         args = parse_args([*BASE, "--config", config(tmp_path, f"search_space:\n  kl_judge:\n    {bad}\n")])
         with pytest.raises(ValueError, match=message.replace(".", r"\.")):
             parse_settings(args)
+
+
+def test_a_json_flag_is_an_object_from_a_flag_or_a_config_file(tmp_path):
+    args = parse_args(["--server-config", '{"rejection_sample_method": "fly", "fly_window_size": 4}'])
+    assert args.server_config == {"rejection_sample_method": "fly", "fly_window_size": 4}
+    again = parse_args(["--config", config(tmp_path, effective_config(args))])
+    assert again.server_config == args.server_config and again.extra_body is None
 
 
 def test_the_effective_config_parses_back_the_same(tmp_path):
