@@ -3,6 +3,7 @@
 - :func:`run_bundles`: lossless at every L of a range on the search items, one teacher-forced pass per item
   for all of them (``PairWorker.evaluate_bundle``), a few items per call on whichever actor is free; a chunk
   whose actor died goes back on the queue for a live actor, and only when none is left does the call fail;
+- :func:`batch_choices`: each actor's batch size for a workload (``PairWorker.batch``), asked once per sweep;
 - :func:`time_items`: a candidate's timed items, like for like, on one actor (``PairWorker.time_items``): the
   load before and after, and a lost actor reported as the timing's error, never raised.
 
@@ -63,6 +64,11 @@ def _run_bundles(workers: Sequence[Any], benchmark: str, specs: Sequence[DecodeS
         free.append(worker)
         for per_spec in done:
             on_records(list(per_spec))
+
+
+def batch_choices(workers: Sequence[Any], benchmark: str, items: Sequence[Item], spec: Any) -> list[dict[str, Any]]:
+    """Every actor's ``--batch-size`` choice at the workload's context (``PairWorker.batch``), in actor order."""
+    return ray.get([w.batch.remote(benchmark, list(items), spec) for w in workers])
 
 
 def time_items(worker: Any, benchmark: str, specs: Sequence[DecodeSpec], items: Sequence[Item],

@@ -144,9 +144,9 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
 def batch_of(workers: list[Any], benchmark: str, items: list[Any], spec: Any) -> int:
     """The rows each CPU actor decodes at once (``--batch-size``; ``auto`` measured by each actor at the items'
     context), said once; the smallest where the actors differ (a shard is cut for all of them)."""
-    import ray
+    from cluster.pool import batch_choices
 
-    chosen = ray.get([w.batch.remote(benchmark, items, spec) for w in workers])
+    chosen = batch_choices(workers, benchmark, items, spec)
     size = min(c["batch_size"] for c in chosen)
     if size > 1 or any(c.get("choice") for c in chosen):
         why = chosen[0].get("choice") or {}
