@@ -219,7 +219,8 @@ def certification_table(choices: list[dict[str, Any]], noise_floors: list[dict[s
                 if c.get("policy") else "—")
         needed = cert.get("items_needed")
         p_value = cert.get("p_value")
-        cells = [budget_label(float(c["budget"])), "**yes**" if c.get("certified") else "no", rule,
+        verdict = "**yes**" if c.get("certified") else "**refuted**" if cert.get("verdict") == "refuted" else "no"
+        cells = [budget_label(float(c["budget"])), verdict, rule,
                  f"{p_value:.3g}" if isinstance(p_value, float) else "—", _pct_or_dash(cert.get("bound")), _pct_or_dash(cert.get("drop"), True), str(cert.get("n") or "—"),
                  f"{cert['discordance']:.3f}" if isinstance(cert.get("discordance"), float)
                  and math.isfinite(cert["discordance"]) else "—",

@@ -81,7 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     log(f"MLflow UI, from the checkout: .venv/bin/python -m jobs.tracking ui --run-dir "
         f"{shlex.quote(str(result.run_dir))}")
-    return 0
+    return _gate(settings, result.chosen)
+
+
+def _gate(settings, chosen: dict) -> int:
+    """``--gate BUDGET``: that budget's verdict as the exit code (0 certified, 10 refuted, 11 undecided)."""
+    from workers.certify.verdict import GATE_EXIT, UNDECIDED
+
+    gate = getattr(settings.args, "gate", None)
+    if gate is None:
+        return 0
+    choice = next((c for b, c in chosen.items() if abs(float(b) - gate) < 1e-12), {})
+    verdict = choice.get("verdict") or UNDECIDED
+    log(f"gate {gate * 100:g}%: {verdict} (exit {GATE_EXIT[verdict]})")
+    return GATE_EXIT[verdict]
 
 
 if __name__ == "__main__":

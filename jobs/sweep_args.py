@@ -190,6 +190,10 @@ def build_parser() -> SweepParser:
     ap.add_argument("--judge-url", type=str | None, default=None,
                     help="a task file's judge scorer: the OpenAI-compatible base url (overrides judge.url; sets SPECTUNE_JUDGE_URL)")
     ap.add_argument("--budgets", type=comma_list, default="0.01,0.02,0.05", help="accuracy-drop budgets, comma separated")
+    ap.add_argument("--gate", type=float | None, default=None, metavar="BUDGET",
+                    help="one of --budgets: the run's exit code is that budget's verdict, for a deployment's CI: 0 "
+                         "certified, 10 refuted (the drop shown above it), 11 undecided (2 bad input, 3 knobs not "
+                         "applied, as without it); without --gate a finished run exits 0")
     ap.add_argument("--policies", type=comma_list, default=",".join(DEFAULT_FAMILIES), help="rule families to search")
     ap.add_argument("--trials", type=int, default=32, help="total trials (finished + pruned) the study should reach "
                     "(default 32: enough to rank the families against each other)")

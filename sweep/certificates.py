@@ -48,7 +48,8 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
     design = None if plan is None else {**plan.to_dict(), "look": None if bound is None else bound.look,
                                         "stopped_at": (stopped or {}).get(shown)}
     return {**counts.get(shown, {}), "sequential": design,
-        "certified": bool(cert.certified), "alpha": cert.alpha, "reason": cert.reason,
+        "certified": bool(cert.certified), "verdict": cert.verdict, "alpha": cert.alpha, "reason": cert.reason,
+        "refutation": None if cert.refutation is None else cert.refutation.to_dict(),
         "bound": None if bound is None else bound.upper, "drop": None if bound is None else bound.drop,
         "n": None if bound is None else bound.n, "discordance": None if bound is None else bound.discordance,
         "method": None if bound is None else bound.method, "items_needed": cert.items_needed,
@@ -60,6 +61,21 @@ def certificate_fields(cert: Certificate, split: dict[str, Any], n_items: int,
         "steps": [{"candidate": key, "passed": passed, **b.to_dict(), **counts.get(key, {})}
                   for key, b, passed in cert.steps],
     }
+
+
+def verdict_word(cert: Certificate) -> str:
+    """How a budget's decision reads in the log: CERTIFIED, REFUTED (the drop shown above it), REFUSED (the knobs
+    showed no effect) or not certified (undecided)."""
+    if cert.certified:
+        return "CERTIFIED"
+    if cert.reason.startswith("refused"):
+        return "REFUSED"
+    return "REFUTED" if cert.verdict == "refuted" else "not certified (undecided)"
+
+
+def refutation_note(cert: Certificate) -> str:
+    """The refutation's own sentence, where the budget was refuted ('' otherwise)."""
+    return f"; {cert.refutation.reason}" if cert.verdict == "refuted" else ""
 
 
 def composition(sources: dict[str, int], n_items: int) -> str:

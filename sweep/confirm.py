@@ -31,6 +31,8 @@ from sweep.certificates import (
     confirm_metrics,
     noise_floor_row,
     pool_outlook,
+    refutation_note,
+    verdict_word,
 )
 from sweep.progress import log
 from sweep.search import spec_of
@@ -156,7 +158,14 @@ class Confirmation:
             self.bounds[c.key] = self._bounds[c.key, alpha, budget]
             return self.bounds[c.key]
 
-        return fixed_sequence(ordered, bound_of, budget, alpha)
+        cert = fixed_sequence(ordered, bound_of, budget, alpha)
+        if not cert.certified and cert.steps:  # the candidate that decided the budget: is its drop shown above it?
+            from workers.certify.verdict import refutation
+
+            rows = self.evidence[cert.steps[0][0]]
+            cert.refutation = refutation([r["reference_score"] for r in rows], [r["candidate_score"] for r in rows],
+                                         self.plan(alpha, budget), budget, alpha)
+        return cert
 
 
 @dataclass(frozen=True)
@@ -318,13 +327,15 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             pending = bool(cert.certified and withheld and audit_pending(check, audited_records))
             if cert.certified and withheld:
                 cert.certified, cert.reason = False, withheld
+            elif withheld and cert.verdict == "refuted":  # the audit doubts the records: they refute nothing either
+                cert.refutation = None
             if attempt.id is not None and pending:
                 log(f"budget {budget * 100:g}%: left undecided in the ledger until its replay audit is finished")
             elif attempt.id is not None:  # the items this budget's candidates (and its noise floor) used
                 used = max((confirmation.stopped.get(k, len(items)) for k, _, _ in cert.steps), default=0)
-                attempt.ledger.decide(attempt.id, budget, cert.certified, cert.reason, used)
+                attempt.ledger.decide(attempt.id, budget, cert.certified, cert.reason + refutation_note(cert), used)
         pick = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)
-        choice = {**base_choice(state, budget, attempt), "certified": bool(cert.certified),
+        choice = {**base_choice(state, budget, attempt), "certified": bool(cert.certified), "verdict": cert.verdict,
                   "certification": {**certificate_fields(cert, state.split, len(items),
                                                          confirmation.counts, confirmation.plan(alpha_each, budget),
                                                          confirmation.stopped, sources), **ledger_fields,
@@ -356,7 +367,7 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             figures_of(key_)
         chosen[str(budget)] = choice
         write_json(out / f"chosen-budget-{budget}.json", choice)
-        verdict = "CERTIFIED" if cert.certified else "REFUSED" if cert.reason.startswith("refused") else "not certified"
+        verdict = verdict_word(cert)
         what = f"{choice['policy']} (trial {choice.get('trial')})" if choice.get("policy") else "no candidate"
         bound = cert.bound
         log(f"budget {budget * 100:g}%: {verdict}: {what}; "
@@ -366,7 +377,8 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
                  f"discordance {bound.discordance:.3f}, alpha {cert.alpha}, per budget"
                  + (f"; look {bound.look} of {bound.looks} at level {bound.alpha:.4g}" if bound.looks > 1 else "") + ")"
                  if bound is not None else cert.reason)
-            + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items"))
+            + ("" if cert.certified or cert.items_needed is None else f"; a certificate needs ~{cert.items_needed} items")
+            + refutation_note(cert))
         if choice.get("vs_lossless"):
             vl, va = choice["vs_lossless"], choice["vs_target_only"]
             timed = vl.get("timed") or {}

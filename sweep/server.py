@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,7 +87,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     file per budget, ``certification.json`` and ``.md``, the evidence CSV) under the run directory and logs them
     to MLflow. Returns the run directory, the MLflow run and the decision per budget."""
     from sweep.attempt import Attempt, attempt_items, family_fields, prior_refusal, statement
-    from sweep.certificates import certificate_fields, pool_outlook
+    from sweep.certificates import certificate_fields, pool_outlook, refutation_note, verdict_word
     from sweep.confirm import Confirmation
     from sweep.settings import ledger_of
     from sweep.tracking import SweepTracker
@@ -161,6 +162,11 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
         f"{speed_interval(screen).text()} the reference at concurrency {level}; knobs: {refused or 'applied'}")
     cand = Candidate(key=cand_key, speed=speed if math.isfinite(speed) else 1.0, search_drop=sb.drop,
                      search_upper=sb.upper, payload={"family": KEY}, search_discordance=sb.discordance)
+    gate = getattr(args, "gate", None)
+    if gate is not None and cand.search_drop > gate:  # a gated budget is decided, never skipped: refuted is an answer
+        log(f"screen: its drop is above the gated {gate * 100:g}%: confirmed all the same (--gate), so the verdict can "
+            "be refuted rather than left undecided")
+        cand = replace(cand, search_drop=gate)
     candidates = [] if refused else [cand]
     alpha_stated = args.alpha / len(settings.budgets) if args.joint else args.alpha
     ledger = ledger_of(settings)
@@ -225,10 +231,10 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             ceiling = prior_refusal(ledger, attempt, budget)
             if cert.certified and ceiling is not None:
                 cert.certified, cert.reason = False, ceiling
-            ledger.decide(attempt, budget, cert.certified, cert.reason, evidence_n() if cert.steps else 0)
+            ledger.decide(attempt, budget, cert.certified, cert.reason + refutation_note(cert), evidence_n() if cert.steps else 0)
         choice = {"budget": budget, "pair": args.pair_id, "benchmark": bench.name, "dtype": "server", "sweep": name,
                   "parent_run_id": parent, "decode": decode, "engine": "openai", "mode": "server-config",
-                  "pair_fingerprint": ledger.pair_id, "certified": bool(cert.certified),
+                  "pair_fingerprint": ledger.pair_id, "certified": bool(cert.certified), "verdict": cert.verdict,
                   "policy": KEY if cert.steps else None, "params": candidate.params, "draft_len": None,
                   # what the certificate covers: this server configuration, against this reference, at this concurrency
                   "endpoint": {"base_url": args.base_url, "model": args.model, "pair_id": args.pair_id,
@@ -263,10 +269,11 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             choice["note"] = "NOT certified: this configuration's evidence is kept, its budget is not met"
         chosen[str(budget)] = choice
         bound = cert.bound
-        verdict = "CERTIFIED" if cert.certified else "REFUSED" if cert.reason.startswith("refused") else "not certified"
+        verdict = verdict_word(cert)
         log(f"budget {budget * 100:g}%: {verdict}: "
             + (f"upper bound {bound.upper * 100:.2f}% (drop {bound.drop * 100:+.2f}%, n={bound.n}, {bound.losses} lost / "
                f"{bound.wins} won, alpha {cert.alpha:g})" if bound is not None else cert.reason)
+            + refutation_note(cert)
             + (f"; tokens/s {ratio_cell(choice['speed'])} the reference at concurrency {level}"
                if choice.get("speed") and choice["speed"]["tokens_per_s_ratio"] else ""))
 
@@ -316,6 +323,11 @@ def ratio_cell(speed: dict[str, Any]) -> str:
     return head + f" ({ci['low']:.3f}-{ci['high']:.3f}" + (", holds 1.0)" if ci.get("holds_one") else ")")
 
 
+def _not_certified(cert: dict[str, Any]) -> str:
+    refuted = cert.get("verdict") == "refuted" and cert.get("refutation")
+    return f"REFUTED: {refuted['reason'].removeprefix('refuted: ')}" if refuted else cert["reason"]
+
+
 def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, Any]) -> str:
     """``report/certification.md``: per budget, the decision, its bound and n, and the speed it came with."""
     first = next(iter(chosen.values()))
@@ -342,7 +354,7 @@ def certification_page(name: str, chosen: dict[str, Any], speed_at: dict[str, An
 
         step = shown_step(cert)
         p = cert.get("p_value")
-        lines.append(f"| {float(b) * 100:g}% | {'CERTIFIED' if c['certified'] else cert['reason']} | "
+        lines.append(f"| {float(b) * 100:g}% | {'CERTIFIED' if c['certified'] else _not_certified(cert)} | "
                      f"{pct(cert.get('bound'))} | {pct(cert.get('drop'))} | {f'{p:.3g}' if p is not None else '-'} | "
                      f"{cert.get('n') or '-'} | {step.get('losses', '-')} / {step.get('wins', '-')} | "
                      f"{cert.get('reference_failed', '-')} / {cert.get('candidate_failed', '-')} | "

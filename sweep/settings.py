@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,10 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         raise ValueError(f"--budgets must be comma-separated numbers, got {args.budgets!r}") from None
     if not budgets or any(not (0 < b < 1) for b in budgets):
         raise ValueError(f"--budgets must be in (0, 1), got {args.budgets!r}")
+    gate = getattr(args, "gate", None)
+    if gate is not None and not any(math.isclose(gate, b, rel_tol=0, abs_tol=1e-12) for b in budgets):
+        raise ValueError(f"--gate {gate:g}: not one of --budgets ({', '.join(f'{b:g}' for b in budgets)}); the gate "
+                         "reads a budget this run decides")
     families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
     ranges = search_ranges(families, getattr(args, "search_space", None))
     if args.draft_len is None:  # the vLLM engine fixes L when it starts: one L per sweep there

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+from typing import Any
 
 import pytest
 
@@ -145,3 +146,51 @@ def test_the_fixed_configuration_flags_need_server_config(tmp_path, capsys):
     assert "a sweep times its speed phase at one concurrency" in capsys.readouterr().err
     assert sweep_job.main(["--pair", "tiny-random", "--dtype", "bf16", "--concurrency", "4"]) == 2
     assert "the cpu engine times a concurrency as its batched rows, on the fast path only" in capsys.readouterr().err
+
+
+def gsm8k_answers() -> Any:
+    """A fake model that is right on every GSM8K item the pool holds: the item whose question the prompt carries."""
+    from workers.benchmarks import get_benchmark
+
+    bench = get_benchmark("gsm8k")
+    table = [(it.turns[0], str(it.reference)) for it in bench.confirmation_pool([])[0]]
+
+    def answer(prompt: str) -> tuple[str, ...]:
+        gold = next((a for q, a in table if q in prompt), "-1")
+        return ("The", " answer", " is", f" {gold}", ".")
+
+    return answer
+
+
+@pytest.mark.parametrize("budgets, gate, right, code, verdict", [
+    ("0.4,0.5", "0.4", False, 0, "certified"),  # both sides alike: 12 ties certify 40%
+    ("0.05,0.4", "0.05", False, 11, "undecided"),  # 12 ties neither certify nor refute 5%
+    ("0.4,0.5", "0.4", True, 10, "refuted"),  # the reference right, the candidate wrong on every item
+])
+def test_a_gate_exits_with_the_gated_budgets_verdict(servers, tmp_path, capsys, budgets, gate, right, code, verdict):
+    """``--gate BUDGET``: 0 certified, 10 refuted (the drop shown above the budget, by its own test at alpha), 11
+    undecided; a gated budget is confirmed even where the screen's drop is above it."""
+    from jobs import sweep as sweep_job
+
+    reference, candidate = servers
+    if right:
+        reference.b.answer_of = gsm8k_answers()
+    extra = ["--budgets", budgets, "--gate", gate, "--confirm-items", "24" if right else "12"]
+    assert sweep_job.main(argv(reference, candidate, tmp_path, *extra)) == code
+    chosen = json.loads((tmp_path / "run" / "report" / f"chosen-budget-{gate}.json").read_text())
+    assert chosen["verdict"] == verdict == chosen["certification"]["verdict"], chosen["certification"]["reason"]
+    err = capsys.readouterr().err
+    assert f"gate {float(gate) * 100:g}%: {verdict} (exit {code})" in err
+    if right:
+        refutation = chosen["certification"]["refutation"]
+        assert refutation["refuted"] and refutation["method"] in ("exact-unconditional", "betting"), refutation
+        assert "REFUTED" in (tmp_path / "run" / "report" / "certification.md").read_text()
+        assert "confirmed all the same (--gate)" in err
+
+
+def test_a_gate_names_a_budget_of_the_run(servers, tmp_path, capsys):
+    from jobs import sweep as sweep_job
+
+    reference, candidate = servers
+    assert sweep_job.main(argv(reference, candidate, tmp_path, "--gate", "0.3")) == 2
+    assert "--gate 0.3: not one of --budgets (0.4, 0.5)" in capsys.readouterr().err

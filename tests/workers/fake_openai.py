@@ -33,6 +33,8 @@ class Behaviour:
     # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
     words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
     rule_words: tuple[str, ...] | None = None  # a request carrying a rule (vllm_xargs) answers these: a rule that acts
+    answer_of: Any = None  # a function of the request's prompt text giving the words to answer (a model that is right
+    # or wrong item by item), in place of ``words``
     finish: str = "stop"  # the finish reason of every reply ("length": cut at the limit)
     reasoning: tuple[str, ...] = ()  # delta.reasoning pieces before the content (a reasoning model)
     raw_utf8: bool = False  # JSON with non-ASCII characters unescaped (as vLLM and SGLang send it)
@@ -151,7 +153,11 @@ class FakeServer:
                     self.wfile.flush()
 
                 acts = b.rule_words is not None and "vllm_xargs" in body
-                words = list(b.rule_words if acts else b.words)[: int(body.get("max_tokens") or 16)]
+                given = b.words
+                if b.answer_of is not None and not warmup:
+                    prompt = body.get("prompt") if not chat else "\n".join(str(m.get("content")) for m in body["messages"])
+                    given = tuple(b.answer_of(prompt if isinstance(prompt, str) else json.dumps(prompt)))
+                words = list(b.rule_words if acts else given)[: int(body.get("max_tokens") or 16)]
                 if not warmup:
                     time.sleep(b.first_token_delay)
                 with server.lock:

@@ -253,9 +253,19 @@ class Certificate:
     steps: list[tuple[str, DropBound, bool]]  # (key, bound, passed) in test order
     items_needed: int | None  # not certified: items a certificate would need at the first tested's d and drop
     reason: str  # one sentence: why certified or not
+    refutation: Any = None  # not certified: whether the tested candidate's drop is shown above the budget
+    # (``workers.certify.verdict.Refutation``; None where nothing was tested)
+
+    @property
+    def verdict(self) -> str:
+        """certified, refuted or undecided (``workers.certify.verdict``)."""
+        from workers.certify.verdict import verdict_of
+
+        return verdict_of(self.certified, self.refutation)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "alpha": self.alpha, "certified": self.certified,
+        return {"budget": self.budget, "alpha": self.alpha, "certified": self.certified, "verdict": self.verdict,
+                "refutation": self.refutation.to_dict() if self.refutation is not None else None,
                 "chosen": self.chosen.to_dict() if self.chosen else None,
                 "bound": self.bound.to_dict() if self.bound else None,
                 "steps": [{"key": k, "bound": b.to_dict(), "passed": p} for k, b, p in self.steps],

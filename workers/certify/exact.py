@@ -5,7 +5,8 @@ reverse; p_won) or tied. The drop is p_lost - p_won. A budget b is certified whe
 
     H0: drop >= b   (the candidate is at least b worse than the reference)   vs   H1: drop < b
 
-rejects H0 at level alpha. :func:`certify_paired` is the one public door: decision, p-value, bound.
+rejects H0 at level alpha. :func:`certify_paired` is the one public door: decision, p-value, bound
+(:func:`refute_paired`, its mirror, for the opposite claim).
 
 - **Order.** Outcomes are ordered by Tango's (1998) score statistic at drop = b,
   ``Z_b = (lost - won - n b) / sqrt(n (2 p~ + b - b^2))`` with p~ the maximum-likelihood p_won under
@@ -23,6 +24,16 @@ rejects H0 at level alpha. :func:`certify_paired` is the one public door: decisi
 - **Bound.** The same test inverted: the smallest budget it would certify (bisection to 1e-4; never
   below 1e-4, where the statistic degenerates). A description that agrees with the decision, not a
   second decision.
+- **Refutation** (:func:`refute_paired`), the mirror: a budget is *refuted* when the test of
+  H0': drop <= b vs H1': drop > b rejects at alpha, so a verdict is certified, refuted or undecided. The
+  same Z_b, the other tail: large Z_b is evidence of a large drop, and the p-value is
+  ``sup P(Z_b >= z_obs)`` over the same nuisance range at drop = b, the same grid and refinement (given m,
+  {Z_b >= z} is {lost > l(m)}: one binomial complement per m). Drops below b make large Z_b rarer still
+  (Z_b rises with lost and falls with won, and every (p_lost, p_won) with drop <= b is coupled to one at
+  drop = b with as many lost or more and as many won or fewer); ``tests/workers/certify/test_refute.py``
+  enumerates both, at every n up to 60 and a few above. The two verdicts exclude each other at alpha < 1/2
+  (an outcome lies in both of its own tails). :func:`refute_bound`, the largest budget below which every
+  budget is refuted, describes it (refutation is not nested in b: a scan, not a bisection alone).
 
 Knows counts, budgets and alpha; nothing about records, trials or the sweep. numpy and scipy's binomial
 functions (imported where used).
@@ -37,7 +48,8 @@ from typing import Any
 METHOD = "exact-unconditional"
 BOUND_FLOOR = 1e-4  # the smallest budget the bound reports (Z_b degenerates at b = 0)
 _REFINE_CELLS, _REFINE_STEPS = 6, 24  # the sup is refined around the 6 best grid points, 24 golden-section steps
-_NEST_STEP, _NEST_POINTS = 5e-4, 200  # above 50% discordance: the bound's scan of the budgets above it
+_NEST_STEP, _NEST_POINTS = 5e-4, 200  # the bounds' scans: budgets above (certify, above 50% discordance), below (refute)
+_TIE = 1e-12  # relative: refutation's tail takes in outcomes this close below z (floating-point near-ties)
 _GRID = 96  # nuisance points: 2 x _GRID uniform, _GRID geometric towards each end
 _SD, _PAD = 8.0, 12.0  # discordant counts kept: mean +- (8 sd + 12); the +12 covers skewed, Poisson-like
 # binomials (s near 0 or 1), whose tails a normal sd underrates: the mass left out is < 1e-14 either way
@@ -65,6 +77,29 @@ class PairedTest:
         return {**asdict(self), "bound": self.bound}
 
 
+@dataclass(frozen=True)
+class RefuteTest:
+    """A budget tested the other way on paired right/wrong outcomes: is the drop shown *above* it?"""
+
+    refuted: bool  # p_value <= alpha
+    p_value: float  # sup over the nuisance of P(Z_b >= the observed | drop = budget)
+    budget: float
+    alpha: float
+    lost: int
+    won: int
+    n: int
+    method: str = METHOD
+
+    @functools.cached_property
+    def lower(self) -> float:
+        """The largest budget this test would refute on these counts, every budget from BOUND_FLOOR up to it
+        refuted (0.0 when not even BOUND_FLOOR is; a description, computed on first use)."""
+        return refute_bound(self.lost, self.won, self.n, self.alpha)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lower": self.lower}
+
+
 def _check(lost: int, won: int, n: int, budget: float, alpha: float | None = None) -> None:
     if min(lost, won, n) < 0 or lost + won > n or n < 1:
         raise ValueError(f"counts must satisfy 0 <= lost + won <= n and n >= 1, got lost={lost}, won={won}, n={n}")
@@ -85,9 +120,10 @@ def score_z(lost: Any, won: Any, n: int, budget: float) -> Any:
     return (lost - won - n * b) / np.sqrt(n * (2.0 * p_won + b - b * b))
 
 
-def _lost_limits(n: int, budget: float, z: float) -> Any:
-    """For every discordant count m = 0..n, the largest lost in [0, m] with Z_b(lost, m - lost) <= z, or -1.
-    Z_b rises with lost at fixed m (checked in the tests), so a vectorised bisection over lost finds it."""
+def _lost_limits(n: int, budget: float, z: float, upper: bool = False) -> Any:
+    """For every discordant count m = 0..n, the largest lost in [0, m] with Z_b(lost, m - lost) <= z (``upper``:
+    < z, the last lost outside the upper tail), or -1. Z_b rises with lost at fixed m (checked in the tests), so a
+    vectorised bisection over lost finds it."""
     import numpy as np
 
     m = np.arange(n + 1)
@@ -98,17 +134,21 @@ def _lost_limits(n: int, budget: float, z: float) -> Any:
         if not open_.any():
             return lo
         mid = (lo + hi) // 2
-        below = score_z(np.clip(mid, 0, None), m - np.clip(mid, 0, None), n, budget) <= z
+        score = score_z(np.clip(mid, 0, None), m - np.clip(mid, 0, None), n, budget)
+        below = score < z if upper else score <= z
         lo = np.where(open_ & below, mid, lo)
         hi = np.where(open_ & ~below, mid, hi)
 
 
-def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = None) -> Any:
+def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = None, upper: bool = False) -> Any:
     """P(Z_b <= z) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget);
-    ``limits`` from :func:`_lost_limits`. Called tens of thousands of times per bound on small arrays, so it spends
-    few numpy calls (np.minimum/np.maximum for clip, log C(n, m) from a table per n): the same numbers."""
+    ``limits`` from :func:`_lost_limits`. ``upper``: P(Z_b >= z) instead, with ``limits`` from
+    ``_lost_limits(..., upper=True)``: given m, P(lost > limit(m)), the binomial's complement (``bdtrc``, exact
+    in the far tail where 1 - bdtr would cancel). Called tens of thousands of times per bound on small arrays,
+    so it spends few numpy calls (np.minimum/np.maximum for clip, log C(n, m) from a table per n): the same
+    numbers."""
     import numpy as np
-    from scipy.special import bdtr, xlog1py, xlogy
+    from scipy.special import bdtr, bdtrc, xlog1py, xlogy
 
     p_won = np.asarray(p_won, dtype=np.float64)
     drop = budget if drop is None else drop
@@ -124,6 +164,8 @@ def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = N
     s = disc[:, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
     mass = np.exp(_log_choose(n)[m] + xlogy(m, s) + xlog1py(n - m, -s)) * inside
     limit = limits[m]
+    if upper:
+        return (mass * np.where(limit < 0, 1.0, bdtrc(np.maximum(limit, 0), m, share[:, None]))).sum(axis=1)
     below = np.where(limit < 0, 0.0, bdtr(np.maximum(limit, 0), m, share[:, None]))
     return (mass * below).sum(axis=1)
 
@@ -146,11 +188,11 @@ def _nuisance_grid(budget: float) -> Any:
     return np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
 
 
-def _refine(n: int, budget: float, limits: Any, grid: Any, values: Any) -> float:
-    """The largest P(Z_b <= z) in the cells around the best grid points: a golden-section search on each
-    [grid[i - 1], grid[i + 1]] (all cells at once, ``_REFINE_STEPS`` steps: the cell shrinks to 1e-5 of its
-    width). A fixed grid alone misses the sup between its points (n = 128 at 5%: 0.0500046 where alpha is
-    0.05), so the p-value is the larger of the grid's maximum and this."""
+def _refine(n: int, budget: float, limits: Any, grid: Any, values: Any, upper: bool = False) -> float:
+    """The largest P(Z_b <= z) (``upper``: P(Z_b >= z)) in the cells around the best grid points: a golden-section
+    search on each [grid[i - 1], grid[i + 1]] (all cells at once, ``_REFINE_STEPS`` steps: the cell shrinks to
+    1e-5 of its width). A fixed grid alone misses the sup between its points (n = 128 at 5%: 0.0500046 where
+    alpha is 0.05), so the p-value is the larger of the grid's maximum and this."""
     import numpy as np
 
     best = np.argsort(values)[-_REFINE_CELLS:]
@@ -158,7 +200,7 @@ def _refine(n: int, budget: float, limits: Any, grid: Any, values: Any) -> float
     hi = grid[np.clip(best + 1, 0, len(grid) - 1)]
     ratio = (np.sqrt(5.0) - 1.0) / 2.0
     a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = _tail(n, budget, limits, a), _tail(n, budget, limits, b)
+    fa, fb = _tail(n, budget, limits, a, upper=upper), _tail(n, budget, limits, b, upper=upper)
     top = float(max(fa.max(), fb.max()))
     for _ in range(_REFINE_STEPS):
         left = fa >= fb  # the max lies in [lo, b]: shrink from the right, else from the left
@@ -166,24 +208,34 @@ def _refine(n: int, budget: float, limits: Any, grid: Any, values: Any) -> float
         b, fb = np.where(left, a, b), np.where(left, fa, fb)
         a = np.where(left, hi - ratio * (hi - lo), a)
         a, b = np.where(left, a, b), np.where(left, b, lo + ratio * (hi - lo))
-        new = _tail(n, budget, limits, np.where(left, a, b))
+        new = _tail(n, budget, limits, np.where(left, a, b), upper=upper)
         fa, fb = np.where(left, new, fb), np.where(left, fb, new)  # fb: already the old fa where left
         top = max(top, float(new.max()))
     return top
 
 
-def _sup_tail(n: int, budget: float, z: float) -> float:
+def _sup_tail(n: int, budget: float, z: float, upper: bool = False) -> float:
     """sup over the nuisance of P(Z_b <= z) at drop = budget: the fixed grid's maximum, refined in the cells
     around its best points (:func:`_refine`). Each nuisance value's tail is nondecreasing in z (the region only
-    grows), so certified (p <= alpha) is exactly Z_b <= :func:`critical_z`."""
+    grows), so certified (p <= alpha) is exactly Z_b <= :func:`critical_z`.
+
+    ``upper``: sup of P(Z_b >= z), the refutation's tail, nonincreasing in z (refuted is exactly Z_b >=
+    :func:`refute_critical_z`). Outcomes within ``_TIE`` (relative) below z count as at least as extreme: Z_b of
+    two outcomes that are equal in exact arithmetic may differ in the last bits, and the one computed smaller
+    must not drop out of the other's tail (a smaller tail is the anti-conservative error)."""
     import numpy as np
 
-    limits = _lost_limits(n, budget, z)
-    if (limits < 0).all():
-        return 0.0
+    if upper:
+        limits = _lost_limits(n, budget, z - _TIE * (1.0 + abs(z)), upper=True)
+        if (limits >= np.arange(n + 1)).all():
+            return 0.0
+    else:
+        limits = _lost_limits(n, budget, z)
+        if (limits < 0).all():
+            return 0.0
     grid = _nuisance_grid(budget)
-    values = _tail(n, budget, limits, grid)
-    return min(max(float(np.max(values)), _refine(n, budget, limits, grid, values)), 1.0)
+    values = _tail(n, budget, limits, grid, upper=upper)
+    return min(max(float(np.max(values)), _refine(n, budget, limits, grid, values, upper)), 1.0)
 
 
 @functools.lru_cache(maxsize=65536)
@@ -351,3 +403,122 @@ def exact_plan(discordance: float, budget: float, drop: float = 0.0, alpha: floa
         if power_at(n) >= power:
             return n
     return hi
+
+
+@functools.lru_cache(maxsize=65536)
+def refute_p_value(lost: int, won: int, n: int, budget: float) -> float:
+    """The exact unconditional p-value of H0': drop <= ``budget`` (refutation: large Z_b is the evidence)."""
+    _check(lost, won, n, budget)
+    return _sup_tail(n, budget, float(score_z(lost, won, n, budget)), upper=True)
+
+
+def refute_paired(lost: int, won: int, n: int, budget: float, alpha: float) -> RefuteTest:
+    """Is the paired drop above ``budget``, with confidence 1 - ``alpha``? The mirror of :func:`certify_paired`
+    (the same counts, the same Z_b, the other tail): refuted when sup over the nuisance of P(Z_b >= z_obs | drop =
+    budget) <= alpha. A budget is never both certified and refuted at alpha < 1/2: the two tails of one outcome
+    overlap at its own mass, so at every nuisance value the two tails add to at least 1."""
+    _check(lost, won, n, budget, alpha)
+    p = refute_p_value(int(lost), int(won), int(n), float(budget))
+    return RefuteTest(p <= alpha, p, float(budget), float(alpha), int(lost), int(won), int(n))
+
+
+@functools.lru_cache(maxsize=16384)
+def refute_bound(lost: int, won: int, n: int, alpha: float) -> float:
+    """The largest budget b' such that :func:`refute_paired` refutes every budget in [BOUND_FLOOR, b'], to 1e-4
+    (0.0 when BOUND_FLOOR is not refuted: no positive drop is shown). Refutation is not nested in b, at low
+    discordance too: as b moves, Z_b reorders the outcomes and the p-value jumps (n = 60, lost 18 / won 2: refuted
+    at 14.5%, not at 14.7-15.3%, again at 15.4-15.5%). So a bisection finds a budget refuted with one above it not,
+    the budgets up to 0.1 below are scanned on a 5e-4 grid, and the bisection restarts below the first one not
+    refuted until the scan finds none. A budget refuted by the test may lie above the bound (the decision is
+    always the test at the budget); costs up to a few hundred p-values, computed on first use."""
+    _check(lost, won, n, 0.5, alpha)
+    if refute_p_value(lost, won, n, BOUND_FLOOR) > alpha:
+        return 0.0
+    hi = 1.0  # not refuted (a drop above 1 is never shown)
+    while True:
+        lo = _bisect_refute(lost, won, n, alpha, BOUND_FLOOR, hi)
+        grid = [round(lo - k * _NEST_STEP, 12) for k in range(_NEST_POINTS, 0, -1) if lo - k * _NEST_STEP > BOUND_FLOOR]
+        failing = next((b for b in grid if refute_p_value(lost, won, n, b) > alpha), None)
+        if failing is None:
+            return lo
+        hi = failing
+
+
+def _bisect_refute(lost: int, won: int, n: int, alpha: float, lo: float, hi: float) -> float:
+    """Bisection to 1e-4 between a budget ``lo`` the test refutes and ``hi`` (not refuted)."""
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2.0
+        if refute_p_value(lost, won, n, round(mid, 12)) <= alpha:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+_LAST_REFUTE_CRITICAL: dict[tuple[float, float], float] = {}  # (budget, alpha) -> the last first-refuted value
+
+
+@functools.lru_cache(maxsize=1024)
+def refute_critical_z(n: int, budget: float, alpha: float) -> float:
+    """A z with refutation p-value <= alpha at every attainable Z_b from it up and above alpha at the one before:
+    :func:`refute_paired` refutes exactly the outcomes with Z_b >= refute_critical_z (none, where it lies above
+    every attainable Z_b). A binary search over the attainable values of Z_b (the sup of the upper tail is
+    nonincreasing in z), returning the midpoint between the last value not refuted and the first refuted."""
+    import numpy as np
+
+    _check(0, 0, n, budget, alpha)
+    values = np.unique(score_z(*_outcomes(n), n, budget))
+
+    def refuted(i: int) -> bool:
+        return _sup_tail(n, budget, float(values[i]), upper=True) <= alpha
+
+    lo, hi = -1, len(values)  # values[lo] is not refuted (lo = -1: none), values[hi] is (hi = len: none is)
+    hint = _LAST_REFUTE_CRITICAL.get((budget, alpha))
+    if hint is not None:  # the critical value at a nearby n (a scan over n): gallop out from it
+        i = int(np.clip(np.searchsorted(values, hint), 0, len(values) - 1))
+        step = 1
+        if refuted(i):
+            hi = i
+            while hi - step >= 0 and refuted(hi - step):
+                hi, step = hi - step, step * 2
+            lo = max(-1, hi - step)
+        else:
+            lo = i
+            while lo + step < len(values) and not refuted(lo + step):
+                lo, step = lo + step, step * 2
+            hi = min(len(values), lo + step)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if refuted(mid):
+            hi = mid
+        else:
+            lo = mid
+    if hi < len(values):
+        _LAST_REFUTE_CRITICAL[(budget, alpha)] = float(values[hi])
+    if hi >= len(values):
+        return float(values[-1]) + 1.0
+    if lo < 0:
+        return float(values[0]) - 1.0
+    return float((values[lo] + values[hi]) / 2.0)
+
+
+def refute_type_one_error(n: int, budget: float, alpha: float, p_won: Any, drop: float | None = None) -> Any:
+    """P(refuted) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget, where
+    H0' is hardest to keep): the probability of Z_b >= :func:`refute_critical_z`, what the tests hold to alpha.
+    At drop = budget through the conditional tail; otherwise summed over every outcome's trinomial mass."""
+    import numpy as np
+
+    drop = budget if drop is None else drop
+    z = refute_critical_z(n, budget, alpha)
+    p_won = np.atleast_1d(np.asarray(p_won, dtype=np.float64))
+    if np.any(p_won < max(0.0, -drop) - 1e-15) or np.any(2.0 * p_won + drop > 1.0 + 1e-15):
+        raise ValueError(f"p_won must lie in [max(0, -drop), (1 - drop) / 2] at drop={drop}")
+    if drop == budget:
+        return _tail(n, budget, _lost_limits(n, budget, z, upper=True), p_won, upper=True)
+    from scipy.stats import multinomial
+
+    lost, won = _outcomes(n)
+    region = score_z(lost, won, n, budget) >= z
+    counts = np.stack([lost[region], won[region], n - lost[region] - won[region]], axis=1)
+    return np.array([float(multinomial.pmf(counts, n, [max(0.0, pw + drop), pw, max(0.0, 1.0 - 2.0 * pw - drop)]
+                                           ).sum()) for pw in p_won])

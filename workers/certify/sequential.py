@@ -27,6 +27,10 @@ A candidate may also stop for *futility* (``decide.prune_test``, anytime-valid):
 failure only lowers the chance of certifying. The decision itself is ``decide.sequential_bound``. One look
 (K = 1) is the fixed-n test.
 
+**Refutation** (:func:`refute_looks`): the mirror claim, drop > b, over the same looks by the union bound
+(look k: ``exact.refute_paired`` at the alpha the look spends); the calibrated thresholds are certification's
+and say nothing about the other tail.
+
 Knows counts, budgets and alpha; nothing about records, trials or the sweep. numpy and scipy (imported
 where used).
 """
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,3 +298,52 @@ def sequential_plan(discordance: float, budget: float, looks: int, drop: float =
             return plan, got, expected
         n = int(n * 1.1) + 1
     return None
+
+
+@dataclass(frozen=True)
+class LookRefutation:
+    """Refutation over a plan's looks (:func:`refute_looks`)."""
+
+    refuted: bool
+    look: int  # the look that refuted (1-based); not refuted: the last look tested (0: none)
+    looks: int  # the plan's looks
+    tests: tuple[Any, ...]  # ``exact.RefuteTest`` of each look tested, in order, up to the one that refuted
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"refuted": self.refuted, "look": self.look, "looks": self.looks,
+                "tests": [t.to_dict() for t in self.tests]}
+
+
+def refute_looks(counts: Sequence[tuple[int, int]], plan: LookPlan, budget: float) -> LookRefutation:
+    """Is the paired drop shown above ``budget`` at some look? ``counts``: (lost, won) among the first
+    ``plan.sizes[k]`` items at each look reached, in order (fewer than the plan's looks where the run stopped
+    early). Look k refutes when ``exact.refute_paired`` does at level ``plan.shares[k - 1]``, the alpha that look
+    spends; the first look that refutes decides.
+
+    The level is a union bound: each look's exact test holds P(refuted at look k | drop <= b) <= share_k at every
+    nuisance value, and the shares sum to alpha, so P(refuted at some look | drop <= b) <= alpha however the
+    looks are correlated. It holds whatever ended the run early (a certification, a futility stop, a budget of
+    items), and whatever that rule read, since stopping without refuting only removes looks from the union:
+    the event "refuted at a look reached" lies inside "look k's test rejects, for some k of the full plan".
+    Calibrated plans keep their certification thresholds for certifying; refutation takes their shares alone."""
+    from workers.certify.exact import _check, refute_paired
+
+    sizes, shares = plan.sizes, plan.shares
+    _check(0, 0, 1, budget)
+    if len(counts) > len(sizes):
+        raise ValueError(f"{len(counts)} looks of counts for a plan of {len(sizes)} looks")
+    tests, prev = [], (0, 0, 0)
+    for k, ((lost, won), n, level) in enumerate(zip(counts, sizes, shares, strict=False), start=1):
+        lost, won = int(lost), int(won)
+        _check(lost, won, n, budget)
+        if lost < prev[0] or won < prev[1] or (lost - prev[0]) + (won - prev[1]) > n - prev[2]:
+            raise ValueError(f"counts must accumulate over the looks: look {k} has lost={lost}, won={won} of {n} "
+                             f"items after lost={prev[0]}, won={prev[1]} of {prev[2]}")
+        prev = (lost, won, n)
+        if level <= 0.0:  # this look spends nothing: it may refute nothing
+            continue
+        test = refute_paired(lost, won, n, budget, level)
+        tests.append(test)
+        if test.refuted:
+            return LookRefutation(True, k, len(sizes), tuple(tests))
+    return LookRefutation(False, len(counts), len(sizes), tuple(tests))

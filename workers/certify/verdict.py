@@ -1,0 +1,98 @@
+"""A budget's verdict: **certified** (the drop is shown below b), **refuted** (shown above b) or **undecided**.
+
+Certification is ``decide``'s. Refutation is its mirror, a claim with its own error accounting: a rule refuted at
+budget b has a true paired drop above b, wrongly so with probability at most alpha. On the confirmation items of
+the candidate that failed a budget's certification (the first of its fixed sequence, the one that decides the
+budget), over the same look plan:
+
+- **right/wrong scores**: half of alpha goes to the exact unconditional test of H0: drop <= b
+  (``workers.certify.exact.refute_paired``, its level checked by exact enumeration at every n) at each planned look
+  whose items are all here, look k at that half times the share of alpha the plan spends at k (a union bound over
+  the looks: P(refuted at some look | drop <= b) <= the half, whichever stopping rule ended the confirmation early,
+  since stopping without refuting only removes chances); the other half to the anytime-valid betting test the
+  futility stop uses (``decide.first_prune``: P(it ever crosses | drop <= b) <= its level, at any item count, so a
+  confirmation cut short by futility mid-look can still be refuted). P(refuted | drop <= b) <= alpha in all.
+- **bounded scores** (MT-bench): the betting test alone, at the full alpha.
+
+A refutation is about the candidate tested, not about every rule of the family: "this rule, at these knobs, loses
+more than b". Knows scores, look plans and alpha; nothing about records or the sweep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CERTIFIED, REFUTED, UNDECIDED = "certified", "refuted", "undecided"
+EXACT_SHARE = 0.5  # of a refutation's alpha, right/wrong scores: the exact test at the looks; the rest: the betting test
+GATE_EXIT = {CERTIFIED: 0, REFUTED: 10, UNDECIDED: 11}  # jobs/sweep.py --gate: a deployment's CI reads these
+
+
+@dataclass(frozen=True)
+class Refutation:
+    """Whether a candidate's drop is shown above ``budget`` at ``alpha``, and by what."""
+
+    refuted: bool
+    budget: float
+    alpha: float
+    n: int  # the items the deciding test saw (all the candidate's paired items where nothing refuted)
+    method: str  # "exact-unconditional" (at a look), "betting" (anytime-valid), or "none"
+    p_value: float = math.nan  # the exact test's, at the look that refuted (or the last look tested)
+    level: float = math.nan  # the level that test was held to at that look
+    look: int = 0  # the look that refuted (exact), 0 otherwise
+    looks: int = 1
+    reason: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(self).items()}
+
+
+def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, budget: float,
+               alpha: float) -> Refutation:
+    """Is the paired drop of ``trial`` against ``reference`` (per-item scores in the confirmation's fixed order)
+    shown above ``budget`` at ``alpha``? ``plan``: the confirmation's ``sequential.LookPlan`` (its sizes and the
+    share of alpha each look spends). See the module for the error accounting."""
+    from workers.certify.decide import _check_alpha, _paired, first_prune
+    from workers.certify.exact import refute_paired
+
+    _check_alpha(alpha)
+    if not 0.0 < budget < 1.0:
+        raise ValueError(f"budget must be in (0, 1), got {budget}")
+    ref, tri = _paired(reference, trial)
+    binary = all(v in (0.0, 1.0) for v in ref + tri)
+    exact_alpha = alpha * EXACT_SHARE if binary else 0.0
+    looks = len(plan.sizes)
+    last: tuple[int, float, float] | None = None
+    if binary:
+        shares = [s / sum(plan.shares) for s in plan.shares]
+        for k, (n, share) in enumerate(zip(plan.sizes, shares, strict=True), start=1):
+            if n > len(ref):
+                break
+            lost = sum(r > t for r, t in zip(ref[:n], tri[:n], strict=True))
+            won = sum(t > r for r, t in zip(ref[:n], tri[:n], strict=True))
+            level = exact_alpha * share
+            if level <= 0.0:
+                continue
+            test = refute_paired(lost, won, n, budget, level)
+            last = (k, test.p_value, level)
+            if test.refuted:
+                return Refutation(True, budget, alpha, n, "exact-unconditional", test.p_value, level, k, looks,
+                                  f"refuted: exact test of drop <= {budget:g} p = {test.p_value:.3g} <= {level:.3g} "
+                                  f"at look {k} of {looks} ({lost} lost / {won} won of {n} items; half of alpha "
+                                  f"{alpha:g} to this test, split over the looks)")
+    bet_alpha = alpha - exact_alpha
+    crossed = first_prune(ref, tri, budget, bet_alpha) if ref else None
+    if crossed is not None:
+        return Refutation(True, budget, alpha, crossed, "betting", math.nan, bet_alpha, 0, looks,
+                          f"refuted: the anytime-valid betting test of drop <= {budget:g} crossed 1/{bet_alpha:g} "
+                          f"after {crossed} items")
+    k, p, level = last if last is not None else (0, math.nan, math.nan)
+    tested = f"the exact test's p = {p:.3g} > {level:.3g} at look {k} of {looks}; " if last is not None else ""
+    return Refutation(False, budget, alpha, len(ref), "none", p, level, 0, looks,
+                      f"not refuted: {tested}the betting test never crossed 1/{bet_alpha:g} in {len(ref)} items")
+
+
+def verdict_of(certified: bool, refuted: Refutation | None) -> str:
+    return CERTIFIED if certified else REFUTED if refuted is not None and refuted.refuted else UNDECIDED
