@@ -161,10 +161,12 @@ class Confirmation:
         cert = fixed_sequence(ordered, bound_of, budget, alpha)
         if not cert.certified and cert.steps:  # the candidate that decided the budget: is its drop shown above it?
             from workers.certify.verdict import refutation
+            from workers.results.evidence import refutation_pairs
 
-            rows = self.evidence[cert.steps[0][0]]
-            cert.refutation = refutation([r["reference_score"] for r in rows], [r["candidate_score"] for r in rows],
-                                         self.plan(alpha, budget), budget, alpha)
+            key = cert.steps[0][0]
+            order = self.order[: self.stopped.get(key, len(self.order))]
+            ref, got, failed = refutation_pairs(order, self.reference, self.records.get(key, {}))
+            cert.refutation = refutation(ref, got, self.plan(alpha, budget), budget, alpha, imputed=failed)
         return cert
 
 
@@ -300,6 +302,8 @@ def certify(state: SweepState, frame: Any, out: Path) -> Certification:
             ceiling = prior_refusal(attempt.ledger, attempt.id, budget) if attempt.id is not None else None
             if cert.certified and ceiling is not None:
                 cert.certified, cert.reason = False, ceiling
+            if ceiling is not None and "; refuted:" not in ceiling:  # the first decision stands, refuting too
+                cert.refutation = None
             # the replay audit, before the ledger hears the decision, whatever the decision is: the timed full
             # decodes against the confirmation records they time (workers.metrics.speed.replay_check)
             audited = cert.chosen or next((c for c in candidates if cert.steps and c.key == cert.steps[0][0]), None)

@@ -163,17 +163,22 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
     cand = Candidate(key=cand_key, speed=speed if math.isfinite(speed) else 1.0, search_drop=sb.drop,
                      search_upper=sb.upper, payload={"family": KEY}, search_discordance=sb.discordance)
     gate = getattr(args, "gate", None)
-    if gate is not None and cand.search_drop > gate:  # a gated budget is decided, never skipped: refuted is an answer
-        log(f"screen: its drop is above the gated {gate * 100:g}%: confirmed all the same (--gate), so the verdict can "
-            "be refuted rather than left undecided")
-        cand = replace(cand, search_drop=gate)
+    gated = None  # the candidate as the gated budget confirms it, where the screen alone would skip that budget
+    if gate is not None and cand.search_drop > gate and refused is None:
+        log(f"screen: its drop is above the gated {gate * 100:g}%: that budget is confirmed all the same (--gate), so "
+            "its verdict can be refuted rather than left undecided")
+        gated = replace(cand, search_drop=gate)
+
+    def is_gate(b: float) -> bool:
+        return gated is not None and abs(b - gate) < 1e-12
+
     candidates = [] if refused else [cand]
     alpha_stated = args.alpha / len(settings.budgets) if args.joint else args.alpha
     ledger = ledger_of(settings)
     wanted = args.items if args.confirm_items is None else args.confirm_items
     n_confirm = min(wanted, len(pool)) if wanted else len(pool)
     attempt, items, earlier, refusal, number, cap = None, pool[:n_confirm], [], refused, None, None
-    plan_keys = tuple((cand_key,) if cand.search_drop <= b + 1e-9 else () for b in settings.budgets)
+    plan_keys = tuple((cand_key,) if cand.search_drop <= b + 1e-9 or is_gate(b) else () for b in settings.budgets)
     if refused is None and any(plan_keys):
         plan = Plan(name, tuple(float(b) for b in settings.budgets), tuple(alpha_stated for _ in settings.budgets),
                     plan_keys, args.looks, n_confirm, str(run_dir.resolve()))
@@ -222,7 +227,7 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             cert = Certificate(budget, alpha_each, False, None, None, [], None,
                                "not certified: no candidate (the screen's drop is above every budget)")
         else:
-            cert = confirmation.certify(candidates, budget, alpha_each)
+            cert = confirmation.certify([gated] if is_gate(budget) else candidates, budget, alpha_each)
             if cert.steps:  # the knob check again, on the evidence's own run
                 last = upto(evidence_n())
                 late = knob_check(reference, candidate, [last], decode.get("temperature"))
@@ -231,6 +236,8 @@ def certify_server(settings: Settings, config_yaml: str) -> SweepResult:
             ceiling = prior_refusal(ledger, attempt, budget)
             if cert.certified and ceiling is not None:
                 cert.certified, cert.reason = False, ceiling
+            if ceiling is not None and "; refuted:" not in ceiling:  # the first decision stands, refuting too
+                cert.refutation = None
             ledger.decide(attempt, budget, cert.certified, cert.reason + refutation_note(cert), evidence_n() if cert.steps else 0)
         choice = {"budget": budget, "pair": args.pair_id, "benchmark": bench.name, "dtype": "server", "sweep": name,
                   "parent_run_id": parent, "decode": decode, "engine": "openai", "mode": "server-config",

@@ -311,3 +311,46 @@ def test_only_a_lost_audit_leaves_a_budget_undecided():
     reason = audit_withholds(audited, {"a": full, "b": eager})
     assert reason and "eager kernels" in reason and audit_pending(audited, {"a": full, "b": eager})
     assert audit_withholds(audited, {"a": replace(full, fused_off="x"), "b": replayed}) is None, "a full decode is its own"
+
+
+def test_a_refutation_after_a_futility_stop_rests_on_the_items_observed_not_the_booked_losses():
+    """A candidate stopped for futility has every later item booked as lost for its certificate (which then
+    certifies nothing); a refutation reads only what was observed. A candidate whose drop is about the budget is
+    stopped at a larger budget's futility test yet never refuted at its own, and one that loses everything is."""
+    order = [f"i{k}" for k in range(200)]
+    ref = {k: rec(k, 1.0) for k in order}
+
+    def evaluate_with(outcomes):
+        def evaluate(c: Candidate, stop, n=None):
+            done = {}
+            for k in order[: n or len(order)]:
+                done[k] = outcomes[k]
+                if stop(done):
+                    break
+            return done
+        return evaluate
+
+    # loses 1 item in 12 (a drop of ~8%): hopeless at 2% after a while, but its drop is not shown above 5%
+    near = {k: rec(k, 0.0 if int(k[1:]) % 12 == 0 else 1.0) for k in order}
+    conf = Confirmation(evaluate_with(near), ref, alpha=0.05, limit=1, order=order)
+    cand = [Candidate("near", speed=1.5, search_drop=0.0, search_upper=0.01)]
+    conf.plan_futility(cand, [0.02], 0.05)
+    cert = conf.certify(cand, 0.02)
+    observed = len(conf.records["near"])
+    assert not cert.certified and observed < 200, "stopped for futility"
+    assert cert.refutation.n == observed and cert.verdict in ("refuted", "undecided")
+    # every item lost: the futility stop (at alpha) comes after a handful of items, too few for the refutation's
+    # betting test at half of alpha: undecided, on those items alone, never on the 200 booked as lost
+    lost = {k: rec(k, 0.0) for k in order}
+    conf = Confirmation(evaluate_with(lost), ref, alpha=0.05, limit=1, order=order)
+    cert = conf.certify([Candidate("lost", speed=2.0, search_drop=0.0, search_upper=0.01)], 0.05)
+    assert cert.refutation.n == len(conf.records["lost"]) < 20 and cert.verdict == "undecided"
+    assert cert.bound.n == 200 and cert.bound.losses == 200, "the certificate's evidence books every item lost"
+
+    # a server-style look that runs whole (no early stop inside the look): the same outcomes refute
+    def whole(c: Candidate, stop, n=None):
+        return {k: lost[k] for k in order}
+
+    conf = Confirmation(whole, ref, alpha=0.05, limit=1, order=order)
+    cert = conf.certify([Candidate("lost", speed=2.0, search_drop=0.0, search_upper=0.01)], 0.05)
+    assert cert.verdict == "refuted" and cert.refutation.method == "exact-unconditional"

@@ -5,6 +5,10 @@ budget b has a true paired drop above b, wrongly so with probability at most alp
 the candidate that failed a budget's certification (the first of its fixed sequence, the one that decides the
 budget), over the same look plan:
 
+The scores are the items actually observed, the longest prefix of the fixed order both arms have records for
+(``workers.results.evidence.refutation_pairs``): never the losses certification books past a futility stop, and a
+failed item filled in against refutation (reference wrong, candidate right).
+
 - **right/wrong scores**: half of alpha goes to the exact unconditional test of H0: drop <= b
   (``workers.certify.exact.refute_paired``, its level checked by exact enumeration at every n) at each planned look
   whose items are all here, look k at that half times the share of alpha the plan spends at k (a union bound over
@@ -14,8 +18,12 @@ budget), over the same look plan:
   confirmation cut short by futility mid-look can still be refuted). P(refuted | drop <= b) <= alpha in all.
 - **bounded scores** (MT-bench): the betting test alone, at the full alpha.
 
-A refutation is about the candidate tested, not about every rule of the family: "this rule, at these knobs, loses
-more than b". Knows scores, look plans and alpha; nothing about records or the sweep.
+The statement is per budget, at the alpha that budget is confirmed at (``--joint``'s share where given): the
+budgets are refuted on the same items, and refutation is not nested in b, so several refuted budgets carry their
+errors side by side. A resumed attempt keeps its first decision (``sweep.attempt.prior_refusal``): a re-decision
+cannot refute what was left undecided. A refutation is about the candidate tested, not about every rule of the
+family: "this rule, at these knobs, loses more than b". Knows scores, look plans and alpha; nothing about records
+or the sweep.
 """
 
 from __future__ import annotations
@@ -50,10 +58,13 @@ class Refutation:
 
 
 def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, budget: float,
-               alpha: float) -> Refutation:
-    """Is the paired drop of ``trial`` against ``reference`` (per-item scores in the confirmation's fixed order)
-    shown above ``budget`` at ``alpha``? ``plan``: the confirmation's ``sequential.LookPlan`` (its sizes and the
-    share of alpha each look spends). See the module for the error accounting."""
+               alpha: float, imputed: int = 0) -> Refutation:
+    """Is the paired drop of ``trial`` against ``reference`` (per-item scores in the confirmation's fixed order,
+    every one observed: ``workers.results.evidence.refutation_pairs``) shown above ``budget`` at ``alpha``? ``plan``: the confirmation's
+    ``sequential.LookPlan`` (its sizes and the share of alpha each look spends). ``imputed``: failed items filled in
+    against refutation; the exact test's region only grows with losses and shrinks with wins, so filling
+    them against refutation keeps its level, but the betting test's stakes depend on the path, so with any imputed
+    item it is skipped (its half of alpha unspent). See the module for the error accounting."""
     from workers.certify.decide import _check_alpha, _paired, first_prune
     from workers.certify.exact import refute_paired
 
@@ -80,18 +91,20 @@ def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, bu
             if test.refuted:
                 return Refutation(True, budget, alpha, n, "exact-unconditional", test.p_value, level, k, looks,
                                   f"refuted: exact test of drop <= {budget:g} p = {test.p_value:.3g} <= {level:.3g} "
-                                  f"at look {k} of {looks} ({lost} lost / {won} won of {n} items; half of alpha "
-                                  f"{alpha:g} to this test, split over the looks)")
+                                  f"at look {k} of {looks} ({lost} lost / {won} won of the first {n} items, as observed; "
+                                  f"half of this budget's alpha {alpha:g} to this test, split over the looks)")
     bet_alpha = alpha - exact_alpha
-    crossed = first_prune(ref, tri, budget, bet_alpha) if ref else None
+    crossed = first_prune(ref, tri, budget, bet_alpha) if ref and not imputed else None
     if crossed is not None:
         return Refutation(True, budget, alpha, crossed, "betting", math.nan, bet_alpha, 0, looks,
                           f"refuted: the anytime-valid betting test of drop <= {budget:g} crossed 1/{bet_alpha:g} "
-                          f"after {crossed} items")
+                          f"after {crossed} observed items (half of this budget's alpha {alpha:g})")
     k, p, level = last if last is not None else (0, math.nan, math.nan)
-    tested = f"the exact test's p = {p:.3g} > {level:.3g} at look {k} of {looks}; " if last is not None else ""
-    return Refutation(False, budget, alpha, len(ref), "none", p, level, 0, looks,
-                      f"not refuted: {tested}the betting test never crossed 1/{bet_alpha:g} in {len(ref)} items")
+    tested = f"the exact test's p = {p:.3g} > {level:.3g} at look {k} of {looks}; " if last is not None else \
+        "no look's items were all observed; "
+    betting = (f"the betting test not run ({imputed} failed or missing item(s) among {len(ref)})" if imputed else
+               f"the betting test never crossed 1/{bet_alpha:g} in {len(ref)} items")
+    return Refutation(False, budget, alpha, len(ref), "none", p, level, 0, looks, f"not refuted: {tested}{betting}")
 
 
 def verdict_of(certified: bool, refuted: Refutation | None) -> str:

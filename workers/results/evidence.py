@@ -98,6 +98,23 @@ def confirmation_rows(order: Sequence[str], reference: dict[str, Record], trial:
     return rows, counts
 
 
+def refutation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record]
+                     ) -> tuple[list[float], list[float], int]:
+    """(reference scores, candidate scores, failed items) a refutation rests on (``workers.certify.verdict``): the
+    longest prefix of the fixed ``order`` on which both arms have a record, as observed (never the losses
+    :func:`confirmation_rows` books past a futility stop, which certify nothing but would refute anything), a failed
+    item turned against refutation, the reference wrong and the candidate right (a timeout never helps refute)."""
+    ref, got, failed = [], [], 0
+    for key in order:
+        r, t = reference.get(key), trial.get(key)
+        if r is None or t is None:
+            break
+        ref.append(0.0 if r.failed else score_of(r))
+        got.append(1.0 if t.failed else score_of(t))
+        failed += bool(r.failed or t.failed)
+    return ref, got, failed
+
+
 def confirmation_pairs(order: Sequence[str], reference: dict[str, Record], trial: dict[str, Record],
                        futility: tuple[float, float] | None = None) -> tuple[list[float], list[float], dict[str, int]]:
     """(reference scores, candidate scores, counts) of :func:`confirmation_rows`: what the certificate is

@@ -20,7 +20,7 @@ def test_a_candidate_that_loses_every_item_is_refuted_by_the_exact_test():
     got = refutation([1.0] * 40, [0.0] * 40, plan, 0.05, 0.05)
     assert got.refuted and got.method == "exact-unconditional" and got.look == 1 and got.n == 40
     assert got.level == pytest.approx(0.025) and got.p_value <= got.level
-    assert got.reason.startswith("refuted: exact test of drop <= 0.05") and "40 lost / 0 won of 40" in got.reason
+    assert got.reason.startswith("refuted: exact test of drop <= 0.05") and "40 lost / 0 won of the first 40 items, as observed" in got.reason
 
 
 def test_ties_refute_nothing_and_a_gain_refutes_nothing():
@@ -70,8 +70,9 @@ def test_bad_input_names_the_problem():
 @pytest.mark.parametrize("n, looks, budget", [(8, 1, 0.1), (10, 2, 0.1), (9, 3, 0.2), (10, 2, 0.3)])
 def test_the_whole_procedure_refutes_falsely_at_most_alpha_by_exact_enumeration(n, looks, budget):
     """Every sequence of n paired outcomes (lost, won, tied: 3^n of them), weighted by its probability at drop = b
-    and at drops below, over a grid of the nuisance: P(refuted) <= alpha. The procedure as the sweep runs it, the
-    exact test at every look and the betting test on the items in order, with nothing assumed of either."""
+    and at drops below, over a grid of the nuisance: P(refuted) <= alpha. The procedure on a complete observed
+    sequence: the exact test at every look and the betting test on the items in order, nothing assumed of either
+    (what the sweep hands it, the observed prefix, is test_the_evidence_a_refutation_rests_on)."""
     alpha = 0.2  # large, so that small n can refute at all and the check has something to bite on
     plan = look_plan(n, looks, alpha)
     pairs = {"l": (1.0, 0.0), "w": (0.0, 1.0), "t": (1.0, 1.0)}
@@ -93,3 +94,34 @@ def test_the_whole_procedure_refutes_falsely_at_most_alpha_by_exact_enumeration(
                        for lost, won in refuted_sequences)
             worst = max(worst, prob)
     assert worst <= alpha + 1e-12, worst
+
+
+def test_the_evidence_a_refutation_rests_on():
+    """Only the observed prefix, never certification's booked losses after a futility stop; a failed item counts
+    against refutation (the reference wrong, the candidate right) and turns the betting test off."""
+    from workers.evaluation import Record
+    from workers.results.evidence import confirmation_rows, refutation_pairs
+
+    def rec(item: str, score: float, failed: bool = False) -> Record:
+        return Record(item_id=item, index=0, benchmark="b", spec_key="k", policy="p", params="{}", draft_len=0,
+                      outputs=["x"], score=math.nan if failed else score, extracted=None, reason="", tokens=10,
+                      num_drafts=10, num_draft_tokens=0, num_accepted_tokens=0, accepted_per_position=[],
+                      target_forwards=10, draft_forwards=0, prefill_time_s=0.0, draft_time_s=0.0, verify_time_s=1.0,
+                      policy_time_s=0.0, wall_time_s=1.0, finish_reasons=["length"], output_token_ids=[[1]],
+                      error="boom" if failed else None)
+
+    order = [f"i{k}" for k in range(10)]
+    reference = {k: rec(k, 1.0) for k in order}
+    trial = {k: rec(k, 0.0) for k in order[:4]}  # stopped after 4 items
+    rows, counts = confirmation_rows(order, reference, trial)
+    assert sum(r["candidate_score"] == 0.0 for r in rows) == 10  # certification books all 10 as lost
+    ref, got, failed = refutation_pairs(order, reference, trial)
+    assert (ref, got, failed) == ([1.0] * 4, [0.0] * 4, 0)  # a refutation sees the 4 observed
+    trial["i1"] = rec("i1", 0.0, failed=True)
+    reference["i2"] = rec("i2", 1.0, failed=True)
+    ref, got, failed = refutation_pairs(order, reference, trial)
+    assert ref == [1.0, 1.0, 0.0, 1.0] and got == [0.0, 1.0, 0.0, 0.0] and failed == 2
+    plan = look_plan(100, 2, 0.05)
+    assert refutation([1.0] * 30, [0.0] * 30, plan, 0.05, 0.05).method == "betting"
+    off = refutation([1.0] * 30, [0.0] * 30, plan, 0.05, 0.05, imputed=1)
+    assert not off.refuted and "the betting test not run (1 failed or missing item(s) among 30)" in off.reason
