@@ -15,7 +15,7 @@ from workers.benchmarks.data import DataFile, fetch_files
 from workers.benchmarks.mmlu import format_question
 from workers.models.assets import AssetError
 
-EXPECTED = {"gsm8k": 1319, "mmlu": 14042 - 57 * 5, "humaneval": 164, "ifeval": 541, "mtbench": 80}
+EXPECTED = {"gsm8k": 1319, "mmlu": 14042 - 57 * 5, "humaneval": 164, "ifeval": 541, "mtbench": 80, "math500": 311}
 
 
 def test_registry_lists_all_and_rejects_unknown():
