@@ -4,7 +4,7 @@
   confirmation of several candidates per budget, the sample-size planner.
 - ``exact``: the decision for right/wrong scores: ``certify_paired``, an exact unconditional test of
   "the drop is at least b" (type-I error <= alpha at every n, checked by enumeration), its p-value and
-  the bound it implies; ``refute_paired``, its mirror: "the drop is at most b" rejected (a budget refuted).
+  the bound it implies; ``refute.refute_paired``, its mirror: "the drop is at most b" rejected (a budget refuted).
 - ``bounds``: betting bounds for scores in [0, 1] and the planner's arithmetic.
 
 Pure Python, torch, numpy and scipy over per-item scores in [0, 1]: nothing here knows models, engines, Ray,

@@ -326,7 +326,8 @@ def refute_looks(counts: Sequence[tuple[int, int]], plan: LookPlan, budget: floa
     items), and whatever that rule read, since stopping without refuting only removes looks from the union:
     the event "refuted at a look reached" lies inside "look k's test rejects, for some k of the full plan".
     Calibrated plans keep their certification thresholds for certifying; refutation takes their shares alone."""
-    from workers.certify.exact import _check, refute_paired
+    from workers.certify.exact import _check
+    from workers.certify.refute import refute_paired
 
     sizes, shares = plan.sizes, plan.shares
     _check(0, 0, 1, budget)

@@ -66,7 +66,7 @@ def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, bu
     them against refutation keeps its level, but the betting test's stakes depend on the path, so with any imputed
     item it is skipped (its half of alpha unspent). See the module for the error accounting."""
     from workers.certify.decide import _check_alpha, _paired, first_prune
-    from workers.certify.exact import refute_paired
+    from workers.certify.refute import refute_paired
 
     _check_alpha(alpha)
     if not 0.0 < budget < 1.0:

@@ -14,16 +14,13 @@ import numpy as np
 import pytest
 from scipy.special import gammaln
 
-from workers.certify.exact import (
-    BOUND_FLOOR,
-    _outcomes,
-    certify_paired,
+from workers.certify.exact import BOUND_FLOOR, _outcomes, certify_paired, score_z
+from workers.certify.refute import (
     refute_bound,
     refute_critical_z,
     refute_p_value,
     refute_paired,
     refute_type_one_error,
-    score_z,
 )
 from workers.certify.sequential import _carry, look_plan, refute_looks
 
