@@ -48,6 +48,7 @@ from workers.certify.decide import (
     sequential_bound,
 )
 from workers.certify.sequential import RHO, LookPlan, look_plan
+from workers.certify.verdict import futility_level
 from workers.evaluation import Record
 from workers.metrics.lossless import baseline_name
 from workers.metrics.speed import comparable, measured_text, over_lossless, ratio_text, speed_figures
@@ -84,6 +85,9 @@ class Confirmation:
         self.counts: dict[str, dict[str, int]] = {}  # candidate key -> failures and missing items, by arm
         self.evidence: dict[str, list[dict[str, Any]]] = {}  # candidate key -> its per-item paired outcomes
         self.futility: dict[str, float] = {}  # candidate key -> the budget its futility stop tests against
+        # the futility stop's level: the refutation's betting half at the level budgets are certified at
+        # (plan_futility's alpha), so a futility stop is that budget's refutation (workers.certify.verdict)
+        self.futility_alpha = futility_level(alpha)
         self.success: dict[str, tuple[float, float]] = {}  # candidate key -> (budget, alpha) of its success stop
         self.stopped: dict[str, int] = {}  # candidate key -> the look size it stopped at on success
 
@@ -102,7 +106,10 @@ class Confirmation:
         """Before any confirmation: each candidate's futility stop tests the *largest* budget whose
         candidate list holds it (known from the search alone), so records cut short for one budget are
         never what a larger budget is judged on; its success stop (group-sequential looks) tests the
-        *smallest*, at ``alpha`` (default: the confirmation's): passing there passes every larger one."""
+        *smallest*, at ``alpha`` (default: the confirmation's): passing there passes every larger one. The futility
+        test runs at the refutation's betting half of ``alpha`` (``verdict.futility_level``)."""
+        if alpha is not None:
+            self.futility_alpha = futility_level(alpha)
         for budget in sorted(budgets):
             for c in order_candidates(candidates, budget, limit=self.limit):
                 self.futility[c.key] = budget
@@ -123,7 +130,7 @@ class Confirmation:
 
             def hopeless(recs: dict[str, Record], ref=ref, order=order) -> bool:
                 a, b = ordered_prefix(order, ref, recs)
-                return bool(a) and prune_test(a, b, against, self.alpha)
+                return bool(a) and prune_test(a, b, against, self.futility_alpha)
 
             records = self.evaluate(candidate, hopeless, n)
             if hopeless(records):
@@ -148,7 +155,7 @@ class Confirmation:
                 records = self.records_of(c, budget)
                 order = self.order[: self.stopped.get(c.key, len(self.order))]  # a success stop: its looks' items
                 rows, self.counts[c.key] = confirmation_rows(order, self.reference, records,
-                                                             (self.futility[c.key], self.alpha))
+                                                             (self.futility[c.key], self.futility_alpha))
                 self.evidence[c.key] = rows
             if (c.key, alpha, budget) not in self._bounds:
                 rows = self.evidence[c.key]

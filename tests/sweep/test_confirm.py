@@ -339,12 +339,13 @@ def test_a_refutation_after_a_futility_stop_rests_on_the_items_observed_not_the_
     observed = len(conf.records["near"])
     assert not cert.certified and observed < 200, "stopped for futility"
     assert cert.refutation.n == observed and cert.verdict in ("refuted", "undecided")
-    # every item lost: the futility stop (at alpha) comes after a handful of items, too few for the refutation's
-    # betting test at half of alpha: undecided, on those items alone, never on the 200 booked as lost
+    # every item lost: the futility stop is the refutation's betting half (the same test at the same level), so
+    # it is refuted where it stopped, on those items alone, never on the 200 booked as lost
     lost = {k: rec(k, 0.0) for k in order}
     conf = Confirmation(evaluate_with(lost), ref, alpha=0.05, limit=1, order=order)
     cert = conf.certify([Candidate("lost", speed=2.0, search_drop=0.0, search_upper=0.01)], 0.05)
-    assert cert.refutation.n == len(conf.records["lost"]) < 20 and cert.verdict == "undecided"
+    assert cert.refutation.n == len(conf.records["lost"]) < 20
+    assert cert.verdict == "refuted" and cert.refutation.method == "betting"
     assert cert.bound.n == 200 and cert.bound.losses == 200, "the certificate's evidence books every item lost"
 
     # a server-style look that runs whole (no early stop inside the look): the same outcomes refute
@@ -354,3 +355,37 @@ def test_a_refutation_after_a_futility_stop_rests_on_the_items_observed_not_the_
     conf = Confirmation(whole, ref, alpha=0.05, limit=1, order=order)
     cert = conf.certify([Candidate("lost", speed=2.0, search_drop=0.0, search_upper=0.01)], 0.05)
     assert cert.verdict == "refuted" and cert.refutation.method == "exact-unconditional"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_futility_stop_is_the_refutation_of_the_budget_it_tested(seed):
+    """The futility stop runs the refutation's betting half at the same level, against the largest budget whose
+    list holds the candidate, on the same observed prefix: whenever it stops a candidate (no item failed), that
+    budget is refuted, by the betting test at the item the stop fired on."""
+    import random
+
+    rng = random.Random(seed)
+    order = [f"i{k}" for k in range(100)]
+    ref = {k: rec(k, 1.0 if rng.random() < 0.8 else 0.0) for k in order}
+    worse = rng.choice([0.25, 0.35, 0.5])  # the candidate's chance of losing an item the reference got right
+    got = {k: rec(k, 0.0 if ref[k].score and rng.random() < worse else ref[k].score) for k in order}
+
+    def evaluate(c: Candidate, stop, n=None):
+        done = {}
+        for k in order[: n or len(order)]:
+            done[k] = got[k]
+            if stop(done):
+                break
+        return done
+
+    budgets = [0.02, 0.05]
+    cand = [Candidate("c", speed=1.5, search_drop=0.0, search_upper=0.01)]
+    conf = Confirmation(evaluate, ref, alpha=0.05, limit=1, order=order)
+    assert conf.plan_futility(cand, budgets, 0.05) == {"c": 0.05}
+    assert conf.futility_alpha == pytest.approx(0.025)
+    cert = conf.certify(cand, 0.05)
+    stopped = len(conf.records["c"]) < len(order)
+    assert stopped, "each of these candidates loses far more than 5%"
+    assert cert.verdict == "refuted" and not cert.certified
+    # one look at 100 items, never reached after a stop: the betting half decides, at the item the stop fired on
+    assert cert.refutation.method == "betting" and cert.refutation.n == len(conf.records["c"])

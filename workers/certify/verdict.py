@@ -16,7 +16,12 @@ failed item filled in against refutation (reference wrong, candidate right).
   since stopping without refuting only removes chances); the other half to the anytime-valid betting test the
   futility stop uses (``decide.first_prune``: P(it ever crosses | drop <= b) <= its level, at any item count, so a
   confirmation cut short by futility mid-look can still be refuted). P(refuted | drop <= b) <= alpha in all.
-- **bounded scores** (MT-bench): the betting test alone, at the full alpha.
+- **bounded scores** (MT-bench): the betting test alone, at the same half of alpha (the other half unspent).
+
+The confirmation's futility stop runs that same betting test at that same level (:func:`futility_level`) against
+the largest budget whose candidate list holds the candidate, on the same observed prefix: a futility stop at that
+budget *is* its refutation by the betting half, unless an item failed (a failed item counts against refuting and
+turns the betting half off). At a smaller budget the refutation is decided afresh on the same items.
 
 The statement is per budget, at the alpha that budget is confirmed at (``--joint``'s share where given): the
 budgets are refuted on the same items, and refutation is not nested in b, so several refuted budgets carry their
@@ -36,6 +41,13 @@ from typing import Any
 CERTIFIED, REFUTED, UNDECIDED = "certified", "refuted", "undecided"
 EXACT_SHARE = 0.5  # of a refutation's alpha, right/wrong scores: the exact test at the looks; the rest: the betting test
 GATE_EXIT = {CERTIFIED: 0, REFUTED: 10, UNDECIDED: 11}  # jobs/sweep.py --gate: a deployment's CI reads these
+
+
+def futility_level(alpha: float) -> float:
+    """The level of a confirmation's futility stop at confirmation ``alpha``: the refutation's betting half, so
+    that the stop and the refutation are one anytime-valid test (stopping for futility never costs certification
+    anything, whatever its level: it only gives up chances to certify)."""
+    return alpha * (1.0 - EXACT_SHARE)
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, bu
                                   f"refuted: exact test of drop <= {budget:g} p = {test.p_value:.3g} <= {level:.3g} "
                                   f"at look {k} of {looks} ({lost} lost / {won} won of the first {n} items, as observed; "
                                   f"half of this budget's alpha {alpha:g} to this test, split over the looks)")
-    bet_alpha = alpha - exact_alpha
+    bet_alpha = futility_level(alpha)
     crossed = first_prune(ref, tri, budget, bet_alpha) if ref and not imputed else None
     if crossed is not None:
         return Refutation(True, budget, alpha, crossed, "betting", math.nan, bet_alpha, 0, looks,

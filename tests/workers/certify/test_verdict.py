@@ -12,7 +12,15 @@ import pytest
 
 from workers.certify.decide import Certificate
 from workers.certify.sequential import look_plan
-from workers.certify.verdict import CERTIFIED, GATE_EXIT, REFUTED, UNDECIDED, refutation, verdict_of
+from workers.certify.verdict import (
+    CERTIFIED,
+    GATE_EXIT,
+    REFUTED,
+    UNDECIDED,
+    futility_level,
+    refutation,
+    verdict_of,
+)
 
 
 def test_a_candidate_that_loses_every_item_is_refuted_by_the_exact_test():
@@ -39,10 +47,12 @@ def test_a_confirmation_cut_short_by_futility_is_refuted_by_the_anytime_valid_te
     assert not few.refuted and few.reason.startswith("not refuted") and math.isnan(few.p_value)
 
 
-def test_graded_scores_go_to_the_betting_test_at_the_full_alpha():
+def test_graded_scores_go_to_the_betting_test_at_the_futility_stops_level():
+    """No exact test for bounded scores: the betting test alone, at the half of alpha the futility stop runs at
+    (so the stop and the refutation stay one test); the other half is unspent."""
     plan = look_plan(80, 1, 0.05)
     got = refutation([0.9] * 80, [0.1] * 80, plan, 0.2, 0.05)
-    assert got.refuted and got.method == "betting" and got.level == pytest.approx(0.05)
+    assert got.refuted and got.method == "betting" and got.level == pytest.approx(futility_level(0.05)) == 0.025
 
 
 def test_verdicts_and_the_gate_codes():
