@@ -25,6 +25,7 @@ from typing import Any
 import ray
 
 from workers.benchmarks import Item, get_benchmark
+from workers.engine_registry import engine_traits
 from workers.evaluation import DecodeSpec, Record, evaluate_bundle, evaluate_item
 
 # max_concurrency=2: a trial's stop() must run while consume() is busy in the other thread.
@@ -45,14 +46,15 @@ class PairWorker:
 
         from workers.engines import make_engine
 
-        if num_threads and engine != "openai":
+        self.traits = engine_traits(engine)  # what the engine can do, never its name (workers.engine_registry)
+        if num_threads and not self.traits.needs_server:
             torch.set_num_threads(num_threads)
         t0 = time.perf_counter()
         self.pair_name = pair
         self.engine_kind = engine
         self.engine = make_engine(engine, pair, dtype, cache_dir=cache_dir, draft_len=draft_len,
                                   tensor_parallel_size=tensor_parallel_size, vllm=vllm)
-        if engine == "cpu":  # the batched engine's rows per call (workers.cpu_batch); "auto": measured at first use
+        if self.traits.batched_rows:  # the batched engine's rows per call (workers.cpu_batch); "auto": measured later
             self.engine.batch_size = batch_size
         self.load_s = time.perf_counter() - t0
         self.items_done = 0
@@ -80,7 +82,7 @@ class PairWorker:
         """This pair's cost profile on this node (measured once, then read from the pair cache), timed at the
         context ``items`` decode at under ``spec`` (their median prompt plus half the new tokens,
         ``workers.models.calibrate.workload_context``), or at the default one without them."""
-        if self.engine_kind != "cpu":
+        if not self.traits.measures_cost:
             return self.engine.profile()  # c is not measurable here: the sweep asks for --cost-ratio
         from workers.evaluation import workload_profile
         from workers.models.calibrate import get_profile
@@ -92,7 +94,7 @@ class PairWorker:
     def batch(self, benchmark: str, items: list[Item], spec: DecodeSpec) -> dict[str, Any]:
         """The rows this actor's CPU engine decodes at once (``auto`` measured now, at the context ``items`` decode
         at under ``spec``) and how it chose; 1 on other engines."""
-        if self.engine_kind != "cpu":
+        if not self.traits.batched_rows:
             return {"batch_size": 1}
         from workers.evaluation import items_context
 
@@ -112,7 +114,7 @@ class PairWorker:
         """Each item under every spec, one teacher-forced pass per item where they replay (CPU engine;
         ``workers.evaluation.evaluate_bundle``): per item, the records in ``specs``' order."""
         bench = get_benchmark(benchmark)
-        if self.engine_kind == "cpu":  # batched where the engine's batch size says so, row for row exact
+        if self.traits.batched_rows:  # batched where the engine's batch size says so, row for row exact
             out = self.engine.evaluate_bundles(bench, list(items), specs, references)
         else:
             out = [evaluate_bundle(self.engine, bench, item, specs, references.get(item.id)) for item in items]
@@ -126,7 +128,7 @@ class PairWorker:
         out: list[list[Record]] = [[] for _ in specs]
         for item in items:
             for arm, spec in zip(out, specs, strict=True):
-                if self.engine_kind == "vllm":
+                if self.traits.batches_shards:
                     arm.append(self.engine.evaluate_items(bench, [item], spec, {})[0])
                 else:
                     arm.append(evaluate_item(self.engine, bench, item, spec))
@@ -141,9 +143,9 @@ class PairWorker:
         the fast path). The records per spec in item order, and each spec's wall seconds over its own chunks."""
         bench = get_benchmark(benchmark)
         timer = getattr(self.engine, "time_concurrent", None)
-        if timer is not None and self.engine_kind != "cpu":
+        if timer is not None and not self.traits.batched_rows:
             return timer(bench, specs, items, concurrency)
-        if self.engine_kind not in ("vllm", "cpu"):
+        if not (self.traits.batched_rows or self.traits.batches_shards):
             raise ValueError(f"the {self.engine_kind} engine decodes one request at a time: no concurrency to time")
         import time
 
@@ -155,7 +157,7 @@ class PairWorker:
             group = items[start: start + concurrency]
             for j in rotation(k, len(specs)):
                 t0 = time.perf_counter()
-                if self.engine_kind == "cpu":  # the group as the batched engine's rows, decoded in full
+                if self.traits.batched_rows:  # the group as the batched engine's rows, decoded in full
                     out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}, batch_size=concurrency))
                 else:
                     out[j].extend(self.engine.evaluate_items(bench, group, specs[j], {}))
@@ -166,13 +168,13 @@ class PairWorker:
                 ) -> list[Record]:
         """Evaluate one shard (a small Ray Data dataset of items); stop early if asked. On the vLLM
         engine the whole shard is one batched ``generate`` (continuous batching), per-item records."""
-        if self.engine_kind == "vllm":
+        if self.traits.batches_shards:
             if tag in self._stop:
                 return []
             return self.evaluate_list(benchmark, spec, [item_from_json(row["item"]) for row in shard.iter_rows()],
                                       references)
         items = [item_from_json(row["item"]) for row in shard.iter_rows()]
-        if self.engine_kind == "cpu" and self.engine.batch_size != 1:  # the shard's items as batched rows
+        if self.traits.batched_rows and self.engine.batch_size != 1:  # the shard's items as batched rows
             records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references,
                                                  stop=lambda: tag in self._stop)
             self.items_done += len(records)
@@ -186,12 +188,12 @@ class PairWorker:
 
     def evaluate_list(self, benchmark: str, spec: DecodeSpec, items: list[Item], references: dict[str, list[str]]
                       ) -> list[Record]:
-        if self.engine_kind == "vllm":  # replay is the CPU engine's: vLLM takes the outputs alone
+        if self.traits.batches_shards:  # replay is the CPU engine's: vLLM takes the outputs alone
             references = {k: v["outputs"] if isinstance(v, dict) else v for k, v in references.items()}
             records = self.engine.evaluate_items(get_benchmark(benchmark), items, spec, references)
             self.items_done += len(records)
             return records
-        if self.engine_kind == "cpu" and self.engine.batch_size != 1:
+        if self.traits.batched_rows and self.engine.batch_size != 1:
             records = self.engine.evaluate_items(get_benchmark(benchmark), list(items), spec, references)
             self.items_done += len(records)
             return records
@@ -228,7 +230,7 @@ def make_workers(n: int, pair: str, dtype: str, *, cpus_per_actor: float = 1, gp
     threads = max(1, int(cpus_per_actor))
 
     def engine_options(i: int) -> dict[str, Any] | None:
-        if engine != "vllm":
+        if not engine_traits(engine).takes_vllm_settings:
             return vllm  # openai: the server's Endpoint fields
         # vLLM-CPU binds its threads to this actor's share of the node's CPUs (ignored on GPU builds)
         return {"num_cpus": threads, "cpu_offset": i * threads, **(vllm or {})}

@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Any
 
+from workers.engine_registry import PLUGINS_ENV
+
 AUTH_MODE = "token"
 DEFAULT_OBJECT_STORE_BYTES = 256 << 20
 # Serve's proxy must answer its readiness check within 5 s by default; on a busy 2-core node
@@ -57,7 +59,9 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, object_
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
                         **{k: os.environ[k] for k in SERVE_ENV},
-                        **{k: os.environ[k] for k in ENGINE_ENV if k in os.environ}}}
+                        **{k: os.environ[k] for k in ENGINE_ENV if k in os.environ},
+                        # engines registered outside workers.engine_registry: the actors import them too
+                        **{k: os.environ[k] for k in (PLUGINS_ENV,) if k in os.environ}}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=not quiet, configure_logging=quiet)
     else:

@@ -48,6 +48,7 @@ from cluster.openai_api import (
     usage,
 )
 from cluster.serve_settings import ServeMetrics, ServeSettings
+from workers.engine_registry import engine_traits
 
 DEPLOYMENT = "spectune"
 
@@ -82,7 +83,7 @@ class SpecDecodeServer:
         torch.set_num_threads(max(1, round(self.s.num_cpus)))
         t0 = time.perf_counter()
         # vLLM: its async engine (continuous batching, per-request rules, token streaming); CPU: SpecDecoder
-        self.streaming = self.s.engine == "vllm"
+        self.streaming = engine_traits(self.s.engine).streams
         if self.streaming:
             from workers.engines import vllm_settings
             from workers.vllm.async_engine import AsyncVLLMDecoder
@@ -99,7 +100,7 @@ class SpecDecodeServer:
         self.load_s = time.perf_counter() - t0
         self.limits = self.s.limits_obj()
         self.default = self.s.default_spec()
-        if self.s.engine == "vllm":
+        if self.streaming:  # the async vLLM engine's own limit
             self.max_positions = int(self.engine.settings.max_model_len)
         else:
             self.max_positions = int(getattr(self.pair.target.config, "max_position_embeddings", 0) or 0)
@@ -153,7 +154,8 @@ class SpecDecodeServer:
     def _check_engine_can(self, req: GenRequest) -> None:
         """The vLLM engine runs one draft length (fixed when it starts), and speculation off only where it
         may start a second, target-only engine."""
-        if self.s.engine == "vllm" and req.spec.policy is not None and req.spec.draft_len != self.s.draft_len:
+        fixed = engine_traits(self.s.engine).fixed_draft_len
+        if fixed and req.spec.policy is not None and req.spec.draft_len != self.s.draft_len:
             raise ApiError(400, f"spec_decode.draft_len: this server's vLLM engine runs draft length "
                                 f"{self.s.draft_len}, got {req.spec.draft_len}", param="spec_decode.draft_len")
         if self.streaming and req.spec.policy is None and self.engine.exclusive:

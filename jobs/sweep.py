@@ -24,6 +24,7 @@ import shlex  # noqa: E402
 
 from jobs.sweep_args import build_parser, effective_config, parse_args  # noqa: E402, F401  (build_parser: the CLI)
 from sweep.progress import log  # noqa: E402
+from workers.engine_registry import engine_traits  # noqa: E402
 
 
 def _exit_on_sigterm() -> None:
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         runs_root(settings.args.runs_root)  # a root inside a Ray job's temporary working_dir copy fails now, not at the end
         if settings.args.run_dir:
             persistent_dir(settings.args.run_dir, "--run-dir")
-        if settings.args.engine == "openai":  # the server answers, takes the key, serves the model: else one line
+        # the server answers, takes the key, serves the model: else one line
+        if engine_traits(settings.args.engine).needs_server:
             from sweep.settings import endpoint_options
             from workers.endpoint import Endpoint, check
 

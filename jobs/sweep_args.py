@@ -19,7 +19,7 @@ import yaml
 
 from sweep.space import DEFAULT_FAMILIES
 from workers.benchmarks import BENCHMARKS
-from workers.engines import ENGINES
+from workers.engine_registry import engine_names
 
 
 class _ValueError(argparse.ArgumentTypeError, ValueError):
@@ -255,7 +255,7 @@ def build_parser() -> SweepParser:
                          "after another. Like-for-like timing (--speed-items) stays at batch 1 or --concurrency")
     ap.add_argument("--gpus-per-actor", type=float, default=0)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per pair (vLLM engine)")
-    ap.add_argument("--engine", type=str, choices=ENGINES, default="cpu",
+    ap.add_argument("--engine", type=str, choices=engine_names(), default="cpu",
                     help="cpu: transformers reference engine; vllm: vLLM with spectune's rules inside (GPU nodes); "
                          "openai: a running server with spectune's rule fields (jobs.serve) at --base-url")
     ap.add_argument("--base-url", type=str | None, default=None,

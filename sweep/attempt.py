@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sweep.progress import log
 from sweep.search import spec_of
 from workers.certify.decide import Candidate, order_candidates
+from workers.engine_registry import engine_traits
 from workers.results.ledger import AttemptLedger, LedgerRefusal, Plan
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def open_attempt(state: SweepState, candidates: list[Candidate], alpha_each: flo
                                             search_items=[it.id for it in state.items],
                                             endpoint={"base_url": args.base_url, "model": args.model,
                                                       "model_card": state.profile.get("model_card")}
-                                            if args.engine == "openai" else None)
+                                            if engine_traits(args.engine).needs_server else None)
     except LedgerRefusal as err:
         log(f"confirmation REFUSED by the ledger ({ledger.path}): {err}")
         return Attempt(ledger, None, planned, refusal=str(err))

@@ -49,6 +49,7 @@ from workers.certify.decide import (
 )
 from workers.certify.sequential import RHO, LookPlan, look_plan
 from workers.certify.verdict import futility_level
+from workers.engine_registry import engine_traits
 from workers.evaluation import Record
 from workers.metrics.lossless import baseline_name
 from workers.metrics.speed import comparable, measured_text, over_lossless, ratio_text, speed_figures
@@ -198,7 +199,8 @@ def base_choice(state: SweepState, budget: float, attempt: Attempt) -> dict[str,
             "search_items": len(state.items), "pair_fingerprint": attempt.ledger.pair_id,
             # what the certificate covers on a server: this endpoint, as /v1/models described it
             **({"endpoint": {"base_url": args.base_url, "model": args.model, "pair_id": args.pair_id,
-                             "model_card": state.profile.get("model_card")}} if args.engine == "openai" else {})}
+                             "model_card": state.profile.get("model_card")}}
+               if engine_traits(args.engine).needs_server else {})}
 
 
 def speed_over_lossless(state: SweepState, attempt: Attempt, row: dict[str, Any], records: dict[str, Record],

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweep.progress import Progress, log
+from workers.engine_registry import engine_traits
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record
 from workers.results.store import RecordStore, reference_dir
 
@@ -201,7 +202,8 @@ class References:
         from workers.replay import exact_for, exact_rule
 
         args = self.settings.args
-        on = args.replay != "off" and args.engine == "cpu" and self.settings.decode["temperature"] == 0.0
+        exact = engine_traits(args.engine).exact_replay
+        on = args.replay != "off" and exact and self.settings.decode["temperature"] == 0.0
         threads = max(1, int(getattr(args, "cpus_per_actor", 1) or 1))  # the actors' torch threads (make_workers)
         rule_ok = spec is None or spec.policy == TARGET_ONLY or exact_rule(spec.policy, spec.params_dict)
         return on and (not confirm or (exact_for(args.dtype, threads) and rule_ok))
@@ -219,7 +221,7 @@ class References:
         """vLLM batches a shard in one ``generate``: one shard per actor; the batched CPU engine two batches' worth
         (rows that finish take the shard's next items, so the batch drains once per shard; fewer where that would
         leave an actor idle); at batch 1 small ones (the default)."""
-        if self.settings.args.engine == "vllm" and items:
+        if engine_traits(self.settings.args.engine).batches_shards and items:
             return math.ceil(len(items) / max(1, len(self.workers)))
         if self.batch > 1 and items:
             return max(1, min(2 * self.batch, math.ceil(len(items) / max(1, len(self.workers)))))
@@ -233,7 +235,8 @@ class References:
         from cluster.pool import CHUNK, PoolError, run_bundles
 
         args = self.settings.args
-        if args.engine != "cpu" or self.settings.decode["temperature"] != 0.0 or args.replay == "off":
+        exact = engine_traits(args.engine).exact_replay
+        if not exact or self.settings.decode["temperature"] != 0.0 or args.replay == "off":
             return
         specs = [self.lossless_spec(n) for n in lengths]
         stores = [self.store(s) for s in specs]

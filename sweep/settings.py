@@ -22,6 +22,7 @@ from sweep.progress import log
 from sweep.space import check_families, search_ranges
 from workers.benchmarks import get_benchmark
 from workers.cli import require_positive
+from workers.engine_registry import engine_traits
 from workers.engines import check_engine
 from workers.results.store import slug
 
@@ -47,7 +48,6 @@ class Settings:
         return list(range(self.draft_len[0], self.draft_len[1] + 1))
 
 
-DEFAULT_DRAFT_LEN = {"cpu": "1,12", "vllm": "5", "openai": "1,12"}  # --draft-len when none is given, per engine
 
 
 def endpoint_settings(args: argparse.Namespace) -> None:
@@ -86,11 +86,12 @@ def server_settings(args: argparse.Namespace) -> None:
             raise ValueError(f"--concurrency {args.concurrency}: a sweep times its speed phase at one concurrency")
         from workers.models.pair import auto_dtype, fast_path
 
-        if levels != [1] and args.engine == "cpu" and not fast_path(auto_dtype() if args.dtype == "auto" else args.dtype):
+        rows = engine_traits(args.engine).batched_rows  # a concurrency timed as the batched engine's rows
+        if levels != [1] and rows and not fast_path(auto_dtype() if args.dtype == "auto" else args.dtype):
             raise ValueError(f"--concurrency {args.concurrency}: the cpu engine times a concurrency as its batched rows, "
                              f"on the fast path only (--dtype int8 or int4+int8, not {args.dtype})")
         return
-    if args.engine != "openai":
+    if not engine_traits(args.engine).needs_server:
         raise ValueError("--server-config goes with --engine openai (a running server)")
     for flag in ("server_config", "reference_config", "extra_body", "reference_extra_body"):
         value = getattr(args, flag)
@@ -116,7 +117,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     bench = get_benchmark(args.benchmark)
     from workers.models.pair import auto_dtype, check_pair_name, fast_path
 
-    if args.engine == "openai":
+    traits = engine_traits(args.engine)  # what the engine can do (workers.engine_registry)
+    if traits.needs_server:
         endpoint_settings(args)
     elif any(getattr(args, k, None) for k in ("base_url", "model", "pair_id")):
         raise ValueError("--base-url, --model and --pair-id go with --engine openai")
@@ -125,17 +127,17 @@ def parse_settings(given: argparse.Namespace) -> Settings:
         # dtype is int8 (the fast CPU path) on x86, resolved here because the actors run on this kind of machine.
         # vLLM runs on the GPU workers, not on this driver (a GPU-less head without bf16 instructions would
         # otherwise pick fp32 for them): bf16, which every GPU since Ampere runs natively.
-        if args.engine == "cpu":
+        if traits.fast_path:
             args.dtype = auto_dtype()
             log(f"--dtype auto: {args.dtype} on this machine")
         else:
             args.dtype = "bf16"
             log("--dtype auto: bf16 for the vLLM engine's GPU workers (a GPU without bf16, e.g. V100 or T4: --dtype fp16)")
-    if fast_path(args.dtype) and args.engine != "cpu":
+    if fast_path(args.dtype) and not traits.fast_path:
         raise ValueError(f"--dtype {args.dtype} is the CPU engine's fast path; --engine {args.engine} runs bf16, fp16 "
                          "or fp32")
 
-    if args.engine != "openai":
+    if not traits.needs_server:
         check_pair_name(args.pair)  # fail here, not inside every actor
     try:
         budgets = sorted({float(b) for b in args.budgets.split(",") if b.strip()})
@@ -150,8 +152,8 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     families = check_families([p.strip() for p in args.policies.split(",") if p.strip()])
     ranges = search_ranges(families, getattr(args, "search_space", None))
     if args.draft_len is None:  # the vLLM engine fixes L when it starts: one L per sweep there
-        args.draft_len = DEFAULT_DRAFT_LEN.get(args.engine, "1,12")
-        if args.engine == "vllm":
+        args.draft_len = traits.default_draft_len
+        if traits.fixed_draft_len:
             log(f"--draft-len: {args.draft_len} (the vllm engine fixes the draft length when it starts: one "
                 "sweep per L; give --draft-len to choose it)")
     try:
@@ -169,15 +171,15 @@ def parse_settings(given: argparse.Namespace) -> Settings:
     args.batch_size = parse_batch_size(getattr(args, "batch_size", 1))
     check_engine(args.engine, draft_lens=(lo, hi), tensor_parallel_size=args.tensor_parallel_size,
                  vllm=vllm_options(args))
-    if args.engine == "vllm":
+    if traits.own_interpreter:
         from workers.engines import vllm_python
 
         args.vllm_python = vllm_python(args.vllm_python)
     server_settings(args)
-    if args.engine == "openai" and args.cost_ratio is None and args.server_config is None:
+    if traits.needs_server and args.cost_ratio is None and args.server_config is None:
         raise ValueError("--engine openai needs --cost-ratio: a server's draft and target steps cannot be timed apart "
                          "from outside (measure c where the pair runs, or take it from the server's logs)")
-    if args.engine == "vllm" and args.cost_ratio is None:
+    if not traits.needs_server and not traits.measures_cost and args.cost_ratio is None:
         raise ValueError("--engine vllm needs --cost-ratio: vLLM does not time draft and target steps apart "
                          "(measure c through vLLM with `python -m workers.calibrate --engine vllm --pair ...`, or from your serving logs)")
     require_positive(args, "trials", "min_items_to_prune", "confirm_candidates", "looks")
@@ -252,8 +254,8 @@ def study_name(s: Settings) -> str:
                       **({"looks": args.looks} if args.looks != 1 else {}),
                       **({"verify_factor": args.verify_factor} if getattr(args, "verify_factor", None) else {}),
                       **({"search": s.search_overrides} if s.search_overrides else {}),
-                      **({"engine": args.engine} if args.engine != "cpu" else {}),
-                      **({"endpoint": [args.base_url, args.model]} if args.engine == "openai" else {})},
+                      **({"engine": args.engine} if not engine_traits(args.engine).reference else {}),
+                      **({"endpoint": [args.base_url, args.model]} if engine_traits(args.engine).needs_server else {})},
                      sort_keys=True)
     digest = hashlib.sha1(key.encode()).hexdigest()[:8]
     return slug(f"{args.benchmark}-{args.pair}-{args.dtype}-n{args.items}-{digest}")
@@ -268,7 +270,7 @@ def ledger_of(settings: Settings) -> Any:
     from workers.results.ledger import ledger_for
 
     args = settings.args
-    server = args.engine == "openai"
+    server = engine_traits(args.engine).needs_server
     return ledger_for(settings.bench, None if server else args.pair, args.pair_id if server else None,
                       getattr(args, "ledger", None))
 
@@ -279,10 +281,11 @@ def family_line(settings: Settings) -> str:
 
     args = settings.args
     stated = args.alpha / len(settings.budgets) if args.joint else args.alpha
+    server = engine_traits(args.engine).needs_server
     ledger = ledger_of(settings)
     k = ledger.next_number()
     return (f"certificate ledger {ledger.path}: {k - 1} earlier attempt(s) on this benchmark and pair; a new "
             f"confirmation attempt would be #{k} of the family, each budget tested at {stated:g} x 2^-{k} = "
             f"{family_alpha(stated, k):.4g} (a resumed attempt keeps its own number; `python -m jobs.plan "
-            f"--benchmark {settings.bench.name} --pair {args.pair if args.engine != 'openai' else '...'}` gives the "
+            f"--benchmark {settings.bench.name} --pair {'...' if server else args.pair}` gives the "
             f"items that level needs)")

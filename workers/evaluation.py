@@ -18,6 +18,7 @@ from typing import Any
 from policies import make_policy
 from workers.benchmarks import Benchmark, Item
 from workers.cpu_engine import SpecDecoder
+from workers.engine_registry import ItemEngine
 from workers.prompts import encode_chat
 from workers.stats import GenerationStats
 
@@ -241,7 +242,7 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
     :func:`reference_payload` of its target-only record: then, at T = 0 on the CPU engine, each turn is
     *replayed* from it (``workers.replay``: exact; decoded live only from the round that leaves the
     target-only output), while the turns before it kept the reference's output; ``Record.replay`` says how."""
-    if hasattr(engine, "evaluate_item"):  # a server as the engine (workers.endpoint_engine): requests, not decoding
+    if isinstance(engine, ItemEngine):  # a server as the engine (workers.endpoint_engine): requests, not decoding
         return engine.evaluate_item(bench, item, spec, reference_outputs)
     reference = reference_outputs if isinstance(reference_outputs, dict) else None
     if reference is not None:

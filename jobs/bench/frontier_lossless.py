@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from workers.cli import one_line_errors
+from workers.engine_registry import engine_traits
 
 ROOT = Path(__file__).resolve().parents[2]
 KEEP = ("trials", "pareto", "budgets", "lost_items")  # the page's parts the recomputation leaves as they were
@@ -225,7 +226,7 @@ def recompute(folder: Path, runs_root: str | None, actors: int | None) -> dict[s
     meta = json.loads((folder / "sweep.json").read_text())
     settings = parse_settings(study_args(meta, runs_root, actors))
     args = settings.args
-    if args.engine != "cpu" or settings.decode["temperature"] != 0.0:
+    if not engine_traits(args.engine).exact_replay or settings.decode["temperature"] != 0.0:
         raise ValueError(f"lossless at every L by replay needs the CPU engine at T = 0; the study ran --engine "
                          f"{args.engine} at T = {settings.decode['temperature']}")
     items = study_items(settings, folder)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import polars as pl
 
+from workers.engine_registry import engine_traits
 from workers.evaluation import DecodeSpec, Record
 
 # Where Ray unpacks a job's ``--working-dir`` (inside the Ray session's temporary directory, garbage
@@ -157,8 +158,9 @@ def reference_root(root: Path, pair: str, dtype: str, engine: str = "cpu") -> Pa
     references from before a change that moved outputs are not this code's)."""
     from workers.models.pair import FAST_NUMERICS, FAST_TAGS
 
-    name = pair if engine == "cpu" else f"{pair}@{engine}"
-    if engine == "cpu" and dtype in FAST_TAGS and FAST_NUMERICS > 1:
+    traits = engine_traits(engine)
+    name = pair if traits.reference else f"{pair}@{engine}"
+    if traits.fast_path and dtype in FAST_TAGS and FAST_NUMERICS > 1:
         dtype = f"{dtype}-n{FAST_NUMERICS}"
     return root / "references" / slug(f"{name}-{dtype}")
 
