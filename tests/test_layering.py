@@ -5,7 +5,8 @@ pair on one machine: engines, benchmarks, certification, metrics, results; no Ra
 the pool and Serve: every Ray call); ``sweep`` (the sweep library: with the commands, the only floor with
 Optuna and MLflow); ``jobs`` (the commands). Inside ``workers``: ``certify`` is pure
 statistics, ``models`` knows no engine, only ``workers/vllm`` imports vLLM and only inside functions,
-and no two of its packages import each other in a circle.
+and no two of its packages import each other in a circle. No two modules of the project do either, and no
+module outside ``policies`` recognises a rule by its name (it reads the rule's declared traits).
 """
 
 from __future__ import annotations
@@ -154,6 +155,76 @@ def module_circle(prefix: str) -> list[str] | None:
         if node not in state and (found := visit(node, [])):
             return found
     return None
+
+
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ids of the import statements under ``if TYPE_CHECKING:``: never run, so never part of a circle."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {id(sub) for stmt in node.body for sub in ast.walk(stmt)}
+    return out
+
+
+def run_time_imports(module: str, path: Path) -> set[str]:
+    """The project modules ``module`` imports when it runs, at module level or inside a function: ``from pkg import
+    sub`` reaches the module ``pkg.sub`` (not the package's ``__init__``, which holds no name it asks for), ``from
+    pkg import name`` the package, ``import a.b`` the module ``a.b``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_only(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                out |= {".".join(parts[:k]) for k in range(len(parts), 0, -1)}  # only the longest in ALL is kept
+                out -= {".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k + 1]) in ALL}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in ALL else base)
+    return {t for t in out if t in ALL and t != module}
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (module -> the modules it imports), as the modules along it, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt]
+            if nxt not in state and (found := visit(nxt, stack + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_no_import_circle_between_any_two_modules_of_the_project():
+    """Across every package (policies, dashboards, workers, cluster, sweep, jobs), imports inside functions too: an
+    import put inside a function to break a circle (jobs.export_rule <-> jobs.serve, workers.models.pair <->
+    workers.models.tiny once) still is one. Imports under ``if TYPE_CHECKING:`` never run and do not count."""
+    graph = {name: run_time_imports(name, path) for name, path in ALL.items()}
+    assert sum(len(targets) for targets in graph.values()) > 300, "are the imports read?"
+    circle = import_circle(graph)
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_circle_check_sees_a_circle():
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
 @pytest.mark.parametrize("package", ["policies", "workers.metrics", "workers.results", "sweep"])

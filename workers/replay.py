@@ -42,7 +42,7 @@ from torch import Tensor
 from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy, traits
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
-from workers.cpu_engine import resets_on_error
+from workers.resets import resets_on_error
 from workers.stats import Generation, GenerationStats
 
 # Bumped whenever what replay decides or counts changes (the rounds it simulates, where it resumes, what it hands a
