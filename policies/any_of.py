@@ -11,7 +11,16 @@ import torch
 
 from policies.core import Decision, PolicyConfig, Rule, VerifyBatch
 from policies.lossless import lossless_accept, with_lossless
-from policies.registry import Leniency, decide_local, lookahead, make_policy, policy_from_dict, register
+from policies.registry import (
+    Leniency,
+    Traits,
+    decide_local,
+    lookahead,
+    make_policy,
+    policy_from_dict,
+    register,
+    traits,
+)
 
 
 def _member(spec: Any) -> Rule:
@@ -44,6 +53,16 @@ class AnyOfConfig(PolicyConfig):
         return {"members": [r.describe() for r in self.members]}
 
 
+def union_traits(config: AnyOfConfig) -> Traits:
+    """The members': the union needs what any member needs, draws where any draws, and replays exactly where
+    every member does. Its blocks in a ragged batch stay the default ones (as before traits were declared: the
+    union is no reader of the fused kernel itself, and its members' block sizes are not combined)."""
+    members = [traits(m) for m in config.members]
+    return Traits(needs_hidden=any(t.needs_hidden for t in members),
+                  draws_when_greedy=any(t.draws_when_greedy for t in members),
+                  replays_exactly=all(t.replays_exactly for t in members))
+
+
 @register(
     "any_of",
     config=AnyOfConfig,
@@ -51,6 +70,7 @@ class AnyOfConfig(PolicyConfig):
     example={"members": (("kl_judge", {"threshold": 0.5}), ("top_k", {"k": 4}))},
     lookahead=lambda config: max(lookahead(m) for m in config.members),
     local=lambda batch, config: _union(batch, config, local=True),
+    traits=union_traits,
     leniency=Leniency(
         "members",
         (

@@ -18,7 +18,7 @@ from policies.core import Decision, PolicyConfig, SearchRange, Valid, VerifyBatc
 from policies.distributions import js_from_probs
 from policies.dropout_head import atoms_of, dropout_heads, head_tokens
 from policies.lossless import lossless_accept, with_lossless
-from policies.registry import Leniency, register
+from policies.registry import Leniency, Traits, register
 
 
 @dataclass(frozen=True)
@@ -34,12 +34,25 @@ class DropMatchConfig(PolicyConfig):
     num_candidates: int = knob(64, valid=Valid(low=1), doc="candidate mode: target top-M per position")
 
 
+def dropmatch_traits(config: DropMatchConfig) -> Traits:
+    """The heads run on the target's hidden state with dropout masks drawn at every temperature. Exact mode's K
+    full-vocabulary heads are one GEMM over every row of a block ([K x rows, d] x [d, V]), and a float GEMM's row
+    need not come out the same at another row count: with dropout on, replay's pass of hundreds of rows is no live
+    round of a few (candidate mode multiplies each position's heads by its own candidates apart). In a ragged
+    batch, exact mode holds K head logits per row (its chunks shrink by K) and candidate mode's per-chunk small ops
+    want the largest CPU blocks."""
+    exact = config.mode == "exact"
+    return Traits(needs_hidden=True, draws_when_greedy=True, replays_exactly=not (exact and config.p_drop > 0),
+                  cpu_block="fused" if exact else "heads", vocab_heads=config.k if exact else 0)
+
+
 @register(
     "dropmatch",
     config=DropMatchConfig,
     off={"p_drop": 0.0, "criterion": "naive"},
     off_exact_when_sampling=False,  # at T > 0 the K heads' tokens are K samples of p_t
     leniency=Leniency("k", (1, 2, 4, 8, 16), {"criterion": "naive", "p_drop": 0.3}),
+    traits=dropmatch_traits,
 )
 def decide_dropmatch(batch: VerifyBatch, config: DropMatchConfig) -> Decision:
     """Accept a draft token that fits the spread of K MC-dropout target heads."""

@@ -44,9 +44,9 @@ from policies.hashing import _numbers_by_element
 
 ENV = "SPECTUNE_FUSED"
 MIN_VOCAB = 32_768
-# Rules whose full-vocabulary work is this kernel's (with the kernel on): they take larger blocks on CPU
-# (policies.ragged). The others still make eager passes (log-softmax, rank), which prefer small blocks.
-READERS = frozenset({"lossless", "kl_judge", "dropmatch"})
+# Rules whose full-vocabulary work is this kernel's (lossless, kl_judge, dropmatch) declare it
+# (policies.registry.Traits.cpu_block): with the kernel on they take larger blocks on CPU (policies.ragged).
+# The others still make eager passes (log-softmax, rank), which prefer small blocks.
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from policies.core import Decision, PolicyConfig, SearchRange, Valid, VerifyBatch, knob, require
 from policies.distributions import kl_from_logprobs
 from policies.lossless import lossless_accept, with_lossless
-from policies.registry import Leniency, register
+from policies.registry import Leniency, Traits, register
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class KLJudgeConfig(PolicyConfig):
     config=KLJudgeConfig,
     off={"threshold": 0.0},
     leniency=Leniency("threshold", (0.0, 0.05, 0.5, 2.0, 10.0, math.inf), {"confidence": 1.0}),
+    traits=Traits(cpu_block="fused"),  # its KL and max p are the fused kernel's (policies.fused)
 )
 def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
     """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""

@@ -13,7 +13,7 @@ from torch import Tensor
 from policies.core import Decision, PolicyConfig, VerifyBatch
 from policies.distributions import gather_last
 from policies.randomness import uniform
-from policies.registry import register
+from policies.registry import Traits, register
 
 
 def lossless_accept(batch: VerifyBatch) -> Decision:
@@ -55,7 +55,7 @@ class LosslessConfig(PolicyConfig):
     pass
 
 
-@register("lossless", config=LosslessConfig, lossy=False)
+@register("lossless", config=LosslessConfig, lossy=False, traits=Traits(cpu_block="fused"))
 def decide_lossless(batch: VerifyBatch, config: LosslessConfig) -> Decision:
     """Exact speculative sampling: the output distribution is the target's."""
     return lossless_accept(batch)

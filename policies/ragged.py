@@ -24,18 +24,20 @@ from torch import Tensor
 from policies import fused
 from policies.core import Policy, VerifyBatch, as_float
 from policies.emission import emit_tokens, leading_run
+from policies.registry import traits
 
 CHUNK_ELEMENTS = 1 << 26  # padded [B, L+1, V] float32 block per chunk on a GPU: at most 256 MiB
 # On CPU the eager kernels' passes over the block run at cache speed only when it is small: 8 MiB blocks
 # (two requests at L 5, V 152k). A rule whose full-vocabulary work is the fused statistics kernel's
-# (policies.fused.READERS, with the kernel on) reads the block in few passes and its per-chunk work
+# (its declared ``Traits.cpu_block``, with the kernel on) reads the block in few passes and its per-chunk work
 # (DropMatch's heads, streams, emission) dominates: 32 MiB blocks (nine requests), just under the size above
 # which glibc maps every temporary afresh (workers.host_memory). ``python -m jobs.bench.step --chunk-mib 8
-# --chunk-mib 32`` times both. DropMatch with the fused kernel: 128 MiB blocks (36 requests). Its per-chunk
-# work is ~1,000 small tensor ops (heads, candidates, streams), each an OpenMP region whose threads spin
-# after it: on a CPU shared with other busy processes every region can cost a time slice, so fewer chunks
-# decide faster there (4.6x -> 2.7x the greedy group at B 256) and no slower on an idle one, its blocks
-# being read by the fused kernel and the heads' matmuls, not by eager passes (docs/measurements.md).
+# --chunk-mib 32`` times both. DropMatch's candidate mode ("heads") with the fused kernel: 128 MiB blocks
+# (36 requests). Its per-chunk work is ~1,000 small tensor ops (heads, candidates, streams), each an OpenMP
+# region whose threads spin after it: on a CPU shared with other busy processes every region can cost a time
+# slice, so fewer chunks decide faster there (4.6x -> 2.7x the greedy group at B 256) and no slower on an idle
+# one, its blocks being read by the fused kernel and the heads' matmuls, not by eager passes
+# (docs/measurements.md).
 CHUNK_ELEMENTS_CPU = 1 << 21
 CHUNK_ELEMENTS_CPU_FUSED = 1 << 23
 CHUNK_ELEMENTS_CPU_HEADS = 1 << 25
@@ -133,15 +135,16 @@ def verify_flat(
     safe_ids = draft_token_ids.to(torch.long).clamp(0, vocab - 1)
     per_request = (max_len + 1) * vocab
     if chunk_elements is None:
-        name = getattr(policy, "name", None)
-        big = name in fused.READERS and fused.enabled(target_logits)
+        declared = traits(policy)
+        big = declared.cpu_block != "eager" and fused.enabled(target_logits)
         chunk_elements = CHUNK_ELEMENTS if device.type != "cpu" else (
-            (CHUNK_ELEMENTS_CPU_HEADS if name == "dropmatch" and getattr(policy.config, "mode", "") == "candidate"
-             else CHUNK_ELEMENTS_CPU_FUSED) if big else CHUNK_ELEMENTS_CPU)
-        if name == "dropmatch" and getattr(policy.config, "mode", "") == "exact":
-            # exact mode holds K full-vocabulary head logits of the chunk (twice at T > 0: at T = 1 and at T):
-            # the chunk shrinks with K so that they stay within one block (what the GPU memory plan reserves)
-            chunk_elements //= policy.config.k * (2 if temperature > 0 else 1)
+            (CHUNK_ELEMENTS_CPU_HEADS if declared.cpu_block == "heads" else CHUNK_ELEMENTS_CPU_FUSED) if big
+            else CHUNK_ELEMENTS_CPU)
+        if declared.vocab_heads:
+            # a rule holding K full-vocabulary head logits of the chunk (DropMatch's exact mode; twice at T > 0: at
+            # T = 1 and at T): the chunk shrinks with K so that they stay within one block (what the GPU memory
+            # plan reserves)
+            chunk_elements //= declared.vocab_heads * (2 if temperature > 0 else 1)
     step = max(1, chunk_elements // per_request)
     index_all, valid_all = ragged_index(num_draft_tokens, max_len)
     # Every request drafted L_max tokens (known from the host's lengths): a chunk's draft rows are a view

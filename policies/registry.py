@@ -9,7 +9,10 @@ suite and the search driver need, as data rather than code paths:
   companions, along which acceptance can only grow;
 - ``lookahead`` / ``local``, for a rule whose decision at a position reads later positions of the same
   block (FLy): how many, and the part of the decision a position's own inputs make (what replay can
-  use; :func:`lookahead` and :func:`decide_local`).
+  use; :func:`lookahead` and :func:`decide_local`);
+- ``traits``: what the rule needs and promises under a config (:class:`Traits`: hidden states, random draws at
+  T = 0, exact replay, its blocks in a ragged batch), read through :func:`traits` by code outside ``policies``
+  instead of branching on a rule's name.
 """
 
 from __future__ import annotations
@@ -30,6 +33,37 @@ class Leniency:
 
 
 @dataclass(frozen=True)
+class Traits:
+    """What a rule needs and promises under one config, declared where it registers: code outside ``policies``
+    reads these (:func:`traits`) and never a rule's name. A composite rule (``any_of``) derives them from its
+    members. The contract suite checks each declaration against the rule's decisions."""
+
+    # reads VerifyBatch.target_hidden and the LM head (lm_head_weight, lm_head_bias): DropMatch's dropout heads
+    # run on the target's final hidden state. A caller hands these over only to a rule that declares it.
+    needs_hidden: bool = False
+    # draws random numbers at T = 0 too (DropMatch's dropout masks): per-request keys matter even when greedy
+    draws_when_greedy: bool = False
+    # a position's decision is the same number whatever rows are decided beside it, so a teacher-forced pass over
+    # hundreds of rows decides as a live round's few rows do (workers.replay). False for DropMatch's exact mode with
+    # dropout on: its K full-vocabulary heads are one float GEMM over every row of the block
+    replays_exactly: bool = True
+    # its CPU block size class in a ragged batch (policies.ragged), where the fused statistics kernel runs:
+    # "eager" (its full-vocabulary passes prefer small blocks), "fused" (that work is the fused kernel's: larger
+    # blocks), "heads" (the fused kernel's, and many small per-chunk ops besides: the largest blocks)
+    cpu_block: str = "eager"
+    # full-vocabulary head logits it holds per row (DropMatch's exact mode: K): a ragged batch's chunks shrink by
+    # it (twice that at T > 0), so that the heads stay within one block
+    vocab_heads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cpu_block not in ("eager", "fused", "heads"):
+            raise ValueError(f"cpu_block must be 'eager', 'fused' or 'heads', got {self.cpu_block!r}")
+
+
+NO_TRAITS = Traits()
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     name: str
     config_cls: type
@@ -46,6 +80,7 @@ class PolicySpec:
     lookahead: Callable[[Any], int] | None = None
     local: Callable[[Any, Any], tuple[Any, Any]] | None = None
     lookahead_knob: str | None = None  # the integer knob that sets lookahead (a search draws it below L)
+    traits: Callable[[Any], Traits] = lambda config: NO_TRAITS  # config -> what it needs and promises (Traits)
 
     @property
     def param_names(self) -> list[str]:
@@ -76,6 +111,7 @@ def register(
     lookahead: Callable[[Any], int] | None = None,
     local: Callable[[Any, Any], tuple[Any, Any]] | None = None,
     lookahead_knob: str | None = None,
+    traits: Traits | Callable[[Any], Traits] = NO_TRAITS,
 ) -> Callable[[DecideFn], DecideFn]:
     if not (dataclasses.is_dataclass(config) and issubclass(config, PolicyConfig)):
         raise TypeError(f"config for {name!r} must be a PolicyConfig dataclass")
@@ -96,6 +132,7 @@ def register(
             lookahead=lookahead,
             local=local,
             lookahead_knob=lookahead_knob,
+            traits=traits if callable(traits) else (lambda config, fixed=traits: fixed),
         )
         return fn
 
@@ -132,6 +169,13 @@ def lookahead(policy: Any) -> int:
     """How many later positions of its block ``policy``'s decision at a position may read (0 for most rules)."""
     spec = POLICIES.get(getattr(policy, "name", ""))
     return int(spec.lookahead(policy.config)) if spec is not None and spec.lookahead is not None else 0
+
+
+def traits(policy: Any) -> Traits:
+    """What ``policy`` needs and promises under its config (:class:`Traits`); the defaults for an object that
+    is no registered rule."""
+    spec = POLICIES.get(getattr(policy, "name", ""))
+    return NO_TRAITS if spec is None else spec.traits(policy.config)
 
 
 def decide_local(policy: Any, batch: Any) -> tuple[Any, Any]:

@@ -5,7 +5,8 @@ pair on one machine: engines, benchmarks, certification, metrics, results; no Ra
 the pool and Serve: every Ray call); ``sweep`` (the sweep library: with the commands, the only floor with
 Optuna and MLflow); ``jobs`` (the commands). Inside ``workers``: ``certify`` is pure
 statistics, ``models`` knows no engine, only ``workers/vllm`` imports vLLM and only inside functions,
-and no two of its packages import each other in a circle.
+and no two of its packages import each other in a circle. No two modules of the project do either, and no
+module outside ``policies`` recognises a rule by its name (it reads the rule's declared traits).
 """
 
 from __future__ import annotations
@@ -156,6 +157,76 @@ def module_circle(prefix: str) -> list[str] | None:
     return None
 
 
+def _type_only(tree: ast.Module) -> set[int]:
+    """The ids of the import statements under ``if TYPE_CHECKING:``: never run, so never part of a circle."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            out |= {id(sub) for stmt in node.body for sub in ast.walk(stmt)}
+    return out
+
+
+def run_time_imports(module: str, path: Path) -> set[str]:
+    """The project modules ``module`` imports when it runs, at module level or inside a function: ``from pkg import
+    sub`` reaches the module ``pkg.sub`` (not the package's ``__init__``, which holds no name it asks for), ``from
+    pkg import name`` the package, ``import a.b`` the module ``a.b``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skip = _type_only(tree)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                out |= {".".join(parts[:k]) for k in range(len(parts), 0, -1)}  # only the longest in ALL is kept
+                out -= {".".join(parts[:k]) for k in range(1, len(parts)) if ".".join(parts[:k + 1]) in ALL}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                out.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in ALL else base)
+    return {t for t in out if t in ALL and t != module}
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of ``graph`` (module -> the modules it imports), as the modules along it, or None."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt]
+            if nxt not in state and (found := visit(nxt, stack + [node])):
+                return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [])):
+            return found
+    return None
+
+
+def test_no_import_circle_between_any_two_modules_of_the_project():
+    """Across every package (policies, dashboards, workers, cluster, sweep, jobs), imports inside functions too: an
+    import put inside a function to break a circle (jobs.export_rule <-> jobs.serve, workers.models.pair <->
+    workers.models.tiny once) still is one. Imports under ``if TYPE_CHECKING:`` never run and do not count."""
+    graph = {name: run_time_imports(name, path) for name, path in ALL.items()}
+    assert sum(len(targets) for targets in graph.values()) > 300, "are the imports read?"
+    circle = import_circle(graph)
+    assert circle is None, " -> ".join(circle or [])
+
+
+def test_the_circle_check_sees_a_circle():
+    assert import_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert import_circle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
 @pytest.mark.parametrize("package", ["policies", "workers.metrics", "workers.results", "sweep"])
 def test_no_circle_between_the_modules_of_a_package(package):
     # policies counts as one room above, so policies.fused <-> policies.randomness once went unseen
@@ -205,3 +276,77 @@ def test_engines_are_asked_for_their_traits_never_their_names():
     bad = [f"{path.relative_to(ROOT)}:{line}" for name, path in ALL.items() if name != "workers.engine_registry"
            for line in engine_name_branches(ast.parse(path.read_text()))]
     assert bad == []
+
+
+def registered_rules() -> set[str]:
+    """The names rules register under (``@register("name", ...)`` in policies/), read from the source."""
+    names = set()
+    for path in modules("policies").values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "register"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names.add(node.args[0].value)
+    return names
+
+
+RULE_HOLDERS = {"policy", "rule", "member", "pol"}  # what code calls a rule object (``policy.name == ...``)
+
+
+def _reads_name(node: ast.AST) -> ast.AST | None:
+    """The object whose name ``node`` reads (``x.name``, ``getattr(x, "name", ...)``), or None."""
+    if isinstance(node, ast.Attribute) and node.attr == "name":
+        return node.value
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+            and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == "name"):
+        return node.args[0]
+    return None
+
+
+def _strings(node: ast.AST) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value}
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_strings(e) for e in node.elts)) if node.elts else set()
+    return set()
+
+
+def name_branches(files: list[Path], rules: set[str]) -> list[str]:
+    """'file:line code' for every comparison of a rule's name in ``files``: ``x.name == "<rule>"`` (or in a
+    tuple of names), and ``policy.name`` / ``rule.name`` compared with anything."""
+    bad = []
+    for path in files:
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Compare)
+                    and all(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops)):
+                continue
+            operands = [node.left, *node.comparators]
+            for i, operand in enumerate(operands):
+                holder = _reads_name(operand)
+                if holder is None:
+                    continue
+                others = set().union(*(_strings(o) for j, o in enumerate(operands) if j != i))
+                named = isinstance(holder, ast.Name) and holder.id in RULE_HOLDERS or (
+                    isinstance(holder, ast.Attribute) and holder.attr in RULE_HOLDERS)
+                if named or others & rules:
+                    bad.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return sorted(set(bad))
+
+
+def test_no_rule_is_recognised_by_its_name_outside_policies():
+    # a branch on ``rule.name == "dropmatch"`` outside policies/ is a trait nobody declared: a new rule with hidden
+    # states, random draws at T = 0 or an inexact replay would slip past it. Read ``policies.traits(rule)`` instead
+    rules = registered_rules()
+    assert {"lossless", "dropmatch", "any_of", "fly"} <= rules, "are the rules' registrations read?"
+    outside = [path for name, path in ALL.items() if not under("policies")(name)]
+    assert name_branches(outside, rules) == []
+
+
+def test_the_name_check_sees_a_name_branch(tmp_path):
+    # the check above would pass on a tree it cannot read as well: show it some
+    bad = tmp_path / "bad.py"
+    bad.write_text('def f(policy, spec, path):\n    return (policy.name == "x", getattr(spec, "name", "") in ("dropmatch",),\n'
+                   '            spec.name != "dropmatch", path.name == "x.py", spec.name == "lossless")\n')
+    found = name_branches([bad], {"dropmatch"})
+    assert found == ["bad.py:2 getattr(spec, 'name', '') in ('dropmatch',)", "bad.py:2 policy.name == 'x'",
+                     "bad.py:3 spec.name != 'dropmatch'"]

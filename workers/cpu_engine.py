@@ -25,7 +25,6 @@ served together), each row's output identical to the same item decoded here alon
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from workers.models.fast import new_cache
 from workers.models.pair import ModelPair
 from workers.models.proposal import SIZE as PROPOSAL_SIZE
 from workers.models.proposal import for_pair as proposal_for_pair
+from workers.resets import resets_on_error
 from workers.stats import Generation, GenerationStats
 
 OnTokens = Callable[[list[int]], "bool | None"]
@@ -171,21 +171,6 @@ def check_request(prompt_ids: Any, vocab_size: int, max_new_tokens: Any, tempera
     if not (temperature >= 0.0):
         raise ValueError(f"temperature must be >= 0, got {temperature!r}")
     return [int(t) for t in prompt]
-
-
-def resets_on_error(method):
-    """A generation (or replay's teacher-forced pass) that fails part-way leaves caches whose ids may not match
-    their contents: drop them so the next request starts clean (and the error still propagates). The wrapped
-    callable takes the engine first."""
-    @functools.wraps(method)
-    def wrapper(self: SpecDecoder, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except BaseException:
-            self.target.reset()
-            self.draft.reset()
-            raise
-    return wrapper
 
 
 class SpecDecoder:

@@ -13,14 +13,16 @@ import json
 import math
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
 from workers.benchmarks import Benchmark, Item
-from workers.cpu_engine import SpecDecoder
 from workers.engine_registry import ItemEngine
 from workers.prompts import encode_chat
 from workers.stats import GenerationStats
+
+if TYPE_CHECKING:  # the engine calls these functions (SpecDecoder.evaluate_items): no import back at run time
+    from workers.cpu_engine import SpecDecoder
 
 TARGET_ONLY = "target-only"
 

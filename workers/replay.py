@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy
+from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy, traits
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
-from workers.cpu_engine import resets_on_error
+from workers.resets import resets_on_error
 from workers.stats import Generation, GenerationStats
 
 # Bumped whenever what replay decides or counts changes (the rounds it simulates, where it resumes, what it hands a
@@ -71,16 +71,14 @@ def exact_for(dtype: str, threads: int = 1) -> bool:
 
 
 def exact_rule(policy: Policy | str, params: dict[str, Any] | None = None) -> bool:
-    """Whether a rule's own arithmetic keeps replay exact where the models do (:func:`exact_for`): False for
-    DropMatch's ``mode="exact"`` with dropout on, whose K full-vocabulary heads are one GEMM over every row of the
-    block ([K x rows, d] x [d, V]), a live round's few rows or the pass's hundreds, and a float GEMM's row need not
-    come out the same at another row count; an ``any_of`` holding such a member. Candidate mode multiplies each
-    position's heads by its own candidates apart (checked by the replay tests)."""
+    """Whether a rule's own arithmetic keeps replay exact where the models do (:func:`exact_for`): its declared
+    ``policies.registry.Traits.replays_exactly``, False for DropMatch's ``mode="exact"`` with dropout on, whose K
+    full-vocabulary heads are one GEMM over every row of the block ([K x rows, d] x [d, V]), a live round's few
+    rows or the pass's hundreds, and a float GEMM's row need not come out the same at another row count; for an
+    ``any_of`` holding such a member. Candidate mode multiplies each position's heads by its own candidates apart
+    (checked by the replay tests)."""
     rule = make_policy(policy, **(params or {})) if isinstance(policy, str) else policy
-    config = getattr(rule, "config", None)
-    if rule.name == "any_of":
-        return all(exact_rule(member) for member in config.members)
-    return not (rule.name == "dropmatch" and config.mode == "exact" and config.p_drop > 0)
+    return traits(rule).replays_exactly
 
 
 class NotReplayable(ValueError):

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from policies import POLICIES, MissingInputError, get_spec, make_policy, verify
+from policies import POLICIES, MissingInputError, VerifyBatch, get_spec, make_policy, verify
 from tests.policies.batches import make_batch, reseeded
 
 RULES = sorted(POLICIES)
@@ -192,3 +192,77 @@ def test_a_rule_said_not_to_read_the_draft_distribution_decides_alike_without_it
         with_q = policy.decide(reseeded(batch, 5)).accepted
         without = policy.decide(reseeded(replace(batch, draft_logits=None), 5)).accepted
         assert torch.equal(with_q, without), name
+
+
+# -- declared traits (policies.registry.Traits): what code outside policies/ reads instead of a rule's name ----------
+
+def _traits(name: str):
+    from policies import traits
+
+    return traits(example(name))
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", RULES)
+def test_a_rule_gets_hidden_states_exactly_when_it_declares_it_needs_them(name, temperature):
+    """Callers (the vLLM plugin) hand the target's hidden states and LM head only to a rule that declares
+    ``needs_hidden``: it must refuse to decide without them, and every other rule decide alike without them."""
+    batch = make_batch(seed=3, temperature=temperature)
+    bare = dataclasses.replace(batch, target_hidden=None, lm_head_weight=None, lm_head_bias=None)
+    if _traits(name).needs_hidden:
+        with pytest.raises(MissingInputError, match="target_hidden|lm_head_weight"):
+            example(name).decide(reseeded(bare, 5))
+    else:
+        with_hidden = verify(example(name), reseeded(batch, 5))
+        without = verify(example(name), reseeded(bare, 5))
+        assert torch.equal(with_hidden.output_token_ids, without.output_token_ids), name
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_a_rule_draws_at_t0_exactly_when_it_declares_it(name):
+    """At T = 0 a rule that does not declare ``draws_when_greedy`` decides alike from any generator state (the
+    vLLM step then decides a group of requests with their own seeds in one call); one that declares it does not."""
+    differs = False
+    for seed in (21, 22, 23):
+        batch = make_batch(seed=seed, temperature=0.0)
+        outputs = [verify(example(name), reseeded(batch, g)).decision.accepted for g in (1, 2, 3)]
+        differs |= any(not torch.equal(outputs[0], o) for o in outputs[1:])
+    assert differs is _traits(name).draws_when_greedy, name
+
+
+@pytest.mark.parametrize("temperature", TEMPS)
+@pytest.mark.parametrize("name", RULES)
+def test_a_rule_that_replays_exactly_decides_a_row_alike_whatever_rows_share_its_batch(name, temperature):
+    """``replays_exactly``: a position's decision does not depend on the rows decided beside it (replay's pass
+    decides hundreds of rows where a live round decides a few). With each row's draws from its own stream, the
+    batch decided whole and row by row must agree, twice over."""
+    from policies.randomness import RowStreams
+
+    if not _traits(name).replays_exactly:
+        pytest.skip("declares an inexact replay")
+    batch = make_batch(seed=5, batch_size=4, temperature=temperature)
+    keys = torch.tensor([11, 12, 13, 14])
+
+    def rows(lo: int, hi: int) -> VerifyBatch:
+        def cut(x):
+            return None if x is None else x[lo:hi].clone()
+
+        return dataclasses.replace(batch, draft_token_ids=cut(batch.draft_token_ids), draft_logits=cut(batch.draft_logits),
+                                   target_logits=cut(batch.target_logits), target_hidden=cut(batch.target_hidden),
+                                   generator=None, streams=RowStreams(keys[lo:hi]))
+
+    whole = [verify(example(name), rows(0, 4)).output_token_ids for _ in range(2)]
+    alone = torch.cat([verify(example(name), rows(i, i + 1)).output_token_ids for i in range(4)])
+    assert torch.equal(whole[0], whole[1]) and torch.equal(whole[0], alone), name
+
+
+def test_a_union_derives_its_traits_from_its_members():
+    from policies import traits
+
+    heads = ("dropmatch", {"mode": "exact", "p_drop": 0.3, "k": 4})
+    union = traits(make_policy("any_of", members=(("kl_judge", {}), heads)))
+    assert union.needs_hidden and union.draws_when_greedy and not union.replays_exactly
+    plain = traits(make_policy("any_of", members=(("kl_judge", {}), ("top_k", {"k": 2}))))
+    assert not (plain.needs_hidden or plain.draws_when_greedy) and plain.replays_exactly
+    assert traits(make_policy("dropmatch", mode="exact", p_drop=0.0)).replays_exactly  # no dropout: one GEMM row alike
+    assert traits(make_policy("dropmatch", mode="candidate")).replays_exactly

@@ -209,7 +209,7 @@ def chunk_sizes(monkeypatch, rule, fused_on: str, temperature: float) -> list[in
                                                         ("top_k", "1", [2] * 6), ("kl_judge", "0", [2] * 6),
                                                         ("dropmatch", "0", [2] * 6)])
 def test_cpu_blocks_are_larger_only_for_rules_the_fused_kernel_serves(monkeypatch, name, fused_on, sizes_seen):
-    """policies.fused.READERS with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks, DropMatch the larger
+    """The fused kernel's readers (Traits.cpu_block) with the kernel on take CHUNK_ELEMENTS_CPU_FUSED blocks, DropMatch the larger
     CHUNK_ELEMENTS_CPU_HEADS (its per-chunk small ops: fewer chunks); every other rule (its eager passes prefer
     small blocks) and every rule with the kernel off take CHUNK_ELEMENTS_CPU."""
     rule = make_policy(name, **get_spec(name).example)

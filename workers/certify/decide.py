@@ -40,6 +40,8 @@ from workers.certify.exact import METHOD as EXACT
 from workers.certify.exact import certify_paired, exact_bound
 
 ALPHA = 0.05
+# A budget's three verdicts, named here for ``workers.certify.verdict`` (which imports them: none imports back)
+CERTIFIED, REFUTED, UNDECIDED = "certified", "refuted", "undecided"
 
 
 def _json_float(value: float) -> float | None:
@@ -259,8 +261,6 @@ class Certificate:
     @property
     def verdict(self) -> str:
         """certified, refuted or undecided (``workers.certify.verdict``)."""
-        from workers.certify.verdict import verdict_of
-
         return verdict_of(self.certified, self.refutation)
 
     def to_dict(self) -> dict[str, Any]:
@@ -400,3 +400,8 @@ def shown_step(certification: dict[str, Any]) -> dict[str, Any]:
     if key is None and certification.get("evidence"):  # a certificate written before it named its candidate
         key = certification["evidence"].rsplit("/", 1)[-1].removesuffix(".csv")
     return next((s for s in steps if s.get("candidate") == key), steps[0] if steps else {})
+
+
+def verdict_of(certified: bool, refuted: Any) -> str:
+    """certified, refuted (``refuted``: a ``workers.certify.verdict.Refutation`` that refutes) or undecided."""
+    return CERTIFIED if certified else REFUTED if refuted is not None and refuted.refuted else UNDECIDED

@@ -38,7 +38,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-CERTIFIED, REFUTED, UNDECIDED = "certified", "refuted", "undecided"
+from workers.certify.decide import CERTIFIED, REFUTED, UNDECIDED, verdict_of  # noqa: F401 - verdict.* names too
+
 EXACT_SHARE = 0.5  # of a refutation's alpha, right/wrong scores: the exact test at the looks; the rest: the betting test
 GATE_EXIT = {CERTIFIED: 0, REFUTED: 10, UNDECIDED: 11}  # jobs/sweep.py --gate: a deployment's CI reads these
 
@@ -118,6 +119,3 @@ def refutation(reference: Sequence[float], trial: Sequence[float], plan: Any, bu
                f"the betting test never crossed 1/{bet_alpha:g} in {len(ref)} items")
     return Refutation(False, budget, alpha, len(ref), "none", p, level, 0, looks, f"not refuted: {tested}{betting}")
 
-
-def verdict_of(certified: bool, refuted: Refutation | None) -> str:
-    return CERTIFIED if certified else REFUTED if refuted is not None and refuted.refuted else UNDECIDED

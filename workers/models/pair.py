@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +23,12 @@ import torch
 
 from workers import startup
 from workers.models import assets
+from workers.models.pair_base import TINY_PAIR, ModelPair, eos_token_ids, finish_pair  # noqa: F401 - pair.* names
 
 REAL_PAIRS: dict[str, tuple[str, str]] = {
     # pair name -> (draft model dir name, target model dir name) under <cache>/models/
     assets.DEFAULT_PAIR: ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"),
 }
-TINY_PAIR = "tiny-random"
 PAIRS: tuple[str, ...] = (*REAL_PAIRS, TINY_PAIR)
 LOCAL_FORM = ("DRAFT+TARGET or DRAFT,TARGET, each a local Hugging Face model directory or a hub id "
               "(org/name or org/name@revision, read from the local Hugging Face cache)")
@@ -59,26 +58,6 @@ def fast_path(dtype: torch.dtype | str) -> bool:
         return resolve_dtype(dtype) in FAST_DTYPES
     except ValueError:
         return False
-
-
-@dataclass
-class ModelPair:
-    """A draft and a target causal LM over one vocabulary, ready for inference."""
-
-    name: str
-    draft: torch.nn.Module  # transformers causal LM, eval mode, requires_grad off
-    target: torch.nn.Module
-    tokenizer: Any  # HF tokenizer: encode / decode / apply_chat_template / eos_token_id
-    dtype: torch.dtype  # torch.int8: the fast CPU path (workers.models.fast), both models; INT4_DRAFT: 4-bit draft
-    vocab_size: int  # the target's logits width (may exceed len(tokenizer), as for Qwen)
-    eos_token_ids: tuple[int, ...]  # any of these ends a generation
-    cache_dir: Path | None  # pair-level metadata (e.g. measured cost ratio); None for tiny-random
-    draft_width: int = 0  # the draft's logits width when narrower than vocab_size (0: the same)
-
-    @property
-    def padded(self) -> bool:
-        """True when the draft's logits are narrower than the target's and engines must pad them."""
-        return 0 < self.draft_width < self.vocab_size
 
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -305,7 +284,7 @@ def _load_dirs(name: str, draft_dir: Path, target_dir: Path, dtype: torch.dtype,
                 return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
 
         draft, target = load(draft_dir, "draft"), load(target_dir, "target")
-    return _finish(name, draft, target, tokenizer, dtype, pair_cache, (draft_dir, target_dir))
+    return finish_pair(name, draft, target, tokenizer, dtype, pair_cache, (draft_dir, target_dir))
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -341,7 +320,7 @@ def check_same_vocab(draft_vocab: dict[str, int], target_vocab: dict[str, int], 
 
     Speculative decoding compares token ids, so every id below the smaller tokenizer's size must be
     the same token in both. Ids only the larger one has are allowed here (a target with added tokens);
-    :func:`_finish` checks the draft's embedding can still read them."""
+    :func:`workers.models.pair_base.finish_pair` checks the draft's embedding can still read them."""
     if draft_vocab == target_vocab:
         return
     draft_ids = {i: t for t, i in draft_vocab.items()}
@@ -372,47 +351,3 @@ def check_same_specials(draft: dict[str, Any], target: dict[str, Any], draft_src
         shown = "; ".join(f"{k}: draft {d!r}, target {t!r}" for k, (d, t) in differ.items())
         raise ValueError(f"draft {draft_src} and target {target_src} have different special tokens ({shown}): prompts "
                          "and stops would differ between the two models; use a draft of the target's family")
-
-
-def _finish(name: str, draft: Any, target: Any, tokenizer: Any, dtype: torch.dtype,
-            pair_cache: Path | None, sources: tuple[Any, Any]) -> ModelPair:
-    from workers.models.fast import head_width
-
-    widths = [head_width(m) for m in (draft, target)]
-    rows = int(draft.get_input_embeddings().weight.shape[0])
-    if widths[0] > widths[1]:
-        raise ValueError(f"draft {sources[0]} scores {widths[0]} ids but target {sources[1]} only {widths[1]}: the "
-                         "draft could propose ids the target cannot score; use a draft no wider than the target")
-    if len(tokenizer) > min(widths[0], rows):
-        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but draft {sources[0]} scores only {widths[0]} ids "
-                         f"and embeds {rows}: it could neither propose nor read every token the target emits")
-    for model in (draft, target):
-        model.eval()
-        model.requires_grad_(False)
-    return ModelPair(name=name, draft=draft, target=target, tokenizer=tokenizer, dtype=dtype,
-                     vocab_size=widths[1], eos_token_ids=eos_token_ids(tokenizer, target),
-                     cache_dir=pair_cache, draft_width=widths[0] if widths[0] < widths[1] else 0)
-
-
-def eos_token_ids(tokenizer: Any, model: Any) -> tuple[int, ...]:
-    """Every id that should end a generation, primary first.
-
-    Collected from the generation config, the model config and the tokenizer; ChatML models
-    (Qwen) also stop on ``<|im_end|>`` and ``<|endoftext|>``, which their configs list only in part.
-    """
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        for v in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(v, int) and v >= 0 and v not in ids:
-                ids.append(v)
-
-    gen = getattr(model, "generation_config", None)
-    add(getattr(gen, "eos_token_id", None))
-    add(getattr(model.config, "eos_token_id", None))
-    add(tokenizer.eos_token_id)
-    vocab = tokenizer.get_vocab()
-    for token in ("<|im_end|>", "<|endoftext|>"):
-        if token in vocab:
-            add(vocab[token])
-    return tuple(ids)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from workers.models.pair import TINY_PAIR, ModelPair, _finish
+from workers.models.pair_base import TINY_PAIR, ModelPair, finish_pair
 
 TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
 TINY_VOCAB = 320  # 259 tokens padded to a multiple of 64, like Qwen's head is wider than its tokenizer
@@ -99,7 +99,7 @@ def tiny_random_pair(dtype: torch.dtype = torch.float32, seed: int = 0, head_dim
             if pname.startswith("model.layers.0.") and not pname.endswith("norm.weight"):
                 param.add_(torch.randn(param.shape, generator=gen) * layer_std * _DRAFT_NOISE)
     draft, target = draft.to(dtype), target.to(dtype)
-    return _finish(TINY_PAIR, draft, target, tiny_tokenizer(), dtype, None, ("tiny-random draft", "tiny-random target"))
+    return finish_pair(TINY_PAIR, draft, target, tiny_tokenizer(), dtype, None, ("tiny-random draft", "tiny-random target"))
 
 
 def save_tiny_pair(directory: str | os.PathLike[str], seed: int = 0, head_dim: int = 64,

@@ -119,9 +119,9 @@ def agree_across_ranks(output: torch.Tensor, group: Any) -> torch.Tensor:
 
 def needs_head(policies: list[Any]) -> bool:
     """Whether any of a step's rules (the rule file's, the requests' own) builds dropout heads from the LM head."""
-    from workers.vllm.step import _needs_hidden
+    from workers.vllm.step import needs_hidden
 
-    return any(p is not None and _needs_hidden(p) for p in policies)
+    return any(p is not None and needs_hidden(p) for p in policies)
 
 
 def gather_head_under_tp(model: Any, vocab: int, mask: int, group: Any) -> None:

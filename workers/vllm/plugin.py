@@ -107,12 +107,12 @@ from workers.vllm.rules import (  # noqa: F401 - the rule names and helpers: pub
 from workers.vllm.step import (
     LEDGER,
     _lossless_everywhere,
-    _needs_hidden,
     _warn_once,
     constrained_rows,
     decide_step,
     keyed_seed,
     needs_draft_distribution,
+    needs_hidden,
 )
 
 _lock = threading.Lock()
@@ -195,7 +195,7 @@ def apply_rule(active: _Active, draft_token_ids: torch.Tensor, num_draft_tokens:
         # the drafter's logits divided by T from the proposer patch; else vLLM's own q (rules renormalize logs)
         draft_logits = draft_probs if STEP.draft_scaled else torch.log(draft_probs.float())
     if STEP.hidden is not None and STEP.target_indices is not None and (
-            _needs_hidden(policy) or any(p is not None and _needs_hidden(p) for p in policies or ())):
+            needs_hidden(policy) or any(p is not None and needs_hidden(p) for p in policies or ())):
         hidden = STEP.hidden.index_select(0, STEP.target_indices.to(STEP.hidden.device).long())
     constrained = constrained_rows(sampling_metadata, b, target_logits.shape[1])  # refused by spectune's engines
     if constrained and any(constrained) and req_ids is not None:  # a real step, not vLLM's profiling run: warn

@@ -35,13 +35,19 @@ def needs_draft_distribution(policy: Any) -> bool:
     return needs_draft_logits(policy)
 
 
-def _needs_hidden(policy: Any) -> bool:
-    from policies.any_of import AnyOfConfig
+def needs_hidden(policy: Any) -> bool:
+    """Whether ``policy`` reads the target's hidden states and LM head (its declared
+    ``policies.registry.Traits.needs_hidden``: DropMatch, a union holding it)."""
+    from policies.registry import traits
 
-    cfg = policy.config
-    if isinstance(cfg, AnyOfConfig):
-        return any(member.name == "dropmatch" for member in cfg.members)
-    return policy.name == "dropmatch"
+    return traits(policy).needs_hidden
+
+
+def draws_when_greedy(policy: Any) -> bool:
+    """Whether ``policy`` draws random numbers at T = 0 too (``Traits.draws_when_greedy``: DropMatch's masks)."""
+    from policies.registry import traits
+
+    return traits(policy).draws_when_greedy
 
 
 # -- never a dead engine: the lossless fallback, counted per request ---------------------------------
@@ -262,7 +268,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             return {"generator": torch.Generator(device=device).manual_seed(gen_seed)}
 
         try:
-            if _needs_hidden(pol) and target_hidden is not None:
+            if needs_hidden(pol) and target_hidden is not None:
                 hidden = pick(target_hidden)
                 weight, bias = lm_head() if lm_head is not None else (None, None)
             result = verify_flat(pol, **inputs, draft_logits=group_draft, target_hidden=hidden,
@@ -300,7 +306,7 @@ def decide_step(policy: Any, *, draft_token_ids: torch.Tensor, num_draft_tokens:
             else [None] * len(members)
         if all(k is None for k in keyed):
             decide(pol, members, t, seed * 1_000_003 + step)
-        elif t > 0 or _needs_hidden(pol):  # draws random numbers: each request from its own key, one call
+        elif t > 0 or draws_when_greedy(pol):  # draws random numbers: each request from its own key, one call
             decide(pol, members, t, 0, row_keys=[k or 0 for k in keyed])
         else:  # deterministic given its inputs: one vectorised call
             decide(pol, members, t, keyed[0] or 0)
