@@ -11,11 +11,8 @@ import pytest
 
 from workers.benchmarks import get_benchmark
 from workers.benchmarks.dataframebench import CHECK_RUNS, EXCLUDED_FILE, DataFrameBench, excluded
-from workers.benchmarks.dataframebench_check import check
+from workers.benchmarks.dataframebench_check import check, check_one, lacking
 from workers.benchmarks.sandbox_data import REPO_ROOT
-
-# one task of several categories, spread over the three splits
-SAMPLE = ("dataframebench/test/B0001", "dataframebench/val/", "dataframebench/train/")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -30,10 +27,10 @@ def items(bench_cache):
 
 @pytest.fixture(scope="module")
 def sample(items):
+    """The first kept task of each of three categories."""
     by_category: dict[str, object] = {}
     for it in items:
-        if it.id.startswith(SAMPLE) and it.meta["category"] not in by_category:
-            by_category[it.meta["category"]] = it
+        by_category.setdefault(it.meta["category"], it)
     return list(by_category.values())[:3]
 
 
@@ -55,7 +52,7 @@ def test_items_are_every_task_but_the_excluded(items, bench_cache):
 
 def test_the_exclusion_list_says_how_it_was_made():
     data = json.loads(EXCLUDED_FILE.read_text())
-    assert data["tasks"] == 825 and data["excluded_count"] == len(data["excluded"])
+    assert data["tasks"] == 825 and data["excluded_count"] == len(data["excluded"]) == sum(data["by_reason"].values())
     assert "dataframebench_check" in data["command"]
     assert all(isinstance(why, str) and why for why in data["excluded"].values())
 
@@ -72,8 +69,17 @@ def test_reference_solutions_pass_and_a_neighbours_fail(sample):
 
 
 def test_a_sample_of_kept_tasks_passes_every_check_run(sample):
-    bad, walls = check(DataFrameBench(), sample[:2], runs=CHECK_RUNS, workers=2)
-    assert bad == {} and len(walls) == 2
+    done = check(DataFrameBench(), sample[:2], runs=CHECK_RUNS, workers=2)
+    assert [(r["reason"], r["runs"]) for r in done.values()] == [(None, CHECK_RUNS)] * 2, done
+
+
+def test_a_task_needing_a_library_the_venv_leaves_out_is_excluded_without_a_run(bench_cache):
+    every = DataFrameBench().all_items(bench_cache)
+    item = next(it for it in every if "faker" in it.reference["libs"])
+    assert lacking(item) == ["faker"]
+    row = check_one(DataFrameBench(), item)
+    assert row["runs"] == 0 and "needs faker" in row["reason"]
+    assert item.id in excluded()
 
 
 def test_no_code_and_broken_code_are_model_failures(sample):
