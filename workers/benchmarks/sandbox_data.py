@@ -77,6 +77,7 @@ def _guard(scratch):
         socket.gethostbyname socket.sendto socket.sendmsg resource.setrlimit resource.prlimit os.chroot""".split())
     paths = frozenset("""os.remove os.rmdir os.rename os.truncate os.mkdir os.chmod os.chown os.utime os.link
         os.symlink shutil.rmtree shutil.move shutil.copyfile""".split())
+    dest_only, both = frozenset(("os.symlink", "os.link", "shutil.copyfile")), frozenset(("os.rename", "shutil.move"))
     def inside(p):
         if isinstance(p, int):
             return True
@@ -92,8 +93,11 @@ def _guard(scratch):
             mode, flags = args[1] or "", args[2] or 0
             if (any(c in mode for c in "wax+") or flags & write) and not inside(args[0]):
                 raise PermissionError(f"sandbox: writing outside the scratch directory is not allowed ({args[0]!r})")
-        elif event in paths and not all(inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
-            raise PermissionError(f"sandbox: {event} outside the scratch directory is not allowed")
+        elif event in paths:
+            # what the event changes: the destination of a copy or link, both ends of a rename, else the path
+            changed = args[1:2] if event in dest_only else args[:2] if event in both else args[:1]
+            if not all(inside(a) for a in changed if isinstance(a, (str, bytes, os.PathLike))):
+                raise PermissionError(f"sandbox: {event} outside the scratch directory is not allowed")
     sys.addaudithook(hook)
 def _main():
     _limits()

@@ -120,3 +120,11 @@ def test_the_isolation_probe_names_its_layers():
     _prefix, label = _wrappers(sandbox_uid())
     if os.geteuid() == 0:
         assert "netns" in label and "pidns" in label and "uid=" in label, label
+
+
+def test_copying_a_readable_file_into_scratch_is_allowed():
+    res = run_data_python("import shutil, os\nshutil.copyfile(os.__file__, 'os_copy.py')\n"
+                          "assert os.path.getsize('os_copy.py') > 0\n")
+    assert res.passed, res
+    res = run_data_python("import shutil, os\nshutil.copyfile('program.py', '/tmp/spectune-escape.py')\n")
+    assert res.status == "failed" and "not allowed" in res.reason, res
