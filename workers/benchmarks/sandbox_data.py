@@ -110,7 +110,11 @@ def _main():
     if sys.argv[5] == "1":
         _guard(scratch)
     sys.argv = ["program.py"]
-    exec(code, {"__name__": "__sandbox__", "__file__": "program.py", "__builtins__": __builtins__})
+    # a real module, so tests can patch(__name__ + ".choice") and pickle what the program defines
+    module = type(sys)("__sandbox__")
+    module.__file__ = "program.py"
+    sys.modules["__sandbox__"] = module
+    exec(code, module.__dict__)
     sys.stdout.flush()
     sys.stderr.flush()
     os.write(1, ("\n" + nonce + "\n").encode())

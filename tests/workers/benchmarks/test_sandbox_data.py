@@ -128,3 +128,11 @@ def test_copying_a_readable_file_into_scratch_is_allowed():
     assert res.passed, res
     res = run_data_python("import shutil, os\nshutil.copyfile('program.py', '/tmp/spectune-escape.py')\n")
     assert res.status == "failed" and "not allowed" in res.reason, res
+
+
+def test_the_program_is_an_importable_module_so_tests_can_patch_it():
+    res = run_data_python("import random\nfrom unittest.mock import patch\nfrom random import choice\n"
+                          "def f():\n    return choice([1, 2])\n"
+                          "with patch(__name__ + '.choice', return_value=7):\n    assert f() == 7\n"
+                          "if __name__ == '__main__':\n    raise SystemExit('demo blocks do not run')\n")
+    assert res.passed, res
