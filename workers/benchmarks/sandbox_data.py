@@ -3,7 +3,7 @@
 HumanEval's profile (``workers.benchmarks.sandbox``) runs ``python -I -S`` with no site-packages
 and refuses ctypes and every file write, so it cannot import pandas. This profile runs the
 program in a separate environment, ``.sandbox-venv`` (pandas, numpy, matplotlib, seaborn, scipy,
-scikit-learn, pinned by ``constraints/sandbox.txt``, made by ``scripts/setup-sandbox-env``), and
+scikit-learn, pytz, pinned by ``constraints/sandbox.txt``, made by ``scripts/setup-sandbox-env``), and
 holds it with limits that bind when the caller is root (CI runs as root, and RLIMIT_NPROC does
 not bind root):
 
