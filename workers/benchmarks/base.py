@@ -29,9 +29,12 @@ class Item:
 
 @dataclass(frozen=True)
 class Score:
-    score: float  # 0..1: accuracy-like, or the benchmark's own scale mapped onto 0..1
+    score: float  # 0..1: accuracy-like, or the benchmark's own scale mapped onto 0..1; NaN: a harness error
     extracted: str | None  # what was pulled out of the output (number, letter, code ...)
     reason: str  # why it scored so: "exact match 72", "no number found", "test failed: AssertionError"
+    # details["harness_error"] = True (with a NaN score, a reason "harness error: ..."): the item could not be
+    # scored (a sandbox that did not start, a library the environment lacks, a timeout the reference hits too).
+    # That is no verdict on the output: the evaluation records a failed item (Record.failed), never a loss.
     details: dict = field(default_factory=dict)
 
 

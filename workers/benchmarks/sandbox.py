@@ -135,16 +135,23 @@ class _Tail(threading.Thread):
 
     def __init__(self, stream: IO[bytes]):
         super().__init__(daemon=True)
-        self.stream, self.data = stream, bytearray()
+        self.stream, self.data, self._head = stream, bytearray(), bytearray()
 
     def run(self) -> None:
         while chunk := self.stream.read1(1 << 16):  # type: ignore[attr-defined]
+            if len(self._head) < 4096:
+                self._head += chunk[:4096 - len(self._head)]
             self.data += chunk
             if len(self.data) > 2 * _TAIL_BYTES:
                 del self.data[:-_TAIL_BYTES]
 
     def text(self) -> str:
         return bytes(self.data[-_TAIL_BYTES:]).decode("utf-8", errors="replace")
+
+    @property
+    def head(self) -> str:
+        """The stream's first 4 KiB (the tail may have dropped them)."""
+        return bytes(self._head).decode("utf-8", errors="replace")
 
 
 def _last_error(stderr: str) -> str:

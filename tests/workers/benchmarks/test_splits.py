@@ -7,7 +7,7 @@ import pytest
 from workers.benchmarks import get_benchmark
 from workers.benchmarks.base import SPLITS
 
-SEED_HALF = ["mmlu", "humaneval", "ifeval", "mtbench", "math500"]
+SEED_HALF = ["mmlu", "humaneval", "ifeval", "mtbench", "math500", "dataframebench"]
 
 
 @pytest.mark.parametrize("name", ["gsm8k", *SEED_HALF])
