@@ -2,6 +2,7 @@
 
     python -m jobs.plan --discordance 0.1 --budget 0.02
     python -m jobs.plan --records runs/.../trial --reference runs/.../target-only --budget 0.01,0.02,0.05
+    python -m jobs.plan --discordance 0.3 --budget 0.02,0.05 --pools gsm8k,humaneval+math500
 
 From numbers, or from a pilot: two record directories (a trial run and its reference, as written
 by ``workers.results.store.RecordStore``), paired by item id; a failed item scores 0 in its arm. For right/wrong
@@ -13,7 +14,10 @@ scores (a pilot whose scores are not all 0/1) it stays the normal approximation,
 that certifies them needs roughly twice that. The power is that of one candidate tested alone: the first
 of a fixed sequence. ``--looks K`` also plans a group-sequential confirmation (the sweep's ``--looks``): the
 smallest largest-N whose K looks reach the power, and the items it expects to use (exact enumeration,
-``workers.certify.sequential``). Knows nothing about models, Ray or MLflow.
+``workers.certify.sequential``). ``--pools`` says, per benchmark pool, which budgets it can reach: the pool is
+every item a sweep can confirm on (both splits, less the search sample of ``--search-items``; ``a+b`` pools
+several benchmarks), and the smallest budget it can certify at the same discordance and power. Where the pool is
+smaller than the plan, the limit is data, not compute. Knows nothing about models, Ray or MLflow.
 """
 
 from __future__ import annotations
@@ -51,8 +55,53 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pair-id", default=None, help="with --benchmark: an endpoint's pair id instead of --pair")
     ap.add_argument("--ledger", default=None,
                     help="the ledger's SQLAlchemy URL or folder (default: $SPECTUNE_LEDGER, else the asset cache's)")
+    ap.add_argument("--pools", default=None,
+                    help="benchmarks whose confirmation pools to check against the plan, comma-separated ('all' for "
+                         "every registered one; 'a+b' pools benchmarks together): which budgets each can reach")
+    ap.add_argument("--search-items", type=int, default=64,
+                    help="with --pools: the search sample a sweep takes out of the pool first (default 64)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     return ap
+
+
+POOL_MARGIN = 1.5  # --pools: a budget whose approximate plan needs this many times the largest pool is not planned exactly
+EXACT_LIMIT = 2_000  # items: a larger plan is the normal approximation (the exact one takes many minutes there)
+
+
+def pool_sizes(spec: str, search_items: int) -> dict[str, int]:
+    """{pool name: items a sweep could confirm on}: each benchmark's items in both splits (few-shot exemplars are in
+    neither), less the search sample (``--search-items``, at most the search split); ``a+b`` adds the pools."""
+    from workers.benchmarks import BENCHMARKS, get_benchmark
+    from workers.benchmarks.base import load_entry_points
+
+    if search_items < 0:
+        raise ValueError(f"--search-items must be >= 0, got {search_items}")
+    load_entry_points()
+    names = sorted(BENCHMARKS) if spec.strip() == "all" else [p.strip() for p in spec.split(",") if p.strip()]
+    if not names:
+        raise ValueError(f"--pools names no benchmark: {spec!r}")
+    sizes: dict[str, int] = {}
+    for pool in names:
+        total = 0
+        for name in pool.split("+"):
+            bench = get_benchmark(name.strip())
+            search = len(bench.items(split="search"))
+            total += search - min(search_items, search) + len(bench.items(split="confirm"))
+        sizes[pool] = total
+    return sizes
+
+
+def smallest_budget(d: float, drop: float, alpha: float, power: float, pool: int) -> float | None:
+    """The smallest budget whose plan (normal approximation) fits in ``pool`` items, to 0.01%; None if none under
+    100% does. The exact plan is within a few percent of it in items; the budgets asked are planned exactly."""
+    lo, hi = max(drop, 0.0), 1.0
+    if (items_needed(d, hi, drop, alpha, power) or pool + 1) > pool:
+        return None
+    while hi - lo > 1e-4:
+        mid = (lo + hi) / 2
+        need = items_needed(d, mid, drop, alpha, power) if mid > drop else None
+        lo, hi = (lo, mid) if need is not None and need <= pool else (mid, hi)
+    return hi
 
 
 def family_level(args: argparse.Namespace) -> tuple[float, dict[str, Any] | None]:
@@ -139,15 +188,24 @@ def main(argv: list[str] | None = None) -> int:
     args = argparse.Namespace(**{**vars(args), "alpha": level})  # every figure below at the attempt's level
     rows = []
     exact = observed is None or observed["bound"]["method"] == EXACT
+    sizes = pool_sizes(args.pools, args.search_items) if args.pools is not None else {}
     for b in budgets:
         normal = items_needed(d, b, drop, args.alpha, args.power)
-        need = exact_plan(d, b, drop, args.alpha, args.power) if exact and normal is not None else normal
-        row: dict[str, Any] = {"budget": b, "items_needed": need, "plan": "exact power" if exact else "normal approximation"}
+        # an exact plan far beyond every pool asked about decides nothing, and one of thousands of items costs many
+        # minutes (the enumeration grows with n^2): the approximation, which under-plans by a few percent, says so
+        beyond = bool(sizes) and normal is not None and normal > POOL_MARGIN * max(sizes.values())
+        huge = normal is not None and normal > EXACT_LIMIT
+        need = exact_plan(d, b, drop, args.alpha, args.power) if exact and normal is not None and not (beyond or huge) \
+            else normal
+        how = ("normal approximation, far beyond every pool" if beyond else
+               f"normal approximation, over {EXACT_LIMIT:,} items (the exact plan is a few percent more)" if huge and exact
+               else "exact power" if exact else "normal approximation")
+        row: dict[str, Any] = {"budget": b, "items_needed": need, "plan": how}
         if observed is not None:
             tested = passes(pilot_bound, b)
             row["certified_by_pilot"] = certifies(tested)
             row["p_value"] = None if math.isnan(tested.p_value) else tested.p_value
-        if args.looks > 1 and exact and normal is not None:
+        if args.looks > 1 and exact and normal is not None and how == "exact power":
             seq = sequential_plan(d, b, args.looks, drop, args.alpha, args.power)
             if seq is not None:
                 plan, got, expected = seq
@@ -155,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
                                      "expected_items": expected, "max_items": plan.n,
                                      "fixed_items_same_power": exact_plan(d, b, drop, args.alpha, min(got, 0.999))}
         rows.append(row)
-    out = {"alpha": args.alpha, "stated_alpha": stated, "family": family, "power": args.power, "discordance": d if observed is None else observed["discordance"],
+    pools = None
+    if args.pools is not None:
+        pools = []
+        for name, size in sizes.items():
+            reach = {f"{row['budget']:g}": row["items_needed"] is not None and row["items_needed"] <= size
+                     for row in rows}
+            pools.append({"pool": name, "items": size, "reaches": reach,
+                          "smallest_budget": smallest_budget(d, drop, args.alpha, args.power, size)})
+    out = {"alpha": args.alpha, "stated_alpha": stated, "pools": pools, "family": family, "power": args.power, "discordance": d if observed is None else observed["discordance"],
            "drop": drop, "pilot": observed, "budgets": rows}
     print(json.dumps(out, indent=2) if args.json else render(out))
     return 0
@@ -184,7 +250,8 @@ def render(out: dict[str, Any]) -> str:
         for row in rows:
             need = "never" if row["items_needed"] is None else f"{row['items_needed']:,}"
             lines.append(f"{row['budget']:>8g}  {need:>12}"
-                         + (f"  {'yes' if row['certified_by_pilot'] else 'no'}" if p else ""))
+                         + (f"  {'yes' if row['certified_by_pilot'] else 'no'}" if p else "")
+                         + (f"  ({row['plan']})" if row["plan"].startswith("normal approximation,") else ""))
     for row in rows:
         seq = row.get("sequential")
         if seq:
@@ -193,8 +260,19 @@ def render(out: dict[str, Any]) -> str:
                          f"design with that power needs {seq['fixed_items_same_power']:,}: "
                          + ("the looks save items on average" if seq["expected_items"] < seq["fixed_items_same_power"]
                             else "the looks save nothing here"))
+    if out.get("pools"):
+        budgets = [f"{row['budget']:g}" for row in rows]
+        lines.append(f"{'pool':>24}  {'items':>7}  " + "  ".join(f"{b:>6}" for b in budgets) + "  smallest budget")
+        for pool in out["pools"]:
+            low = pool["smallest_budget"]
+            lines.append(f"{pool['pool']:>24}  {pool['items']:>7,}  "
+                         + "  ".join(f"{'yes' if pool['reaches'][b] else 'no':>6}" for b in budgets)
+                         + f"  {'none' if low is None else f'~{low:.2%}'}")
+        lines.append("A pool reaches a budget when it holds the items the plan needs (both splits, less the search "
+                     "sample); where it does not, the limit is data, not compute.")
     drop = out["drop"]
-    how = rows[0]["plan"] if rows else "exact power"
+    plans = {row["plan"] for row in rows}
+    how = plans.pop() if len(plans) == 1 else "exact power unless its row says otherwise"
     lines.append(f"Paired items for a certificate at alpha {out['alpha']:.4g} with {out['power']:.0%} power at true drop "
                  f"{drop:.4f} and discordance {out['discordance']:.3f}, one candidate tested alone ({how}); "
                  f"'never' where the drop is at or above the budget."

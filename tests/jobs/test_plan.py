@@ -88,6 +88,8 @@ def test_looks_plan_a_group_sequential_design_that_reaches_the_power(capsys):
     (["--discordance", "0.1", "--budget", "0.02", "--power", "0"], "--power"),
     (["--records", "somewhere", "--budget", "0.02"], "--reference"),
     (["--discordance", "0.1", "--budget", "0.1", "--looks", "0"], "--looks"),
+    (["--discordance", "0.1", "--budget", "0.1", "--pools", "nosuchbench"], "nosuchbench"),
+    (["--discordance", "0.1", "--budget", "0.1", "--pools", "gsm8k", "--search-items", "-1"], "--search-items"),
 ])
 def test_bad_input_is_one_line_naming_the_flag(args, message, capsys):
     assert main(args) == 2
@@ -119,3 +121,43 @@ def test_the_plan_is_made_at_the_level_the_next_attempt_of_the_family_gets(tmp_p
     assert main(["--discordance", "0.05", "--budget", "0.05", "--benchmark", "gsm8k", "--pair-id", "srv",
                  "--ledger", str(tmp_path), "--attempt", "3"]) == 2
     assert "would open attempt #1 next" in capsys.readouterr().err
+
+
+def test_pools_say_which_budgets_each_benchmark_can_reach(capsys):
+    """Per pool: both splits less the search sample, which budgets its items cover (the plan's), and the smallest
+    budget it could certify; 'a+b' pools benchmarks; a plan of thousands of items is the approximation, said so."""
+    from workers.benchmarks import get_benchmark
+
+    assert main(["--discordance", "0.3", "--budget", "0.02,0.1", "--pools", "gsm8k,humaneval+math500",
+                 "--search-items", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    two, ten = out["budgets"]
+    assert two["items_needed"] == items_needed(0.3, 0.02) > 2_000 and two["plan"].startswith("normal approximation,")
+    assert ten["items_needed"] == exact_plan(0.3, 0.1) and ten["plan"] == "exact power"
+
+    def size(name):
+        bench = get_benchmark(name)
+        return len(bench.items(split="search")) - 32 + len(bench.items(split="confirm"))
+
+    gsm, code = out["pools"]
+    assert gsm["pool"] == "gsm8k" and gsm["items"] == size("gsm8k")
+    assert code["pool"] == "humaneval+math500" and code["items"] == size("humaneval") + size("math500") < 2_000
+    assert gsm["reaches"] == {"0.02": True, "0.1": True} and code["reaches"] == {"0.02": False, "0.1": True}
+    low = code["smallest_budget"]
+    assert 0.02 < low < 0.1 and items_needed(0.3, low) <= code["items"] < items_needed(0.3, low - 0.001)
+    assert main(["--discordance", "0.3", "--budget", "0.1", "--pools", "gsm8k"]) == 0
+    text = capsys.readouterr().out
+    assert "smallest budget" in text and "the limit is data, not compute" in text
+
+
+def test_the_pools_line_of_the_usage_page_runs_as_written(capsys):
+    import shlex
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    line = next(ln for ln in page.splitlines() if ln.startswith(".venv/bin/python -m jobs.plan") and "--pools" in ln)
+    argv = shlex.split(line.split("#")[0])
+    assert argv[:3] == [".venv/bin/python", "-m", "jobs.plan"]
+    assert main(argv[3:]) == 0
+    text = capsys.readouterr().out
+    assert "gsm8k" in text and "humaneval" in text and "smallest budget" in text
