@@ -41,6 +41,7 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -49,7 +50,19 @@ from pathlib import Path
 from workers.benchmarks.sandbox import SandboxResult, _last_error, _Tail
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VENV = REPO_ROOT / ".sandbox-venv"
+SHARED_VENV = Path("/var/tmp/spectune-sandbox-venv")  # where the checkout is not reachable by others (under /root)
+
+
+def others_can_reach(path: Path) -> bool:
+    """Can a user who is neither owner nor group (the sandbox's ``nobody``) walk down to ``path``? Every directory
+    on the way needs its others-execute bit."""
+    path = path.resolve()
+    return all(os.stat(p).st_mode & stat.S_IXOTH for p in (path, *path.parents) if p.exists())
+
+
+# the sandbox venv's default place: in the checkout where the sandbox uid can reach it, else a shared folder
+# (scripts/setup-sandbox-env makes the same choice)
+DEFAULT_VENV = REPO_ROOT / ".sandbox-venv" if others_can_reach(REPO_ROOT) else SHARED_VENV
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_MEMORY_BYTES = 2 << 30
 DEFAULT_MAX_PROCS = 64  # threads count too; BLAS and OpenMP are pinned to one thread
@@ -124,7 +137,8 @@ _STARTED = "[sandbox started]"
 
 
 def venv_python(venv: str | os.PathLike[str] | None = None) -> Path:
-    """The sandbox venv's interpreter (``$SPECTUNE_SANDBOX_VENV`` or ``<repo>/.sandbox-venv``)."""
+    """The sandbox venv's interpreter (``$SPECTUNE_SANDBOX_VENV``, else ``<repo>/.sandbox-venv``, else, where the
+    sandbox uid cannot reach the checkout, ``/var/tmp/spectune-sandbox-venv``)."""
     root = Path(venv or os.environ.get("SPECTUNE_SANDBOX_VENV") or DEFAULT_VENV)
     return root / "bin" / "python"
 
