@@ -107,4 +107,6 @@ def test_the_host_fingerprint_names_what_a_steps_time_rests_on():
     fields = startup.host()
     assert set(fields) == {"cpu", "cpus", "flags", "torch", "aten", "transformers"}
     assert startup.fingerprint(fields) == startup.host_fingerprint()
-    assert startup.fingerprint({**fields, "aten": "AVX2"}) != startup.host_fingerprint()
+    other = "AVX512" if fields["aten"] == "AVX2" else "AVX2"  # the other kernel level than this machine's
+    assert startup.fingerprint({**fields, "aten": other}) != startup.host_fingerprint()
+    assert startup.fingerprint({**fields, "cpus": fields["cpus"] + 1}) != startup.host_fingerprint()
