@@ -139,22 +139,7 @@ def module_circle(prefix: str) -> list[str] | None:
     inside = {name for name in ALL if name == prefix or name.startswith(prefix + ".")}
     graph = {name: {t for target, _, _ in EDGES[name] for t in (target, target.rpartition(".")[0])
                     if t in inside and t != name and t != prefix} for name in inside}
-    state: dict[str, int] = {}
-
-    def visit(node: str, stack: list[str]) -> list[str] | None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [node, nxt] if nxt in stack else [node, nxt]
-            if nxt not in state and (found := visit(nxt, stack + [node])):
-                return found
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (found := visit(node, [])):
-            return found
-    return None
+    return import_circle(graph)
 
 
 def _type_only(tree: ast.Module) -> set[int]:
