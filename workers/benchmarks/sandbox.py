@@ -179,26 +179,7 @@ def run_python(source: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, memory_byte
     try:
         with open(os.path.join(workdir, "program.py"), "w", encoding="utf-8") as f:
             f.write(source)
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        out, err = _Tail(proc.stdout), _Tail(proc.stderr)  # type: ignore[arg-type]
-        out.start()
-        err.start()
-        try:
-            proc.stdin.write((nonce + "\n").encode())  # type: ignore[union-attr]
-            proc.stdin.close()  # type: ignore[union-attr]
-        except BrokenPipeError:
-            pass  # the child died before reading: its exit status tells why
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):  # it may exit between the timeout and the kill
-                os.killpg(proc.pid, signal.SIGKILL)  # not yet reaped, so the group id is still ours
-            rc = proc.wait()
-        out.join(5)
-        err.join(5)
+        rc, timed_out, out, err = _run_child(cmd, workdir, env, nonce, timeout_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     wall = time.perf_counter() - t0
@@ -217,3 +198,33 @@ def run_python(source: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, memory_byte
         status, reason = "failed", _last_error(stderr) or f"exit code {rc}"
     stdout = stdout.replace(nonce, "<nonce>")
     return SandboxResult(status, reason, rc, stdout, stderr, round(wall, 3), network)
+
+
+def _run_child(cmd: list[str], workdir: str, env: dict[str, str], nonce: str, timeout_s: float
+               ) -> tuple[int, bool, _Tail, _Tail]:
+    """Start ``cmd`` in its own session, hand it the nonce on stdin, keep the tails of its streams, and SIGKILL its
+    process group after ``timeout_s`` of wall time: (exit status, timed out, stdout tail, stderr tail). Both
+    sandbox profiles run their child through this."""
+    proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+    out, err = _Tail(proc.stdout), _Tail(proc.stderr)  # type: ignore[arg-type]
+    out.start()
+    err.start()
+    try:
+        proc.stdin.write((nonce + "\n").encode())  # type: ignore[union-attr]
+        proc.stdin.close()  # type: ignore[union-attr]
+    except BrokenPipeError:
+        pass  # the child died before reading: its exit status tells why
+    timed_out = False
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        with contextlib.suppress(ProcessLookupError):  # it may exit between the timeout and the kill
+            # not yet reaped, so the group id is still ours (the data profile's unshare --kill-child takes its
+            # PID namespace with it)
+            os.killpg(proc.pid, signal.SIGKILL)
+        rc = proc.wait()
+    out.join(5)
+    err.join(5)
+    return rc, timed_out, out, err

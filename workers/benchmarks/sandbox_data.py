@@ -35,7 +35,6 @@ status ``"error"``: a harness error, never a model failure (see ``DataFrameBench
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import secrets
@@ -47,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from workers.benchmarks.sandbox import SandboxResult, _last_error, _Tail
+from workers.benchmarks.sandbox import SandboxResult, _last_error, _run_child
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARED_VENV = Path("/var/tmp/spectune-sandbox-venv")  # where the checkout is not reachable by others (under /root)
@@ -210,26 +209,7 @@ def run_data_python(source: str, *, timeout_s: float = DEFAULT_TIMEOUT_S, memory
             for dirpath, _dirs, names in os.walk(workdir):
                 for p in (dirpath, *(os.path.join(dirpath, n) for n in names)):
                     os.chown(p, uid, uid)
-        proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        out, err = _Tail(proc.stdout), _Tail(proc.stderr)  # type: ignore[arg-type]
-        out.start()
-        err.start()
-        try:
-            proc.stdin.write((nonce + "\n").encode())  # type: ignore[union-attr]
-            proc.stdin.close()  # type: ignore[union-attr]
-        except BrokenPipeError:
-            pass
-        timed_out = False
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # unshare --kill-child takes the PID namespace with it
-            rc = proc.wait()
-        out.join(5)
-        err.join(5)
+        rc, timed_out, out, err = _run_child(cmd, workdir, env, nonce, timeout_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     wall = time.perf_counter() - t0
