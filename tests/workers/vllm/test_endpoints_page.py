@@ -4,8 +4,9 @@ inside a stock `vllm serve`" is read from the page, each line run in order from 
 the output of the command before it (``...`` stands for anything, ``N`` for a number; ``exit 3`` for the exit
 code, 0 otherwise). What changes: free ports for 8000-8002, and ``rule.json``, the asset cache and the runs root in
 a scratch folder. The servers: the plugin with a rule per request, the same without the plugin, the plugin with a
-rule file; the commands: the knob check "applied", "ignored" twice, and ``jobs/sweep.py --server-config``
-certifying a fixed configuration (not at n = 16). Runs in .vllm-venv (marker vllm), ~4 minutes.
+rule file, started together as a shell would (a command waits for the servers above it to be ready); the
+commands: the knob check "applied", "ignored" twice, and ``jobs/sweep.py --server-config`` certifying a fixed
+configuration (not at n = 16). Runs in .vllm-venv (marker vllm), ~3 minutes.
 """
 
 from __future__ import annotations
@@ -52,29 +53,50 @@ def test_the_page_names_what_it_runs():
     assert any("--server-config" in c for c, _, _ in steps)
 
 
+def writes_a_file(cmd: str) -> bool:
+    return re.search(r"\s>\s*\S", cmd) is not None
+
+
 def test_the_endpoints_page_runs_as_written(tmp_path):
+    """Like a shell, a server line does not block: every server starts as soon as the file-writing lines above it
+    have run (their starts overlap: each is mostly a single-threaded import), and each other command first waits
+    for the ``ready:`` line of every server above it."""
     ports = {p: str(free_port()) for p in ("8000", "8001", "8002")}
     env = launcher_env(SPECTUNE_CACHE=str(tmp_path / "cache"), SPECTUNE_RUNS=str(tmp_path / "runs"))
-    servers: list[Launched] = []
+    steps = page_steps()
+    servers: dict[int, Launched] = {}
 
     def here(cmd: str) -> str:
         for port, free in ports.items():
             cmd = re.sub(rf"\b{port}\b", free, cmd)
         return re.sub(r"(?<![\w/])rule\.json\b", str(tmp_path / "rule.json"), cmd)
 
+    def launch_from(first: int) -> None:
+        """Start the servers from step ``first`` on, up to the next line that writes a file."""
+        for n in range(first, len(steps)):
+            cmd = steps[n][0]
+            if writes_a_file(cmd):
+                return
+            if cmd.endswith("&") and n not in servers:
+                servers[n] = Launched(["bash", "-c", "exec " + here(cmd[:-1].strip())], tmp_path / f"server-{n}.log",
+                                      env)
+
     try:
-        for n, (cmd, pattern, code) in enumerate(page_steps()):
+        launch_from(0)
+        for n, (cmd, pattern, code) in enumerate(steps):
             if cmd.endswith("&"):
-                server = Launched(["bash", "-c", "exec " + here(cmd[:-1].strip())], tmp_path / f"server-{n}.log", env)
-                servers.append(server)
-                assert server.wait_ready().startswith("ready: "), server.tail()
                 continue
+            for server in (s for m, s in servers.items() if m < n):
+                assert server.wait_ready(timeout=600).startswith("ready: "), server.tail()
             got = subprocess.run(["bash", "-c", here(cmd)], cwd=ROOT, env=env, capture_output=True, text=True,
                                  timeout=900)
             out = got.stdout + got.stderr
             assert got.returncode == code, (cmd, got.returncode, got.stdout[-3000:], got.stderr[-3000:])
             if pattern is not None:
                 assert re.search(pattern, out), (cmd, pattern, got.stdout[-3000:], got.stderr[-3000:])
+            if writes_a_file(cmd):
+                launch_from(n + 1)
+        assert len(servers) == 3
     finally:
-        for server in servers:
+        for server in servers.values():
             server.stop()
