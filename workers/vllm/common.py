@@ -378,15 +378,29 @@ def rule_spec(rule: Any, default_seed: int) -> dict[str, Any]:
     return json.loads(json.dumps({"policy": described["policy"], "params": described["params"], "seed": seed}))
 
 
+# vLLM waits 5 s for an engine core to leave after SIGTERM before it kills the process tree. On vLLM-CPU the
+# core always waits out those 5 s (its worker does not leave on its own: every shutdown ends in the kill), so
+# there the wait is cut to this; on a GPU vLLM's own default stands.
+CPU_SHUTDOWN_GRACE_S = 1.0
+
+
+def shutdown_grace_s() -> float | None:
+    """How long an engine core gets to leave after SIGTERM before vLLM kills it: None (vLLM's default) on a GPU,
+    :data:`CPU_SHUTDOWN_GRACE_S` on vLLM-CPU."""
+    from workers.vllm.settings import _on_cpu
+
+    return CPU_SHUTDOWN_GRACE_S if _on_cpu() else None
+
+
 def shutdown_engine(llm: Any) -> None:
     """Stop an engine's engine-core (and worker) processes now (offline ``LLM`` or ``AsyncLLM``); their
-    memory goes with them."""
+    memory goes with them. The core gets :func:`shutdown_grace_s` to leave before vLLM kills it."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     try:
         if core is not None:
-            core.shutdown()
+            core.shutdown(timeout=shutdown_grace_s())
         elif hasattr(llm, "shutdown"):
-            llm.shutdown()
+            llm.shutdown(timeout=shutdown_grace_s())
     except Exception:  # noqa: BLE001 - a dead engine's remains: nothing left to stop
         if not engine_dead(llm):
             raise
