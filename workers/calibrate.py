@@ -99,7 +99,8 @@ def measure_vllm(pair: str, dtype: str = "bf16", *, cache_dir: str | os.PathLike
                  batch: int = 1, context: int = 128, new_tokens: int = 64, reps: int = 3, seed: int = 0,
                  tensor_parallel_size: int = 1, vllm: dict[str, Any] | None = None,
                  make: Callable[..., Any] | None = None) -> dict[str, Any]:
-    """c through vLLM: step times of the target, then of the draft, each as the target of its own engine.
+    """c through vLLM: step times of the target, then of the draft, each as the target of its own target-only
+    engine (``VLLMSettings.target_only``: nothing speculative is started).
 
     ``make`` builds an engine (``workers.engines.make_engine``'s signature; injectable for tests). The
     draft runs as the pair DRAFT+DRAFT, whose reference engine is the draft alone; its pair metadata goes
@@ -123,7 +124,7 @@ def measure_vllm(pair: str, dtype: str = "bf16", *, cache_dir: str | os.PathLike
             log(f"{role}: starting vLLM ({role} = {draft_dir if role == 'draft' else pair}, dtype {dtype}, "
                 f"TP {tensor_parallel_size})")
             engine = make("vllm", name, dtype, cache_dir=where, draft_len=1,
-                          tensor_parallel_size=tensor_parallel_size, vllm=opts)
+                          tensor_parallel_size=tensor_parallel_size, vllm={**opts, "target_only": True})
             try:
                 log(f"{role}: engine started ({time.perf_counter() - t0:.1f} s)")
                 if prompts is None:  # the same prompts for both models: ids both tokenizers hold

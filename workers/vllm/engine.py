@@ -115,14 +115,20 @@ class VLLMDecoder:
         self.workers_reaped: list[int] = []  # a dead engine's workers killed because they outlived it
         self._worker_pids: dict[str, list[int]] = {}
         self._closed = False
-        self._llm: Any = LLM(**self._engine_kwargs(SPECULATIVE))
-        self._note_workers(SPECULATIVE, self._llm)
+        self._llm: Any = None
+        if s.target_only:  # the reference engine alone: nothing speculative to start or check
+            first = self._reference = LLM(**self._engine_kwargs(REFERENCE))
+            self._note_workers(REFERENCE, first)
+        else:
+            first = self._llm = LLM(**self._engine_kwargs(SPECULATIVE))
+            self._note_workers(SPECULATIVE, first)
         self.fallback_totals: dict[str, Any] = {}
-        tok = self.llm.get_tokenizer()
-        vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        tok = first.get_tokenizer()
+        vocab = int(first.llm_engine.model_config.get_vocab_size())
         self.pair = VLLMPair(pair, tok, s.dtype, vocab, eos_token_ids(tok, _declared_eos(target_dir)), pair_cache,
                              draft_dir, target_dir, self._draft_width)
-        self._assert_rule_runs()
+        if not s.target_only:
+            self._assert_rule_runs()
 
     # -- public API (SpecDecoder's) ---------------------------------------------------------------
 
@@ -271,6 +277,9 @@ class VLLMDecoder:
         """The speculative engine (restarted here if the reference took its place)."""
         if self._closed:
             raise RuntimeError("this vLLM engine was closed")
+        if self.settings.target_only:
+            raise ValueError("this vLLM engine decodes target-only (VLLMSettings.target_only): it has no "
+                             "speculative engine; use autoregressive()")
         if self._llm is not None and engine_dead(self._llm):  # died between calls: nothing in flight was lost
             self._bury(SPECULATIVE, None, 0)
         if self._llm is None:

@@ -67,6 +67,9 @@ class VLLMSettings:
     # head drafting from the target's hidden states: the pair's draft directory is the head,
     # workers.models.eagle). The rules judge both alike; q is the drafter's distribution over the target's ids.
     speculative_method: str = "draft_model"
+    # Only the target-only (reference) engine: no speculative engine is started, ``generate`` refuses, and
+    # ``autoregressive`` decodes (calibration's step timing, workers.calibrate, needs nothing else).
+    target_only: bool = False
 
     def __post_init__(self) -> None:
         if self.speculative_method not in SPECULATIVE_METHODS:

@@ -70,7 +70,8 @@ def test_measure_vllm_times_the_target_then_the_draft_alone_on_the_same_prompts(
     assert drafted["pair"] == f"{draft}+{draft}" and drafted["cache_dir"] != cache
     for made in (target, drafted):
         assert made["kind"] == "vllm" and made["dtype"] == "fp32" and made["tp"] == 2
-        assert made["vllm"] == {"max_model_len": 512} and made["engine"].closed
+        # only a target-only engine: nothing speculative is started to time steps
+        assert made["vllm"] == {"max_model_len": 512, "target_only": True} and made["engine"].closed
         assert len(made["engine"].prompts) == 3  # a warm-up run, then --reps timed ones
     prompts = target["engine"].prompts[0]
     assert len(prompts) == 3 and {len(p) for p in prompts} == {16}

@@ -26,19 +26,22 @@ def test_calibrate_through_vllm_cpu_stores_a_ratio_the_sweep_can_read(tmp_path, 
     argv = ["--engine", "vllm", "--pair", pair, "--cache-dir", str(cache), "--dtype", "fp32", "--batch", "2",
             "--context", "24", "--new-tokens", "16", "--reps", "2", "--max-model-len", "256",
             "--kv-cache-gb", "0.125", "--enforce-eager", "--out", str(out)]
-    assert calibrate.main(argv) == 0
-    printed = capsys.readouterr().out
+    code = calibrate.main(argv)
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert code == 0, (printed[-3000:], captured.err[-3000:])
     for line in ("target: engine started", "target: run 2/2", "draft: engine started", "draft: run 2/2", "-> c = "):
         assert line in printed, printed  # progress, model by model
     profile = json.loads(out.read_text())
     c = profile["cost_ratio"]
-    assert math.isfinite(c) and 0 < c < 20 and profile["engine"] == "vllm" and profile["dtype"] == "fp32"
-    assert c == pytest.approx(profile["draft_step_s"] / profile["target_step_s"])
-    assert profile["machine"] == stored.machine_key()  # vLLM-CPU: no CUDA device
-    assert len(profile["vllm"]["step_s"]["target"]) == len(profile["vllm"]["step_s"]["draft"]) == 2
+    why = (profile, printed[-3000:])  # every check below shows the profile and the progress when it fails
+    assert math.isfinite(c) and 0 < c < 20 and profile["engine"] == "vllm" and profile["dtype"] == "fp32", why
+    assert c == pytest.approx(profile["draft_step_s"] / profile["target_step_s"]), why
+    assert profile["machine"] == stored.machine_key(), why  # vLLM-CPU: no CUDA device
+    assert len(profile["vllm"]["step_s"]["target"]) == len(profile["vllm"]["step_s"]["draft"]) == 2, why
     assert profile["vllm"]["settings"] == {"max_model_len": 256, "enforce_eager": True,
-                                           "kv_cache_memory_bytes": 128 << 20}
-    assert profile["vllm"]["pair_cache"] == str(pair_dirs(pair, cache)[2])
+                                           "kv_cache_memory_bytes": 128 << 20}, why
+    assert profile["vllm"]["pair_cache"] == str(pair_dirs(pair, cache)[2]), why
     assert not stored.vllm_profile_path(profile["vllm"]["pair_cache"], "fp32", profile["machine"]).exists()
     assert calibrate.main(["--print-ratio", str(out)]) == 0
     assert float(capsys.readouterr().out) == pytest.approx(c, abs=5e-5)
