@@ -249,12 +249,12 @@ def _alive(pid: int) -> bool:
     return process_alive(pid)
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_vllm_processes_leave_with_their_owner(tiny_dirs, sig):
+def test_vllm_processes_leave_with_their_owner(tiny_dirs):
     """A process holding a VLLMDecoder that a scheduler stops (SIGTERM: `timeout`, a job's cancel) or kills
     (SIGKILL, the OOM killer) leaves no vLLM process behind: vLLM's engine core (and its workers) watch the
     process that started them and exit when it is gone — before, they were reparented to init and kept
-    their memory (measured on a GPU: a 20 GB worker spinning at 186% CPU)."""
+    their memory (measured on a GPU: a 20 GB worker spinning at 186% CPU). Two owners start together (their
+    starts overlap), one gets SIGTERM, the other SIGKILL."""
     import signal
     import time
 
@@ -268,33 +268,41 @@ def test_vllm_processes_leave_with_their_owner(tiny_dirs, sig):
         "time.sleep(3600)\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECTUNE_VLLM_")}
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, cwd=Path(__file__).resolve().parents[3])
-    kids: list[int] = []
+    owners = {sig: subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, text=True, cwd=Path(__file__).resolve().parents[3])
+              for sig in ("SIGTERM", "SIGKILL")}
+    kids: dict[str, list[int]] = {sig: [] for sig in owners}
     try:
-        assert proc.stdout is not None
-        for line in proc.stdout:  # the engine is up (or the process ended: EOF)
-            if line.startswith("ENGINE UP"):
-                break
-        assert proc.poll() is None, "the owner process did not start its engine"
-        found = psutil.Process(proc.pid).children(recursive=True)
-        kids, names = [p.pid for p in found], {p.pid: p.name() for p in found}
-        assert kids, "vLLM's engine core should be a child process"
-        proc.send_signal(getattr(signal, sig))
-        proc.wait(timeout=60)
+        names: dict[int, str] = {}
+        for sig, proc in owners.items():
+            assert proc.stdout is not None
+            for line in proc.stdout:  # the engine is up (or the process ended: EOF)
+                if line.startswith("ENGINE UP"):
+                    break
+            assert proc.poll() is None, f"the owner process ({sig}) did not start its engine"
+            found = psutil.Process(proc.pid).children(recursive=True)
+            kids[sig] = [p.pid for p in found]
+            names.update({p.pid: p.name() for p in found})
+            assert kids[sig], "vLLM's engine core should be a child process"
+        for sig, proc in owners.items():
+            proc.send_signal(getattr(signal, sig))
+        for proc in owners.values():
+            proc.wait(timeout=60)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and any(_alive(p) for p in kids):
+        while time.monotonic() < deadline and any(_alive(p) for pids in kids.values() for p in pids):
             time.sleep(0.5)
-        left = {p: names[p] for p in kids if _alive(p)}
-        assert not left, f"vLLM processes outlived their owner ({sig}): {left}"
+        for sig, pids in kids.items():
+            left = {p: names[p] for p in pids if _alive(p)}
+            assert not left, f"vLLM processes outlived their owner ({sig}): {left}"
     finally:
-        for pid in [proc.pid, *kids]:  # this test's own processes only, by pid
-            if _alive(pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        proc.wait(timeout=30)
+        for sig, proc in owners.items():
+            for pid in [proc.pid, *kids[sig]]:  # this test's own processes only, by pid
+                if _alive(pid):
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            proc.wait(timeout=30)
 
 
 # -- the fused statistics kernel (policies.fused) inside vLLM's worker -------------------------------------
