@@ -71,13 +71,13 @@ def test_a_rule_the_engine_cannot_run_fails_the_item_not_the_actor(worker):
     assert "started with draft length 3" in (rec.error or "")
 
 
-def test_release_stops_vllms_own_processes(tmp_path):
-    """A killed actor used to leave vLLM's worker process running with the pair in memory (13 GB for
-    the real pair in fp32); release() closes the engine first."""
+def test_release_stops_vllms_own_processes(worker):
+    """Last in the module (it ends the module's actor; the fixture's own release then finds it gone). A killed
+    actor used to leave vLLM's worker process running with the pair in memory (13 GB for the real pair in fp32);
+    release() closes the engine first."""
     import time
 
-    draft, target = save_tiny_pair(tmp_path, head_dim=64)
-    (w,) = make_workers(1, f"{draft}+{target}", "fp32", cpus_per_actor=1, engine="vllm", draft_len=3, vllm=VLLM)
+    (w,) = worker
     pids = ray.get(w.info.remote())["engine_pids"]
     assert pids and all(p != ray.get(w.info.remote())["pid"] for p in pids)
     release([w])
