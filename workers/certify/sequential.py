@@ -124,15 +124,32 @@ def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float 
     return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
 
 
+@functools.lru_cache(maxsize=64)
 def _state_z(n: int, budget: float) -> Any:
-    """Tango's Z_b at every (lost, won) of n items (+inf where lost + won > n), shape (n + 1, n + 1)."""
+    """Tango's Z_b at every (lost, won) of n items (+inf where lost + won > n), shape (n + 1, n + 1).
+
+    Read-only and cached: it depends on (n, budget) alone, and ``crossing`` asks for the same looks at every
+    one of the thousand-odd nuisance points of its check grid."""
     import numpy as np
 
     from workers.certify.exact import score_z
 
     lost, won = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     valid = lost + won <= n
-    return np.where(valid, score_z(lost, np.where(valid, won, 0), n, budget), np.inf)
+    out = np.where(valid, score_z(lost, np.where(valid, won, 0), n, budget), np.inf)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _within(n: int) -> Any:
+    """The mask lost + won <= n over the (n + 1, n + 1) states (read-only, cached)."""
+    import numpy as np
+
+    lost, won = np.ogrid[: n + 1, : n + 1]
+    out = lost + won <= n
+    out.flags.writeable = False
+    return out
 
 
 def _calibration_grid(budget: float) -> Any:
@@ -160,8 +177,7 @@ def _carry(state: Any, m: int, p_lost: float, p_won: float, n: int) -> Any:
     from scipy.signal import fftconvolve
 
     state = np.clip(fftconvolve(state, _kernel(m, p_lost, p_won)), 0.0, None)[: n + 1, : n + 1]
-    lost, won = np.ogrid[: n + 1, : n + 1]
-    return np.where(lost + won <= n, state, 0.0)
+    return np.where(_within(n), state, 0.0)
 
 
 def crossing(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_won: float,
