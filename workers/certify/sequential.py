@@ -124,12 +124,13 @@ def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float 
     return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _state_z(n: int, budget: float) -> Any:
     """Tango's Z_b at every (lost, won) of n items (+inf where lost + won > n), shape (n + 1, n + 1).
 
     Read-only and cached: it depends on (n, budget) alone, and ``crossing`` asks for the same looks at every
-    one of the thousand-odd nuisance points of its check grid."""
+    one of the thousand-odd nuisance points of its check grid (16 kept: one plan's looks; at most ~40 MB, as
+    the full state is carried only up to N ~ 554)."""
     import numpy as np
 
     from workers.certify.exact import score_z
@@ -141,7 +142,7 @@ def _state_z(n: int, budget: float) -> Any:
     return out
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _within(n: int) -> Any:
     """The mask lost + won <= n over the (n + 1, n + 1) states (read-only, cached)."""
     import numpy as np
