@@ -26,6 +26,41 @@ def tracking_uri(run_dir: Path) -> str:
     return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
+def _seed_store(db: Path) -> None:
+    """A new run directory's sqlite store starts as a copy of an empty store whose schema MLflow already built.
+
+    MLflow builds a new sqlite store by running every one of its alembic migrations (seconds of CPU at each new
+    sweep); the empty migrated store holds no path or run (its schema version and the default workspace row), so
+    it is built once per MLflow version and user, in the temporary directory, and copied. Any failure here leaves
+    the store to MLflow, which builds it as before."""
+    import shutil
+    import tempfile
+
+    if db.exists():
+        return
+    try:
+        import mlflow
+        import sqlalchemy
+        from mlflow.store.db.utils import _initialize_tables
+
+        template = Path(tempfile.gettempdir()) / f"spectune-mlflow-{mlflow.__version__}-{os.getuid()}.db"
+        if template.is_file() and template.stat().st_uid != os.getuid():
+            raise PermissionError(f"{template} is not this user's")
+        if not template.is_file():
+            building = template.with_name(f"{template.name}.{os.getpid()}.tmp")
+            building.unlink(missing_ok=True)
+            engine = sqlalchemy.create_engine(f"sqlite:///{building}")
+            try:
+                _initialize_tables(engine)
+            finally:
+                engine.dispose()
+            os.replace(building, template)  # whole, or not there: a concurrent sweep copies a finished one
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, db)
+    except Exception:  # noqa: BLE001 - a faster start only: MLflow creates the store itself
+        db.unlink(missing_ok=True)
+
+
 class SweepTracker:
     def __init__(self, run_dir: Path, uri: str | None = None) -> None:
         os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -33,6 +68,8 @@ class SweepTracker:
 
         self.mlflow = mlflow
         self.run_dir = run_dir
+        if uri is None:
+            _seed_store(run_dir / "mlflow.db")
         mlflow.set_tracking_uri(uri or tracking_uri(run_dir))
         exp = mlflow.get_experiment_by_name(EXPERIMENT)
         if exp is None:

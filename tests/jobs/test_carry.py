@@ -21,7 +21,9 @@ def test_a_packed_sweep_resumes_on_a_bare_machine(tmp_path, capsys):
 
     from jobs import carry
 
-    sweep(tmp_path, "--trials", "2", "--search-only")
+    # one pair actor (the study's config.yaml keeps it, so the resumed process starts one too): what is carried
+    # is the study, not how many actors evaluated it
+    sweep(tmp_path, "--trials", "2", "--search-only", "--actors", "1")
     run_dir = tmp_path / "sweep"
     first = {t.number: (t.state.name, t.params) for t in trials(run_dir)}
     meta = json.loads((run_dir / "sweep.json").read_text())

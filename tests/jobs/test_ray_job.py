@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = "--pair tiny-random --dtype fp32 --items 6 --trials 2 --max-new-tokens 8"
+TINY = "--pair tiny-random --dtype fp32 --items 3 --trials 2 --max-new-tokens 4 --actors 1"
 
 
 def readme_submit(dashboard_port: int) -> str:

@@ -153,7 +153,8 @@ def test_sweep_writes_study_runs_report_and_choice_then_resumes(tmp_path):
 
 
 def test_interrupted_trial_is_redone_with_its_params(tmp_path):
-    sweep(tmp_path, "--trials", "1")
+    # the search alone (--search-only): the redo is the study's, and no confirmation is needed to see it
+    sweep(tmp_path, "--trials", "1", "--search-only")
     run_dir = tmp_path / "sweep"
     import optuna
 
@@ -165,7 +166,7 @@ def test_interrupted_trial_is_redone_with_its_params(tmp_path):
                        "top_k.k": optuna.distributions.IntDistribution(2, 64, log=True),
                        "draft_len": optuna.distributions.IntDistribution(2, 4)})
     assert stale.number == 1 and stale.params == {"family": "top_k", "top_k.k": 13, "draft_len": 2}
-    sweep(tmp_path, "--trials", "2")
+    sweep(tmp_path, "--trials", "2", "--search-only")
     states = {t.number: t for t in trials(run_dir)}
     seen = {n: (t.state.name, t.params, t.user_attrs.get("resumed_from")) for n, t in states.items()}
     assert states[1].state.name == "FAIL", seen

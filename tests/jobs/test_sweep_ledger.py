@@ -1,7 +1,8 @@
 """The certificate ledger end to end: a tiny-pair sweep confirms once; a second sweep that changes the budget,
 alpha, dtype, --subset-seed, --runs-root or the spelling of the pair is refused on the same confirmation items
 (every attempt's items come from the pool's fixed order); with --new-items it confirms on unused items and its
-certificate lists the earlier attempt."""
+certificate lists the earlier attempt. Then `python -m jobs.results export` of the first sweep ships its attempt
+(one sweep serves both claims: an export needs a confirmed sweep, and that is the first one above)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ def certification(chosen: dict) -> dict:
     return only["certification"]
 
 
-def test_one_attempt_per_item_whatever_changes_and_new_items_confirms_elsewhere(tmp_path):
+def test_one_attempt_per_item_whatever_changes_and_new_items_confirms_elsewhere(tmp_path, capsys):
+    import os
+
+    from jobs.results import main as results
     from workers.models.tiny import save_tiny_pair
+    from workers.results.history import read_rows
 
     draft, target = save_tiny_pair(tmp_path / "pair", head_dim=16)
     (tmp_path / "alias").symlink_to(tmp_path / "pair")
@@ -54,20 +59,12 @@ def test_one_attempt_per_item_whatever_changes_and_new_items_confirms_elsewhere(
     assert len(new_items) == 3 and not set(new_items) & set(items)
     assert any(first["attempt"] in e for e in fresh["earlier_attempts"])
 
-
-def test_exporting_a_result_ships_its_attempt_and_the_folder_then_checks(tmp_path, capsys):
-    """`python -m jobs.results export` writes the attempt's ledger rows into the shipped history (here the
-    session's copy, $SPECTUNE_HISTORY), so the exported folder's `check` finds its attempt there."""
-    import os
-
-    from jobs.results import main as results
-    from workers.models.tiny import save_tiny_pair
-    from workers.results.history import read_rows
-
-    draft, target = save_tiny_pair(tmp_path / "pair", head_dim=16)
-    first = certification(run(tmp_path / "a", f"{draft}+{target}"))
+    # exporting a result ships its attempt and the folder then checks: `python -m jobs.results export` writes the
+    # attempt's ledger rows into the shipped history (here the session's copy, $SPECTUNE_HISTORY), so the exported
+    # folder's `check` finds its attempt there
     history = Path(os.environ["SPECTUNE_HISTORY"])
     assert not [r for r in read_rows(history) if r.get("attempt") == first["attempt"]]
+    capsys.readouterr()
     out = tmp_path / "exported"
     rc = results(["export", "--run-dir", str(tmp_path / "a" / "sweep"), "--out", str(out)])
     said = capsys.readouterr().out

@@ -16,6 +16,8 @@ import pytest
 from workers.engine_registry import PLUGINS_ENV, EngineTraits, engine_names, engine_traits, register_engine
 
 NAME = "fake-cpu"
+SMALLER = ["--items", "4", "--max-new-tokens", "4", "--trials", "1", "--budgets", "0.2", "--policies", "kl_judge",
+           "--draft-len", "2"]
 LOG_ENV = "SPECTUNE_TEST_FAKE_ENGINE_LOG"  # where each start of the fake engine writes a line (any process)
 
 
@@ -58,7 +60,9 @@ def test_a_tiny_sweep_runs_on_an_engine_registered_here(tmp_path, monkeypatch):
         ray.shutdown()
     try:
         run_dir = tmp_path / "sweep"
-        rc = sweep_job.main([*ARGS, "--engine", NAME, "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
+        # the golden sweep's flags, one trial of one rule at one L for one budget on 4 items: every phase (references,
+        # search, confirmation, noise floor, timed speed) still runs on the registered engine
+        rc = sweep_job.main([*ARGS, *SMALLER, "--engine", NAME, "--runs-root", str(tmp_path), "--run-dir", str(run_dir)])
     finally:
         ray.shutdown()
     assert rc == 0

@@ -50,13 +50,19 @@ def trinomial(m: int, p_lost: float, p_won: float, lost: tuple[int, int], won: t
     import numpy as np
     from scipy.special import gammaln, xlogy
 
-    a, c = np.meshgrid(np.arange(lost[0], lost[1] + 1), np.arange(won[0], won[1] + 1), indexing="ij")
+    # every term is a function of one count in 0..m: computed once per count on a 1-D table and looked up
+    # (the same numbers, summed in the same order, as evaluating gammaln / xlogy on the whole 2-D grid)
+    a = np.arange(lost[0], lost[1] + 1)[:, None]
+    c = np.arange(won[0], won[1] + 1)[None, :]
     t = m - a - c
     ok = t >= 0
     t = np.where(ok, t, 0)
     p_tie = max(0.0, 1.0 - p_lost - p_won)
-    logp = (gammaln(m + 1.0) - gammaln(a + 1.0) - gammaln(c + 1.0) - gammaln(t + 1.0)
-            + xlogy(a, p_lost) + xlogy(c, p_won) + (xlogy(t, p_tie) if p_tie > 0 else np.where(t > 0, -np.inf, 0.0)))
+    counts = np.arange(m + 1, dtype=np.float64)
+    log_fact = gammaln(counts + 1.0)
+    tie_term = xlogy(counts, p_tie) if p_tie > 0 else np.where(counts > 0, -np.inf, 0.0)
+    logp = (gammaln(m + 1.0) - log_fact[a] - log_fact[c] - log_fact[t]
+            + xlogy(counts, p_lost)[a] + xlogy(counts, p_won)[c] + tie_term[t])
     return np.where(ok, np.exp(logp), 0.0)
 
 

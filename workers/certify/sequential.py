@@ -124,15 +124,33 @@ def look_plan(n: int, looks: int, alpha: float, rho: float = RHO, budget: float 
     return LookPlan(sizes, levels, float(alpha), float(rho), spent, float(budget), thresholds)
 
 
+@functools.lru_cache(maxsize=16)
 def _state_z(n: int, budget: float) -> Any:
-    """Tango's Z_b at every (lost, won) of n items (+inf where lost + won > n), shape (n + 1, n + 1)."""
+    """Tango's Z_b at every (lost, won) of n items (+inf where lost + won > n), shape (n + 1, n + 1).
+
+    Read-only and cached: it depends on (n, budget) alone, and ``crossing`` asks for the same looks at every
+    one of the thousand-odd nuisance points of its check grid (16 kept: one plan's looks; at most ~40 MB, as
+    the full state is carried only up to N ~ 554)."""
     import numpy as np
 
     from workers.certify.exact import score_z
 
     lost, won = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     valid = lost + won <= n
-    return np.where(valid, score_z(lost, np.where(valid, won, 0), n, budget), np.inf)
+    out = np.where(valid, score_z(lost, np.where(valid, won, 0), n, budget), np.inf)
+    out.flags.writeable = False
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _within(n: int) -> Any:
+    """The mask lost + won <= n over the (n + 1, n + 1) states (read-only, cached)."""
+    import numpy as np
+
+    lost, won = np.ogrid[: n + 1, : n + 1]
+    out = lost + won <= n
+    out.flags.writeable = False
+    return out
 
 
 def _calibration_grid(budget: float) -> Any:
@@ -160,8 +178,7 @@ def _carry(state: Any, m: int, p_lost: float, p_won: float, n: int) -> Any:
     from scipy.signal import fftconvolve
 
     state = np.clip(fftconvolve(state, _kernel(m, p_lost, p_won)), 0.0, None)[: n + 1, : n + 1]
-    lost, won = np.ogrid[: n + 1, : n + 1]
-    return np.where(lost + won <= n, state, 0.0)
+    return np.where(_within(n), state, 0.0)
 
 
 def crossing(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_won: float,
@@ -179,6 +196,40 @@ def crossing(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: floa
         out.append(total)
         state = np.where(passed, 0.0, state)
         prev = n
+    return out
+
+
+def _crossings(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_wons: Any,
+               chunk: int = 8) -> Any:
+    """:func:`crossing` at drop = ``budget`` for every nuisance point of ``p_wons`` at once: an array
+    [len(p_wons), looks]. The same numbers (the same kernels, FFT lengths and sums, bit for bit), computed on
+    ``chunk`` points per FFT call rather than one: the dense check grid is a thousand-odd points a round."""
+    import numpy as np
+    from scipy import fft as sp_fft
+
+    p_wons = np.asarray(p_wons, dtype=np.float64)
+    out = np.empty((len(p_wons), len(sizes)))
+    for lo in range(0, len(p_wons), chunk):
+        pws = p_wons[lo: lo + chunk]
+        state, total, prev = np.ones((len(pws), 1, 1)), np.zeros(len(pws)), 0
+        for k, (n, z) in enumerate(zip(sizes, thresholds, strict=True)):
+            m = n - prev
+            kernels = np.stack([_kernel(m, float(pw) + budget, float(pw)) for pw in pws])
+            # scipy.signal.fftconvolve's "full" convolution, on every point of the chunk (which, like it, multiplies
+            # where the state is a single cell: no axis to transform)
+            if state.shape[1:] == (1, 1):
+                conv = state * kernels
+            else:
+                full = (state.shape[1] + m, state.shape[2] + m)
+                fshape = [sp_fft.next_fast_len(d, True) for d in full]
+                spectrum = sp_fft.rfftn(state, fshape, axes=(1, 2)) * sp_fft.rfftn(kernels, fshape, axes=(1, 2))
+                conv = sp_fft.irfftn(spectrum, fshape, axes=(1, 2))[:, : full[0], : full[1]]
+            state = np.where(_within(n), np.clip(conv, 0.0, None)[:, : n + 1, : n + 1], 0.0)
+            passed = _state_z(n, budget) <= z
+            total = total + np.array([float(one[passed].sum()) for one in state])  # summed as crossing sums it
+            out[lo: lo + len(pws), k] = total
+            state = np.where(passed, 0.0, state)
+            prev = n
     return out
 
 
@@ -235,8 +286,10 @@ def calibrate(sizes: tuple[int, ...], spent: tuple[float, ...], budget: float, b
     grid, check = _calibration_grid(budget), _check_grid(budget)
     for _ in range(_ROUNDS):
         thresholds = calibrate_on(sizes, spent, budget, grid)
-        over = [pw for pw in check
-                if any(c > t + 1e-12 for c, t in zip(cross(sizes, thresholds, budget, float(pw)), spent, strict=True))]
+        crossed = (_crossings(sizes, thresholds, budget, check) if not banded
+                   else [cross(sizes, thresholds, budget, float(pw)) for pw in check])
+        over = [pw for pw, row in zip(check, crossed, strict=True)
+                if any(c > t + 1e-12 for c, t in zip(row, spent, strict=True))]
         if not over:
             levels = tuple(0.0 if math.isinf(z) else min(1.0, _sup_tail(n, budget, z))
                            for n, z in zip(sizes, thresholds, strict=True))
