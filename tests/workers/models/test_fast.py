@@ -288,10 +288,11 @@ def test_a_pass_of_300_rows_equals_one_token_steps_at_the_real_pairs_widths_at_o
             decoder = model.get_decoder()
             full = model.lm_head(decoder(ids, past_key_values=model.new_cache()).last_hidden_state)[0]
             cache = model.new_cache()
-            decoder(ids[:, :40], past_key_values=cache)  # a prompt's prefill, then steps
+            # a prompt's prefill (itself >64 rows), then 100 steps: each a one-row GEMM against the pass's 300-row one
+            decoder(ids[:, :200], past_key_values=cache)
             steps = torch.stack([model.lm_head(decoder(ids[:, j:j + 1], past_key_values=cache).last_hidden_state)[0, 0]
-                                 for j in range(40, 300)])
-            assert torch.equal(full[40:], steps), "a pass's rows must equal one-token steps exactly"
+                                 for j in range(200, 300)])
+            assert torch.equal(full[200:], steps), "a pass's rows must equal one-token steps exactly"
             cache.crop(120)  # a rejected round's rows dropped, then a verify block of 6 over them
             block = model.lm_head(decoder(ids[:, 120:126], past_key_values=cache).last_hidden_state)[0]
             assert torch.equal(block, full[120:126])
