@@ -88,9 +88,14 @@ def _check(lost: int, won: int, n: int, budget: float, alpha: float | None = Non
 
 def score_z(lost: Any, won: Any, n: int, budget: float) -> Any:
     """Tango's score statistic at drop = ``budget`` (arrays broadcast): small = evidence of a small drop."""
+    return _score(lost, won, n, float(budget))
+
+
+def _score(lost: Any, won: Any, n: int, b: Any) -> Any:
+    """:func:`score_z` with ``b`` a float or an array of budgets broadcast against the counts."""
     import numpy as np
 
-    lost, won, b = np.asarray(lost, dtype=np.float64), np.asarray(won, dtype=np.float64), float(budget)
+    lost, won = np.asarray(lost, dtype=np.float64), np.asarray(won, dtype=np.float64)
     ties = n - lost - won
     half = lost * (1.0 - b) + won * (1.0 - 3.0 * b) - 2.0 * ties * b
     p_won = (half + np.sqrt(half * half + 8.0 * n * won * b * (1.0 - b))) / (4.0 * n)
@@ -101,17 +106,25 @@ def _lost_limits(n: int, budget: float, z: float, upper: bool = False) -> Any:
     """For every discordant count m = 0..n, the largest lost in [0, m] with Z_b(lost, m - lost) <= z (``upper``:
     < z, the last lost outside the upper tail), or -1. Z_b rises with lost at fixed m (checked in the tests), so a
     vectorised bisection over lost finds it."""
+    return _lost_limits_many(n, [budget], [z], upper)[0]
+
+
+def _lost_limits_many(n: int, budgets: Any, zs: Any, upper: bool = False) -> Any:
+    """:func:`_lost_limits` for B (budget, z) pairs at once: row i is ``_lost_limits(n, budgets[i], zs[i])``."""
     import numpy as np
 
+    b = np.asarray(budgets, dtype=np.float64)[:, None]
+    z = np.asarray(zs, dtype=np.float64)[:, None]
     m = np.arange(n + 1)
-    lo = np.full(n + 1, -1)  # Z at lo is <= z (lo = -1: none yet)
-    hi = m + 1  # Z at hi is > z (hi = m + 1: past the end)
+    lo = np.full((len(b), n + 1), -1)  # Z at lo is <= z (lo = -1: none yet)
+    hi = np.broadcast_to(m + 1, lo.shape)  # Z at hi is > z (hi = m + 1: past the end)
     while True:
         open_ = hi - lo > 1
         if not open_.any():
             return lo
         mid = (lo + hi) // 2
-        score = score_z(np.clip(mid, 0, None), m - np.clip(mid, 0, None), n, budget)
+        lost = np.maximum(mid, 0)
+        score = _score(lost, m - lost, n, b)
         below = score < z if upper else score <= z
         lo = np.where(open_ & below, mid, lo)
         hi = np.where(open_ & ~below, mid, hi)
@@ -150,7 +163,7 @@ def _tails(n: int, limits: Any, p_won: Any, drop: Any, upper: bool = False) -> A
     m = np.minimum(m, n)
     s = disc[:, :, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
     mass = np.exp(_log_choose(n)[m] + xlogy(m, s) + xlog1py(n - m, -s)) * inside
-    limit = np.take_along_axis(limits, m.reshape(len(m), -1), axis=1).reshape(m.shape)
+    limit = limits[np.arange(len(m))[:, None, None], m]
     # The binomial CDF only where it is neither 0 nor 1 and has mass: limit < 0 gives 0 (upper: 1), limit = m
     # gives exactly 1 (upper: 0; scipy returns those exactly), and mass 0 (outside the window, or underflow)
     # multiplies any finite value to 0: bit for bit what evaluating it everywhere gives, with fewer
@@ -178,12 +191,16 @@ def _log_choose(n: int) -> Any:
     return gammaln(n + 1.0) - gammaln(m + 1.0) - gammaln(n - m + 1.0)
 
 
+@functools.lru_cache(maxsize=4096)
 def _nuisance_grid(budget: float) -> Any:
+    """The nuisance values the sup is taken on (read-only: shared by every call at this budget)."""
     import numpy as np
 
     top = (1.0 - budget) / 2.0
     near = np.geomspace(1e-7, 0.5, _GRID)  # the tail bends fastest at either end of the range
-    return np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
+    grid = np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
+    grid.flags.writeable = False
+    return grid
 
 
 def _refine(n: int, budgets: Any, limits: Any, grids: Any, values: Any, upper: bool = False) -> Any:
@@ -236,19 +253,17 @@ def _sup_tails(n: int, budgets: Any, zs: Any, upper: bool = False) -> Any:
 
     budgets, zs = [float(b) for b in budgets], [float(z) for z in zs]
     out = np.zeros(len(budgets))
-    limits, grids, todo = [], [], []
-    for i, (budget, z) in enumerate(zip(budgets, zs, strict=True)):
-        if upper:
-            lim = _lost_limits(n, budget, z - _TIE * (1.0 + abs(z)), upper=True)
-            if (lim >= np.arange(n + 1)).all():
-                continue
-        else:
-            lim = _lost_limits(n, budget, z)
-            if (lim < 0).all():
-                continue
-        limits.append(lim)
-        grids.append(_nuisance_grid(budget))
-        todo.append(i)
+    if not budgets:
+        return out
+    if upper:
+        every = _lost_limits_many(n, budgets, [z - _TIE * (1.0 + abs(z)) for z in zs], upper=True)
+        empty = (every >= np.arange(n + 1)).all(axis=1)
+    else:
+        every = _lost_limits_many(n, budgets, zs)
+        empty = (every < 0).all(axis=1)
+    todo = [i for i in range(len(budgets)) if not empty[i]]
+    limits = [every[i] for i in todo]
+    grids = [_nuisance_grid(budgets[i]) for i in todo]
     by_size: dict[int, list[int]] = {}
     for j, grid in enumerate(grids):
         by_size.setdefault(len(grid), []).append(j)
