@@ -88,9 +88,14 @@ def _check(lost: int, won: int, n: int, budget: float, alpha: float | None = Non
 
 def score_z(lost: Any, won: Any, n: int, budget: float) -> Any:
     """Tango's score statistic at drop = ``budget`` (arrays broadcast): small = evidence of a small drop."""
+    return _score(lost, won, n, float(budget))
+
+
+def _score(lost: Any, won: Any, n: int, b: Any) -> Any:
+    """:func:`score_z` with ``b`` a float or an array of budgets broadcast against the counts."""
     import numpy as np
 
-    lost, won, b = np.asarray(lost, dtype=np.float64), np.asarray(won, dtype=np.float64), float(budget)
+    lost, won = np.asarray(lost, dtype=np.float64), np.asarray(won, dtype=np.float64)
     ties = n - lost - won
     half = lost * (1.0 - b) + won * (1.0 - 3.0 * b) - 2.0 * ties * b
     p_won = (half + np.sqrt(half * half + 8.0 * n * won * b * (1.0 - b))) / (4.0 * n)
@@ -101,17 +106,25 @@ def _lost_limits(n: int, budget: float, z: float, upper: bool = False) -> Any:
     """For every discordant count m = 0..n, the largest lost in [0, m] with Z_b(lost, m - lost) <= z (``upper``:
     < z, the last lost outside the upper tail), or -1. Z_b rises with lost at fixed m (checked in the tests), so a
     vectorised bisection over lost finds it."""
+    return _lost_limits_many(n, [budget], [z], upper)[0]
+
+
+def _lost_limits_many(n: int, budgets: Any, zs: Any, upper: bool = False) -> Any:
+    """:func:`_lost_limits` for B (budget, z) pairs at once: row i is ``_lost_limits(n, budgets[i], zs[i])``."""
     import numpy as np
 
+    b = np.asarray(budgets, dtype=np.float64)[:, None]
+    z = np.asarray(zs, dtype=np.float64)[:, None]
     m = np.arange(n + 1)
-    lo = np.full(n + 1, -1)  # Z at lo is <= z (lo = -1: none yet)
-    hi = m + 1  # Z at hi is > z (hi = m + 1: past the end)
+    lo = np.full((len(b), n + 1), -1)  # Z at lo is <= z (lo = -1: none yet)
+    hi = np.broadcast_to(m + 1, lo.shape)  # Z at hi is > z (hi = m + 1: past the end)
     while True:
         open_ = hi - lo > 1
         if not open_.any():
             return lo
         mid = (lo + hi) // 2
-        score = score_z(np.clip(mid, 0, None), m - np.clip(mid, 0, None), n, budget)
+        lost = np.maximum(mid, 0)
+        score = _score(lost, m - lost, n, b)
         below = score < z if upper else score <= z
         lo = np.where(open_ & below, mid, lo)
         hi = np.where(open_ & ~below, mid, hi)
@@ -121,30 +134,51 @@ def _tail(n: int, budget: float, limits: Any, p_won: Any, drop: float | None = N
     """P(Z_b <= z) for each nuisance value in ``p_won`` when the true drop is ``drop`` (default: the budget);
     ``limits`` from :func:`_lost_limits`. ``upper``: P(Z_b >= z) instead, with ``limits`` from
     ``_lost_limits(..., upper=True)``: given m, P(lost > limit(m)), the binomial's complement (``bdtrc``, exact
-    in the far tail where 1 - bdtr would cancel). Called tens of thousands of times per bound on small arrays,
-    so it spends few numpy calls (np.minimum/np.maximum for clip, log C(n, m) from a table per n): the same
-    numbers."""
+    in the far tail where 1 - bdtr would cancel). One row of :func:`_tails`."""
     import numpy as np
-    from scipy.special import bdtr, bdtrc, xlog1py, xlogy
 
     p_won = np.asarray(p_won, dtype=np.float64)
     drop = budget if drop is None else drop
+    return _tails(n, np.asarray(limits)[None, :], p_won.reshape(1, -1), np.array([float(drop)]), upper)[0]
+
+
+def _tails(n: int, limits: Any, p_won: Any, drop: Any, upper: bool = False) -> Any:
+    """:func:`_tail` for B budgets at once: row i is ``_tail(n, ., limits[i], p_won[i], drop[i], upper)``, bit for
+    bit (each row is summed over its own window width, as it alone would be). The bound's scans and the sup's
+    refinement ask for hundreds of budgets' tails on a few nuisance values each: one call for all of them spends
+    the numpy calls once (log C(n, m) from a table per n; np.minimum/np.maximum for clip)."""
+    import numpy as np
+    from scipy.special import bdtr, bdtrc, xlog1py, xlogy
+
+    drop = np.asarray(drop, dtype=np.float64)[:, None]
     disc = np.minimum(np.maximum(2.0 * p_won + drop, 0.0), 1.0)  # P(discordant)
     share = np.minimum(np.maximum((p_won + drop) / np.where(disc > 0, disc, 1.0), 0.0), 1.0)  # P(lost | discordant)
     sd = np.sqrt(n * disc * (1.0 - disc))
     first = np.minimum(np.maximum(np.floor(n * disc - _SD * sd - _PAD), 0), n).astype(np.int64)
     last = np.minimum(np.maximum(np.ceil(n * disc + _SD * sd + _PAD), 0), n).astype(np.int64)
-    width = int((last - first).max()) + 1
-    m = first[:, None] + np.arange(width)[None, :]
-    inside = m <= last[:, None]
+    widths = (last - first).max(axis=1) + 1  # each budget's window, as its own call would take it
+    width = int(widths.max())
+    m = first[:, :, None] + np.arange(width)
+    inside = m <= last[:, :, None]
     m = np.minimum(m, n)
-    s = disc[:, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
+    s = disc[:, :, None]  # Binomial(n, s) pmf at m, through logs (scipy.stats' pmf costs 10x more here)
     mass = np.exp(_log_choose(n)[m] + xlogy(m, s) + xlog1py(n - m, -s)) * inside
-    limit = limits[m]
-    if upper:
-        return (mass * np.where(limit < 0, 1.0, bdtrc(np.maximum(limit, 0), m, share[:, None]))).sum(axis=1)
-    below = np.where(limit < 0, 0.0, bdtr(np.maximum(limit, 0), m, share[:, None]))
-    return (mass * below).sum(axis=1)
+    limit = limits[np.arange(len(m))[:, None, None], m]
+    # The binomial CDF only where it is neither 0 nor 1 and has mass: limit < 0 gives 0 (upper: 1), limit = m
+    # gives exactly 1 (upper: 0; scipy returns those exactly), and mass 0 (outside the window, or underflow)
+    # multiplies any finite value to 0: bit for bit what evaluating it everywhere gives, with fewer
+    # incomplete-beta calls, most of this function's time.
+    part = (limit >= 0) & (limit < m) & (mass != 0.0)
+    tail = np.where(limit < 0, 1.0 if upper else 0.0, 0.0 if upper else 1.0)
+    tail[part] = (bdtrc if upper else bdtr)(limit[part], m[part], np.broadcast_to(share[:, :, None], m.shape)[part])
+    terms = mass * tail
+    if (widths == width).all():
+        return terms.sum(axis=2)
+    out = np.empty(disc.shape)
+    for w in np.unique(widths):
+        rows = widths == w
+        out[rows] = np.ascontiguousarray(terms[rows][:, :, :w]).sum(axis=2)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,37 +191,43 @@ def _log_choose(n: int) -> Any:
     return gammaln(n + 1.0) - gammaln(m + 1.0) - gammaln(n - m + 1.0)
 
 
+@functools.lru_cache(maxsize=4096)
 def _nuisance_grid(budget: float) -> Any:
+    """The nuisance values the sup is taken on (read-only: shared by every call at this budget)."""
     import numpy as np
 
     top = (1.0 - budget) / 2.0
     near = np.geomspace(1e-7, 0.5, _GRID)  # the tail bends fastest at either end of the range
-    return np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
+    grid = np.unique(np.concatenate([np.linspace(0.0, top, 2 * _GRID), top * near, top * (1.0 - near)]))
+    grid.flags.writeable = False
+    return grid
 
 
-def _refine(n: int, budget: float, limits: Any, grid: Any, values: Any, upper: bool = False) -> float:
-    """The largest P(Z_b <= z) (``upper``: P(Z_b >= z)) in the cells around the best grid points: a golden-section
-    search on each [grid[i - 1], grid[i + 1]] (all cells at once, ``_REFINE_STEPS`` steps: the cell shrinks to
-    1e-5 of its width). A fixed grid alone misses the sup between its points (n = 128 at 5%: 0.0500046 where
-    alpha is 0.05), so the p-value is the larger of the grid's maximum and this."""
+def _refine(n: int, budgets: Any, limits: Any, grids: Any, values: Any, upper: bool = False) -> Any:
+    """For each budget (row), the largest P(Z_b <= z) (``upper``: P(Z_b >= z)) in the cells around its best grid
+    points: a golden-section search on each [grid[i - 1], grid[i + 1]] (all cells of all rows at once,
+    ``_REFINE_STEPS`` steps: the cell shrinks to 1e-5 of its width). A fixed grid alone misses the sup between its
+    points (n = 128 at 5%: 0.0500046 where alpha is 0.05), so the p-value is the larger of the grid's maximum and
+    this."""
     import numpy as np
 
-    best = np.argsort(values)[-_REFINE_CELLS:]
-    lo = grid[np.clip(best - 1, 0, len(grid) - 1)]
-    hi = grid[np.clip(best + 1, 0, len(grid) - 1)]
+    best = np.stack([np.argsort(row)[-_REFINE_CELLS:] for row in values])
+    last = grids.shape[1] - 1
+    lo = np.take_along_axis(grids, np.clip(best - 1, 0, last), axis=1)
+    hi = np.take_along_axis(grids, np.clip(best + 1, 0, last), axis=1)
     ratio = (np.sqrt(5.0) - 1.0) / 2.0
     a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-    fa, fb = _tail(n, budget, limits, a, upper=upper), _tail(n, budget, limits, b, upper=upper)
-    top = float(max(fa.max(), fb.max()))
+    fa, fb = _tails(n, limits, a, budgets, upper), _tails(n, limits, b, budgets, upper)
+    top = np.maximum(fa.max(axis=1), fb.max(axis=1))
     for _ in range(_REFINE_STEPS):
         left = fa >= fb  # the max lies in [lo, b]: shrink from the right, else from the left
         hi, lo = np.where(left, b, hi), np.where(left, lo, a)
         b, fb = np.where(left, a, b), np.where(left, fa, fb)
         a = np.where(left, hi - ratio * (hi - lo), a)
         a, b = np.where(left, a, b), np.where(left, b, lo + ratio * (hi - lo))
-        new = _tail(n, budget, limits, np.where(left, a, b), upper=upper)
+        new = _tails(n, limits, np.where(left, a, b), budgets, upper)
         fa, fb = np.where(left, new, fb), np.where(left, fb, new)  # fb: already the old fa where left
-        top = max(top, float(new.max()))
+        top = np.maximum(top, new.max(axis=1))
     return top
 
 
@@ -200,19 +240,43 @@ def _sup_tail(n: int, budget: float, z: float, upper: bool = False) -> float:
     ``refute.refute_critical_z``). Outcomes within ``_TIE`` (relative) below z count as at least as extreme: Z_b of
     two outcomes that are equal in exact arithmetic may differ in the last bits, and the one computed smaller
     must not drop out of the other's tail (a smaller tail is the anti-conservative error)."""
+    return float(_sup_tails(n, [budget], [z], upper)[0])
+
+
+_BATCH_CELLS = 1 << 21  # _sup_tails: budgets per batch so that the grid's tails hold about this many terms
+
+
+def _sup_tails(n: int, budgets: Any, zs: Any, upper: bool = False) -> Any:
+    """:func:`_sup_tail` at each (budget, z) pair, bit for bit, computed together (:func:`_tails`): what a bound's
+    scan over hundreds of budgets asks for."""
     import numpy as np
 
+    budgets, zs = [float(b) for b in budgets], [float(z) for z in zs]
+    out = np.zeros(len(budgets))
+    if not budgets:
+        return out
     if upper:
-        limits = _lost_limits(n, budget, z - _TIE * (1.0 + abs(z)), upper=True)
-        if (limits >= np.arange(n + 1)).all():
-            return 0.0
+        every = _lost_limits_many(n, budgets, [z - _TIE * (1.0 + abs(z)) for z in zs], upper=True)
+        empty = (every >= np.arange(n + 1)).all(axis=1)
     else:
-        limits = _lost_limits(n, budget, z)
-        if (limits < 0).all():
-            return 0.0
-    grid = _nuisance_grid(budget)
-    values = _tail(n, budget, limits, grid, upper=upper)
-    return min(max(float(np.max(values)), _refine(n, budget, limits, grid, values, upper)), 1.0)
+        every = _lost_limits_many(n, budgets, zs)
+        empty = (every < 0).all(axis=1)
+    todo = [i for i in range(len(budgets)) if not empty[i]]
+    limits = [every[i] for i in todo]
+    grids = [_nuisance_grid(budgets[i]) for i in todo]
+    by_size: dict[int, list[int]] = {}
+    for j, grid in enumerate(grids):
+        by_size.setdefault(len(grid), []).append(j)
+    for size, rows in by_size.items():
+        step = max(1, _BATCH_CELLS // (size * (n + 1)))
+        for k in range(0, len(rows), step):
+            part = rows[k:k + step]
+            lim, grid = np.stack([limits[j] for j in part]), np.stack([grids[j] for j in part])
+            drop = np.array([budgets[todo[j]] for j in part])
+            values = _tails(n, lim, grid, drop, upper)
+            sup = np.minimum(np.maximum(values.max(axis=1), _refine(n, drop, lim, grid, values, upper)), 1.0)
+            out[[todo[j] for j in part]] = sup
+    return out
 
 
 @functools.lru_cache(maxsize=65536)
@@ -238,7 +302,7 @@ def exact_bound(lost: int, won: int, n: int, alpha: float) -> float:
     # Above 50% discordance the region is not nested in b (n = 120, lost 30 / won 38: certified at 4.8-5.1%, not
     # at 5.1-5.2%, again from 5.2%): scan the budgets above on a grid and restart past the last that fails.
     grid = [round(hi + k * _NEST_STEP, 12) for k in range(1, _NEST_POINTS + 1) if hi + k * _NEST_STEP < 1.0]
-    failing = [b for b in grid if p_value(lost, won, n, b) > alpha]
+    failing = [b for b, p in zip(grid, p_values(lost, won, n, grid), strict=True) if p > alpha]
     if not failing:
         return hi
     last = failing[-1]
@@ -254,6 +318,15 @@ def _bisect_bound(lost: int, won: int, n: int, alpha: float, lo: float, hi: floa
         else:
             lo = mid
     return hi
+
+
+def p_values(lost: int, won: int, n: int, budgets: Any) -> list[float]:
+    """:func:`p_value` at each of ``budgets``, bit for bit, computed together (:func:`_sup_tails`): a bound's scan
+    over hundreds of budgets spends a fraction of the numpy calls one budget at a time would."""
+    for budget in budgets:
+        _check(lost, won, n, budget)
+    zs = [float(score_z(lost, won, n, budget)) for budget in budgets]
+    return [float(p) for p in _sup_tails(n, budgets, zs)]
 
 
 def certify_paired(lost: int, won: int, n: int, budget: float, alpha: float) -> PairedTest:

@@ -13,6 +13,7 @@ The verdict a confirmation gives (looks, the betting half, what it reads) is ``w
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,9 +26,12 @@ from workers.certify.exact import (
     _lost_limits,
     _outcomes,
     _sup_tail,
+    _sup_tails,
     _tail,
     score_z,
 )
+
+_SCAN_BATCH = 50  # refute_bound's scan: budgets whose p-values are computed together
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,18 @@ def refute_bound(lost: int, won: int, n: int, alpha: float) -> float:
     while True:
         lo = _bisect_refute(lost, won, n, alpha, BOUND_FLOOR, hi)
         grid = [round(lo - k * _NEST_STEP, 12) for k in range(_NEST_POINTS, 0, -1) if lo - k * _NEST_STEP > BOUND_FLOOR]
-        failing = next((b for b in grid if refute_p_value(lost, won, n, b) > alpha), None)
+        failing = next((b for b, p in zip(grid, _refute_p_values(lost, won, n, grid), strict=True) if p > alpha), None)
         if failing is None:
             return lo
         hi = failing
+
+
+def _refute_p_values(lost: int, won: int, n: int, budgets: list[float]) -> Iterator[float]:
+    """:func:`refute_p_value` at each of ``budgets`` in order, bit for bit, computed a batch at a time
+    (``exact._sup_tails``): the scan stops at the first budget not refuted, so it never computes far past it."""
+    for start in range(0, len(budgets), _SCAN_BATCH):
+        part = budgets[start:start + _SCAN_BATCH]
+        yield from (float(p) for p in _sup_tails(n, part, [float(score_z(lost, won, n, b)) for b in part], upper=True))
 
 
 def _bisect_refute(lost: int, won: int, n: int, alpha: float, lo: float, hi: float) -> float:
