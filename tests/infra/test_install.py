@@ -1,8 +1,9 @@
 """The install paths resolve: pyproject.toml's ranges admit every environment's pins (constraints/),
 the environments agree where they must, .venv holds exactly constraints/cpu.txt, every installer uses
 its own constraints, and the GPU environment (vllm 0.33.0's CUDA build + spectune) resolves on PyPI
-for linux x86_64 CPython 3.11 from metadata alone (pip --dry-run --report: nothing is downloaded
-beyond metadata, nothing installed). The last test needs PyPI: it fails, saying so, where PyPI cannot
+for linux x86_64 CPython 3.11 (pip --dry-run --report: nothing installed; where the index serves no separate
+wheel metadata, as this machine's PyPI route does, pip downloads whole wheels to read it, torch's 555 MB
+included, which is most of the test's minute). The last test needs PyPI: it fails, saying so, where PyPI cannot
 be reached (CI can reach it); it is never skipped."""
 
 from __future__ import annotations
