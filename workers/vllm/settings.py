@@ -104,6 +104,8 @@ class VLLMSettings:
                 and self.max_num_batched_tokens < self.max_num_seqs):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({self.max_num_seqs}): vLLM schedules at least one token per request")
+        if not isinstance(self.target_only, bool):
+            raise ValueError(f"target_only must be true or false, got {self.target_only!r}")
 
 
 @dataclass

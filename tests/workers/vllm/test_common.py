@@ -43,6 +43,12 @@ def test_the_scheduler_budget_reaches_vllm_only_when_set():
         VLLMSettings(max_num_batched_tokens=0)
 
 
+def test_a_target_only_engine_is_a_yes_or_no():
+    assert VLLMSettings().target_only is False and VLLMSettings(target_only=True).target_only is True
+    with pytest.raises(ValueError, match="target_only must be true or false, got 'yes'"):
+        VLLMSettings(target_only="yes")
+
+
 def test_a_rank_that_did_not_run_the_rule_fails_the_request_check():
     entry = {"steps": 3, "lossless_fallback_steps": 1, "rules": {"abc": 3}}
     both, totals = merge_rank_ledgers([{"requests": {"7-x": entry}}, {"requests": {"7-x": entry}, "totals": {"n": 1}}])
