@@ -184,29 +184,20 @@ def _carry(state: Any, m: int, p_lost: float, p_won: float, n: int) -> Any:
 def crossing(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_won: float,
              drop: float | None = None) -> list[float]:
     """P(certified by look k) for each k, when each look certifies Z_b <= its threshold (exact enumeration,
-    drop = ``budget`` unless given)."""
-    import numpy as np
-
-    drop = budget if drop is None else drop
-    state, out, total, prev = np.ones((1, 1)), [], 0.0, 0
-    for n, z in zip(sizes, thresholds, strict=True):
-        state = _carry(state, n - prev, p_won + drop, p_won, n)
-        passed = _state_z(n, budget) <= z
-        total += float(state[passed].sum())
-        out.append(total)
-        state = np.where(passed, 0.0, state)
-        prev = n
-    return out
+    drop = ``budget`` unless given): :func:`_crossings` at the one nuisance point ``p_won``."""
+    return [float(x) for x in _crossings(sizes, thresholds, budget, [p_won], drop=drop)[0]]
 
 
 def _crossings(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: float, p_wons: Any,
-               chunk: int = 8) -> Any:
-    """:func:`crossing` at drop = ``budget`` for every nuisance point of ``p_wons`` at once: an array
-    [len(p_wons), looks]. The same numbers (the same kernels, FFT lengths and sums, bit for bit), computed on
-    ``chunk`` points per FFT call rather than one: the dense check grid is a thousand-odd points a round."""
+               chunk: int = 8, drop: float | None = None) -> Any:
+    """P(certified by look k) at every nuisance point of ``p_wons`` (drop = ``budget`` unless given): an array
+    [len(p_wons), looks]. Each point's numbers are those of carrying it alone (:func:`_carry`: the same kernels,
+    FFT lengths and sums, bit for bit), computed on ``chunk`` points per FFT call: the dense check grid is a
+    thousand-odd points a round."""
     import numpy as np
     from scipy import fft as sp_fft
 
+    drop = budget if drop is None else drop
     p_wons = np.asarray(p_wons, dtype=np.float64)
     out = np.empty((len(p_wons), len(sizes)))
     for lo in range(0, len(p_wons), chunk):
@@ -214,7 +205,7 @@ def _crossings(sizes: tuple[int, ...], thresholds: tuple[float, ...], budget: fl
         state, total, prev = np.ones((len(pws), 1, 1)), np.zeros(len(pws)), 0
         for k, (n, z) in enumerate(zip(sizes, thresholds, strict=True)):
             m = n - prev
-            kernels = np.stack([_kernel(m, float(pw) + budget, float(pw)) for pw in pws])
+            kernels = np.stack([_kernel(m, float(pw) + drop, float(pw)) for pw in pws])
             # scipy.signal.fftconvolve's "full" convolution, on every point of the chunk (which, like it, multiplies
             # where the state is a single cell: no axis to transform)
             if state.shape[1:] == (1, 1):
