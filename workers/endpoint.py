@@ -382,6 +382,32 @@ def spec_counters(endpoint: Endpoint) -> dict[str, float] | None:
     return parse_counters(text)
 
 
+def settled_counters(endpoint: Endpoint, settle_s: float = 0.2, reads: int = 6) -> dict[str, float] | None:
+    """:func:`spec_counters` read once the server has counted its last replies: a server may count a request's
+    drafts a moment after its stream ends (vLLM's front end records a step's stats after it hands the outputs on;
+    the test server after its last chunk), so a read made as the last reply arrives can miss them. Reads again every
+    ``settle_s`` until two reads agree (at most ``reads`` reads; the last one stands). A draining server's reads
+    (TensorRT-LLM's) are added up until one returns nothing new."""
+    got = spec_counters(endpoint)
+    for _ in range(reads - 1):
+        if not got or "draft_tokens" not in got:
+            return got
+        time.sleep(settle_s)
+        again = spec_counters(endpoint)
+        if not again or "draft_tokens" not in again:
+            return got
+        if got.get("drained"):
+            if not again.get("draft_tokens") and not again.get("accepted_tokens"):
+                return got
+            got = {**got, "draft_tokens": got["draft_tokens"] + again["draft_tokens"],
+                   "accepted_tokens": got.get("accepted_tokens", 0.0) + again.get("accepted_tokens", 0.0)}
+            continue
+        if all(again.get(k) == got.get(k) for k in SPEC_COUNTERS):
+            return again
+        got = again
+    return got
+
+
 def parse_counters(text: str) -> dict[str, float] | None:
     out: dict[str, float] = {}
     for line in text.splitlines():

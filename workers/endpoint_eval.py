@@ -37,6 +37,7 @@ from workers.endpoint import (
     complete,
     counts_between,
     run_concurrently,
+    settled_counters,
     spec_counters,
 )
 from workers.endpoint_checks import (  # noqa: F401 - knob_check, knob_verdict, reported: public here too
@@ -411,7 +412,7 @@ def _chunk(k: int, part: list[Any], n_chunks: int, reference: Side, candidate: S
         finally:
             gauge = sampler.stop() if sampler is not None else None
         wall = time.perf_counter() - t1
-        counts = counts_between(before, spec_counters(side.endpoint))
+        counts = counts_between(before, settled_counters(side.endpoint))
         fetched[side.label] = (got, {"items": [it.id for it in missing], "wall_s": wall, "counts": counts,
                                      # this machine's 1-minute load at the chunk's end, stated beside the speed
                                      "load": round(os.getloadavg()[0], 2),

@@ -20,6 +20,7 @@ def servers():
     with FakeServer() as reference, FakeServer() as candidate:
         for fake in (reference, candidate):
             fake.b.metrics = True
+            fake.b.count_delay = 0.05  # drafts counted a moment after each stream ends, as vLLM's front end does
         candidate.b.accepted_per_request = 6  # the lossy mode accepts more of the same drafts
         yield reference, candidate
 

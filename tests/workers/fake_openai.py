@@ -29,6 +29,8 @@ class Behaviour:
     # by each read; "sglang": SGLang's gauge of the last window's acceptance rate (here: the last request's)
     pending: list = field(default_factory=list)  # trt: iteration rows not yet read
     gauge: float = 0.0
+    count_delay: float = 0.0  # seconds between a stream's last chunk and its drafts being counted (as vLLM's front
+    # end records a step's stats after it hands the outputs on)
     accepted_per_request: int = 3  # counters: accepted tokens a request adds (the same for every request: the
     # knobs "did not move" acceptance unless the candidate's extra body names a rule and report_rule is True)
     words: tuple[str, ...] = ("The", " answer", " is", " 42", ".")
@@ -202,6 +204,7 @@ class FakeServer:
                 self.wfile.flush()
                 if warmup:
                     return
+                time.sleep(b.count_delay)
                 with server.lock:  # 80 drafted tokens a request; a named rule accepts 20 more of them
                     b.drafted += 80
                     named = (isinstance(body.get("spec_decode"), dict) and body["spec_decode"].get("policy") != "off"

@@ -21,6 +21,7 @@ from workers.endpoint import (
     check,
     complete,
     parse_counters,
+    settled_counters,
 )
 
 MESSAGES = [{"role": "user", "content": "2 + 40?"}]
@@ -97,6 +98,18 @@ def test_prometheus_counters_give_the_acceptance_between_two_reads():
     assert parse_counters("other_metric 1\n") is None
     assert acceptance_between(got, {**got, "draft_tokens": 220.0, "accepted_tokens": 110.0}) == 0.5
     assert acceptance_between(None, got) is None
+
+
+@pytest.mark.parametrize("kind", ["vllm", "trt"])
+def test_counters_are_read_once_the_server_has_counted_the_last_reply(fake, kind):
+    """A server counts a request's drafts a moment after its stream ends: the read after a chunk waits for it."""
+    fake.b.metrics, fake.b.metrics_kind, fake.b.count_delay = True, kind, 0.1
+    before = settled_counters(ep(fake))
+    assert complete(ep(fake), MESSAGES, max_tokens=4).completion_tokens == 4
+    after = settled_counters(ep(fake))
+    assert after["draft_tokens"] - (0 if kind == "trt" else before["draft_tokens"]) == 80, after
+    fake.b.count_delay = 0.0
+    assert settled_counters(ep(fake))["draft_tokens"] == (0 if kind == "trt" else 80), "nothing counted twice"
 
 
 def evaluate(fake: FakeServer, tmp_path, *extra: str) -> int:
