@@ -2,6 +2,7 @@
 
     python -m jobs.results export --run-dir runs/sweeps/<study> --out docs/results/<name>
     python -m jobs.results check docs/results/<name> [--history workers/results/known_attempts.jsonl]
+    python -m jobs.results check docs/results        # every folder the results page lists
 
 ``export`` copies what a reader needs to recompute every certificate and nothing heavy:
 ``certification.json``, ``chosen-budget-<b>.json``, ``evidence/<candidate>.csv`` (the paired per-item
@@ -14,7 +15,9 @@ speed in it would be over a baseline that was never measured.
 ``check`` re-decides everything from the folder and the shipped ledger history (``--history``, default
 ``workers/results/known_attempts.jsonl``), trusting no recorded decision, threshold or skip, and prints one line
 per check per budget, each ``ok``, ``FAILED: <why>`` or ``not checked: <why>``; the exit code is 0 only when no
-check failed, 3 for a folder holding ``SUPERSEDED.md``. The checks themselves (steps, order, design, pool,
+check failed, 3 for a folder holding ``SUPERSEDED.md``. Given ``docs/results`` itself (a folder whose ``README.md``
+lists results folders), it rechecks every folder the page lists and fails on one it does not
+(:mod:`sweep.recheck.index`). The checks themselves (steps, order, design, pool,
 disjoint, audit, ledger, family, chosen, and the folder's frontier) are the library's: :mod:`sweep.recheck`.
 """
 
@@ -38,6 +41,7 @@ from sweep.recheck.folder import (
     Verification,
     evidence_rows,
 )
+from sweep.recheck.index import PAGE, check_index
 from sweep.recheck.items import frontier_problem
 from workers.cli import one_line_errors
 
@@ -155,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the ledger holding the sweep's attempt: a SQLAlchemy URL or folder (default: "
                          "$SPECTUNE_LEDGER, else the asset cache's)")
     ck = sub.add_parser("check", help="re-decide every certificate of a folder from its evidence and the ledger history")
-    ck.add_argument("folder")
+    ck.add_argument("folder", help="a results folder, or docs/results (every folder its README.md lists)")
     ck.add_argument("--history", default=None,
                     help="the ledger history (JSON lines) to check the attempt against (default: $SPECTUNE_HISTORY, "
                          "else the shipped workers/results/known_attempts.jsonl)")
@@ -178,12 +182,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print((out / "table.md").read_text(), end="")
         return report(out)
     folder = Path(args.folder)
-    if not (folder / "certification.json").is_file():
-        raise ValueError(f"{folder} is not a results folder: it has no certification.json "
-                         "(made by `python -m jobs.results export`)")
     if args.history is not None and not Path(args.history).is_file():
         raise ValueError(f"--history {args.history}: no such file")
-    return report(folder, None if args.history is None else Path(args.history))
+    history = None if args.history is None else Path(args.history)
+    if not (folder / "certification.json").is_file():
+        if (folder / PAGE).is_file():
+            return check_index(folder, history)
+        raise ValueError(f"{folder} is not a results folder: it has no certification.json "
+                         f"(made by `python -m jobs.results export`) and no {PAGE} listing results folders")
+    return report(folder, history)
 
 
 if __name__ == "__main__":

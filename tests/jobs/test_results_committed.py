@@ -1,11 +1,13 @@
-"""The committed results under docs/results/: ``jobs.results check`` passes on each (or reports it superseded), against
-the shipped ledger history, and fails, naming the check, on a copy where one thing a sceptic could edit was edited.
+"""The committed results under docs/results/: ``jobs.results check docs/results`` (the results page's command) passes
+on each folder the page lists (or reports it superseded where its row says so), against the shipped ledger history, and fails, naming the check, on a copy where one thing a sceptic could edit was edited.
 Uses the repo's GSM8K data (the confirmation pool's order), no model."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,19 +42,29 @@ def _status(out: str, budget: str, check: str) -> str:
     return lines[0][len(prefix):]
 
 
-@pytest.mark.parametrize("folder", FOLDERS, ids=[p.name for p in FOLDERS])
-def test_committed_results_pass_check(folder, capsys):
-    expected = EXPECTED.get(folder.name, "pass")
-    assert expected == "superseded" or not (folder / "SUPERSEDED.md").is_file(), \
-        f"{folder.name} holds SUPERSEDED.md: mark it superseded in EXPECTED"
-    code, out = _run(folder, capsys)
-    if expected == "superseded":
-        assert code == 3 and out.splitlines()[0].startswith("superseded: "), out
-        assert out.splitlines()[-1].endswith(": SUPERSEDED")
-        return
-    failed = [line for line in out.splitlines() if ": FAILED: " in line and not line.startswith("check: ")]
-    assert code == 0 and not failed, "\n".join(failed) or out
-    assert [b for b in verify(folder).budgets if b["checks"]["steps"] == "ok"], out
+def test_the_results_pages_command_as_written_rechecks_every_committed_folder():
+    """``python -m jobs.results check docs/results``, as docs/results/README.md shows it: every folder passes (a
+    superseded one only where its row says so), and each certificate folder's checks pass or it is superseded."""
+    from sweep.recheck.index import listed
+
+    rows = listed(ROOT / "docs" / "results")
+    for folder in FOLDERS:
+        expected = EXPECTED.get(folder.name, "pass")
+        assert (expected == "superseded") == (folder / "SUPERSEDED.md").is_file(), \
+            f"{folder.name}: SUPERSEDED.md and EXPECTED disagree"
+        assert (expected == "superseded") == ("superseded" in rows[folder.name].lower()), folder.name
+    got = subprocess.run([sys.executable, "-m", "jobs.results", "check", "docs/results"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)
+    out = got.stdout
+    assert got.returncode == 0, out[-3000:] + got.stderr[-2000:]
+    for folder in FOLDERS:
+        status = _status(out, "", folder.name)
+        assert status.startswith("ok (superseded" if EXPECTED.get(folder.name) == "superseded"
+                                 else "ok (certificates re-decided"), status
+        if EXPECTED.get(folder.name, "pass") == "pass":
+            assert f"  {folder.name}: check: " in out and \
+                [line for line in out.splitlines() if line.startswith(f"  {folder.name}: check: ")][0].endswith(": ok")
+    assert out.splitlines()[-1] == f"{len(rows)} folder(s) listed, 0 failed"
 
 
 @pytest.fixture(scope="module")
