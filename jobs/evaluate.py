@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
-from workers.cli import parse_batch_size, parse_params, parse_shard  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
+from workers.cli import parse_batch_size, parse_params, parse_shard, sampling_truncation  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
 from workers.engine_registry import engine_names, engine_traits
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, items_context, workload_profile
@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shard", default=None, help="I/N: evaluate shard I of N")
     ap.add_argument("--shots", type=int, default=0, help="few-shot exemplars (gsm8k: 0 or 8; mmlu: 0 or 5)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling at T > 0: every arm samples the target's distribution cut to this mass and "
+                         "the rule judges that distribution (1: off)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k sampling at T > 0, as --top-p (0: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
@@ -248,7 +252,8 @@ def _main(args: argparse.Namespace) -> int:
     parse_batch_size(args.batch_size)  # a bad value is one line now, not after the pair loads
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots)
+    settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots,
+                    **sampling_truncation(args))
     spec = DecodeSpec.make(args.policy, parse_params(args.param), args.draft_len, **settings)
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
     batch = 1

@@ -228,6 +228,11 @@ def build_parser() -> SweepParser:
                     help="draft length search range LO,HI (or one value); the best lossless is sought over it too "
                          "(default 1,12 on the CPU engine; 5 on vLLM, which fixes L when it starts: one sweep per L)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling at T > 0: every arm (target-only, lossless, each rule) samples the "
+                         "target's distribution cut to this mass, and the rules judge that distribution "
+                         "(1: off; Qwen2.5 recommends T 0.7, top-p 0.8, top-k 20)")
+    ap.add_argument("--top-k", type=int, default=0, help="top-k sampling at T > 0, as --top-p (0: off)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
     ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")
     ap.add_argument("--shots", type=int, default=0)

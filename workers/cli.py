@@ -80,3 +80,28 @@ def parse_batch_size(text: str | int) -> int | str:
     if value < 1 or str(value) != str(text).strip():
         raise ValueError(f"--batch-size must be a positive number or auto, got {text!r}")
     return value
+
+
+def sampling_truncation(args: Any) -> dict[str, Any]:
+    """``--top-k`` / ``--top-p`` where they truncate: ``{"top_k": k, "top_p": p}`` (the set ones), a decode setting
+    then (every spec, a study's name); nothing where they are off, so a run without them keeps its keys. Refused at
+    T = 0 (greedy decoding takes the argmax, which no truncation changes: they would only rename the run) and on an
+    engine that cannot sample so (vLLM's plugin refuses them)."""
+    from policies.truncation import check_truncation, truncates
+    from workers.engine_registry import engine_traits
+
+    top_k, top_p = getattr(args, "top_k", 0), getattr(args, "top_p", 1.0)
+    try:
+        check_truncation(top_k, top_p)
+    except ValueError as err:
+        raise ValueError(f"--{str(err).replace('_', '-', 1)}") from None
+    if not truncates(top_k, top_p):
+        return {}
+    if args.temperature == 0.0:
+        raise ValueError("--top-k/--top-p truncate sampling at T > 0; at --temperature 0 (greedy) they change "
+                         "nothing: leave them out or set --temperature")
+    engine = getattr(args, "engine", "cpu")
+    if not engine_traits(engine).truncates_sampling:
+        raise ValueError(f"--top-k/--top-p: --engine {engine} cannot sample with them (its plugin refuses top-k and "
+                         "top-p at admission); use the CPU engine or a server (--engine openai)")
+    return {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v != (0 if k == "top_k" else 1.0)}

@@ -36,6 +36,7 @@ from torch import Tensor
 from policies import Policy, VerifyBatch, make_policy, verify
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
+from policies.truncation import check_truncation, truncate
 from workers.models.fast import new_cache
 from workers.models.pair import ModelPair
 from workers.models.proposal import SIZE as PROPOSAL_SIZE
@@ -304,6 +305,8 @@ class SpecDecoder:
         trace: bool = False,
         on_tokens: OnTokens | None = None,
         generated_prefix: list[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> Generation:
         """Speculative decoding of ``prompt_ids`` with ``policy`` (a Policy or a registered name).
 
@@ -315,12 +318,16 @@ class SpecDecoder:
 
         At T = 0 every random number a rule draws (DropMatch's dropout masks) is keyed by ``seed`` and the
         draft slot's absolute position (``policies.randomness.PositionStreams``): a decision depends on its
-        position's inputs alone, whatever the draft length or the rounds before (what replay relies on)."""
+        position's inputs alone, whatever the draft length or the rounds before (what replay relies on).
+
+        ``top_k`` / ``top_p`` (T > 0 only; :mod:`policies.truncation`): the draft samples from its truncated
+        distribution and every rule sees the target's truncated one, as a deployment that samples so would."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
-        prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop)
+        prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop, top_k, top_p)
+        cut = (top_k, top_p)
         generated: list[int] = list(generated_prefix or [])
         if len(generated) >= max_new_tokens:
             raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
@@ -335,13 +342,13 @@ class SpecDecoder:
         finish = None
         while finish is None:
             n_draft = min(draft_len, max_new_tokens - len(generated))  # never draft past the budget
-            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats, full)
+            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats, full, cut)
             committed = len(tokens)
             t0 = time.perf_counter()
             feed = torch.tensor([[tokens[-1], *draft_ids]])
             assert self.target.length == committed - 1, "target cache must hold all but the last token"
             hidden = self.target.forward(feed)  # [1, L+1, d]
-            target_logits = self.target.head(hidden)  # [1, L+1, V]
+            target_logits = truncate(self.target.head(hidden), temperature, *cut)  # [1, L+1, V]
             stats.verify_time_s += time.perf_counter() - t0
             stats.target_forwards += 1
             if rounds is not None:
@@ -390,11 +397,14 @@ class SpecDecoder:
         trace: bool = False,
         on_tokens: OnTokens | None = None,
         generated_prefix: list[int] | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> Generation:
         """Target-only decoding: the reference every speculative run is compared with. ``generated_prefix``:
         tokens already generated (they follow the prompt, count against ``max_new_tokens`` and stop strings, and
-        lead the returned ``token_ids``; the stats count only the steps run here)."""
-        prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop)
+        lead the returned ``token_ids``; the stats count only the steps run here). ``top_k`` / ``top_p``: as
+        :meth:`generate`'s, the target's truncated distribution sampled at T > 0."""
+        prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop, top_k, top_p)
         generated: list[int] = [int(t) for t in generated_prefix or []]
         if len(generated) >= max_new_tokens:
             raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
@@ -408,6 +418,7 @@ class SpecDecoder:
         while finish is None:
             t0 = time.perf_counter()
             logits = self.target.head(self.target.forward(torch.tensor([[tokens[-1]]])))[0, -1]  # [V]
+            logits = truncate(logits, temperature, top_k, top_p)
             stats.verify_time_s += time.perf_counter() - t0
             stats.target_forwards += 1
             if rounds is not None:
@@ -425,8 +436,10 @@ class SpecDecoder:
 
     # -- the pieces -----------------------------------------------------------------------------
 
-    def _start(self, prompt_ids: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any):
+    def _start(self, prompt_ids: Any, max_new_tokens: int, temperature: float, seed: int, stop: Any,
+               top_k: int = 0, top_p: float = 1.0):
         prompt = check_request(prompt_ids, self.pair.draft_width or self.pair.vocab_size, max_new_tokens, temperature)
+        check_truncation(top_k, top_p)
         strings = tuple(s for s in (stop or ()) if s)
         if strings and self.pair.tokenizer is None:
             raise ValueError("stop strings need the pair's tokenizer")
@@ -450,7 +463,8 @@ class SpecDecoder:
         return list(prompt)
 
     def _propose(self, tokens: list[int], n: int, temperature: float, gen: torch.Generator,
-                 stats: GenerationStats, full: bool = True) -> tuple[list[int], Tensor | None]:
+                 stats: GenerationStats, full: bool = True, cut: tuple[int, float] = (0, 1.0)
+                 ) -> tuple[list[int], Tensor | None]:
         """Draft n tokens; return them and the draft logits that proposed them ([1, n, V]; None at T = 0 when
         ``full`` is False). At T = 0 with a proposal vocabulary each step scores only its ids
         (``workers.models.proposal``), and the whole head runs once over the n rows when ``full``."""
@@ -470,7 +484,7 @@ class SpecDecoder:
                 tok = int(self.proposal.argmax(last[0, 0]))
                 rows.append(last)
             else:
-                logits = self.draft.head(last)  # [1, 1, V]
+                logits = truncate(self.draft.head(last), temperature, *cut)  # [1, 1, V]
                 tok = self._pick(logits[0, 0], temperature, gen)
                 rows.append(logits)
             proposals.append(tok)

@@ -44,13 +44,19 @@ def json_object(flag: str, text: str | None) -> dict[str, Any]:
 def sides(args: argparse.Namespace) -> tuple[Side, Side]:
     """The reference and the candidate the flags describe (the rule's knobs validated here, by the registry)."""
     from policies import make_policy
-    from workers.cli import parse_params
+    from workers.cli import parse_params, sampling_truncation
     from workers.evaluation import TARGET_ONLY
 
     if not args.base_url:
         raise ValueError("--engine openai needs --base-url (the server's OpenAI base url, e.g. http://127.0.0.1:8000/v1)")
     extra = json_object("--extra-body", args.extra_body)
     ref_extra = json_object("--reference-extra-body", args.reference_extra_body)
+    truncation = sampling_truncation(args)  # both sides sample the same truncated distribution
+    for flag, body in (("--extra-body", extra), ("--reference-extra-body", ref_extra)):
+        clash = sorted(set(truncation) & set(body))
+        if clash:
+            raise ValueError(f"{flag} sets {', '.join(clash)} and so does --{clash[0].replace('_', '-')}: give it once")
+        body.update(truncation)
     params = parse_params(args.param)
     common = dict(api_key_env=args.api_key_env, timeout_s=args.request_timeout, retries=args.retries)
     reference_policy = TARGET_ONLY
@@ -89,7 +95,7 @@ def sides(args: argparse.Namespace) -> tuple[Side, Side]:
 
 def run_endpoint_evaluation(args: argparse.Namespace) -> int:
     from workers.benchmarks import get_benchmark
-    from workers.cli import parse_shard
+    from workers.cli import parse_shard, sampling_truncation
     from workers.evaluation import DecodeSpec
     from workers.results.store import RecordStore, runs_root, slug
 
@@ -107,7 +113,7 @@ def run_endpoint_evaluation(args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or bench.default_max_new_tokens
     decode = dict(shots=args.shots, max_new_tokens=max_new, temperature=args.temperature, seed=args.seed)
     spec_key = DecodeSpec.make(candidate.policy if args.knobs != "none" else "lossless", candidate.params,
-                               max(1, candidate.draft_len), **decode).key()
+                               max(1, candidate.draft_len), **decode, **sampling_truncation(args)).key()
     # what the servers run beyond the request (their flags) is not visible here: --tag names it
     identity = json.dumps({"reference": reference.endpoint.describe(), "candidate": candidate.endpoint.describe(),
                            "decode": decode, "benchmark": bench.key, "tag": args.tag}, sort_keys=True)

@@ -91,7 +91,7 @@ class EndpointEngine:
 
     def _side(self, spec: DecodeSpec) -> Side:
         label = "reference" if spec.policy == TARGET_ONLY else "candidate"
-        ep = replace(self.endpoint, extra_body={**self.endpoint.extra_body, **spec_body(spec)})
+        ep = replace(self.endpoint, extra_body={**self.endpoint.extra_body, **spec_body(spec), **spec.truncation()})
         return Side(label, ep, spec.policy, spec.params_dict, spec.draft_len)
 
     @staticmethod

@@ -38,6 +38,7 @@ class EngineTraits:
     batches_shards: bool = False  # decodes a shard's items as one continuous batch (evaluate_items)
     streams: bool = False  # Serve replicas stream its tokens (an async engine)
     fast_path: bool = False  # runs the CPU fast path's dtypes (int8, int4+int8): --dtype auto is this machine's
+    truncates_sampling: bool = False  # samples at T > 0 with top-k / top-p (--top-k, --top-p; policies.truncation)
 
 
 @runtime_checkable
@@ -115,8 +116,9 @@ def engine_factory(name: str) -> Factory:
 
 # the built-in engines, one line each (their factories live in workers.engines)
 register_engine("cpu", EngineTraits(reference=True, measures_cost=True, exact_replay=True, batched_rows=True,
-                                    fast_path=True), "workers.engines:cpu_engine")
+                                    fast_path=True, truncates_sampling=True), "workers.engines:cpu_engine")
 register_engine("vllm", EngineTraits(own_interpreter=True, fixed_draft_len=True, default_draft_len="5",
                                      takes_vllm_settings=True, tensor_parallel=True, batches_shards=True,
                                      streams=True), "workers.engines:vllm_engine")
-register_engine("openai", EngineTraits(needs_server=True), "workers.engines:openai_engine")
+register_engine("openai", EngineTraits(needs_server=True, truncates_sampling=True),  # sent as top_k / top_p
+                "workers.engines:openai_engine")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
+from policies.truncation import check_truncation
 from workers.benchmarks import Benchmark, Item
 from workers.engine_registry import ItemEngine
 from workers.prompts import encode_chat
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # the engine calls these functions (SpecDecoder.evaluate_item
     from workers.cpu_engine import SpecDecoder
 
 TARGET_ONLY = "target-only"
+TRUNCATION_OFF: dict[str, Any] = {"top_k": 0, "top_p": 1.0}  # DecodeSpec's values that truncate nothing
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class DecodeSpec:
     seed: int = 0
     max_new_tokens: int = 256
     shots: int = 0
+    top_k: int = 0  # sampling truncation at T > 0 (policies.truncation): 0 / 1.0 are off, and a spec that leaves
+    top_p: float = 1.0  # them off has the key and settings it had before they existed
+
+    def __post_init__(self) -> None:
+        check_truncation(self.top_k, self.top_p)
 
     @staticmethod
     def make(policy: str, params: dict | None = None, draft_len: int = 5, **settings: Any) -> DecodeSpec:
@@ -56,14 +63,19 @@ class DecodeSpec:
     def params_dict(self) -> dict[str, Any]:
         return dict(self.params)
 
+    def truncation(self) -> dict[str, Any]:
+        """``top_k`` / ``top_p`` where set (an engine's keyword arguments), else nothing."""
+        return {k: v for k, v in (("top_k", self.top_k), ("top_p", self.top_p)) if v != TRUNCATION_OFF[k]}
+
     def settings_key(self) -> dict[str, Any]:
         """What makes two runs comparable item by item (everything but the rule)."""
         return {"temperature": self.temperature, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
-                "shots": self.shots}
+                "shots": self.shots, **self.truncation()}
 
     def key(self) -> str:
         """A short stable id of the whole spec (file names, caches)."""
-        blob = json.dumps({**asdict(self), "params": self.params_dict}, sort_keys=True, default=str)
+        whole = {k: v for k, v in asdict(self).items() if k not in TRUNCATION_OFF}
+        blob = json.dumps({**whole, **self.truncation(), "params": self.params_dict}, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
     def label(self) -> str:
@@ -262,9 +274,10 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                               getattr(bench, "chat", None))
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           seed=spec.seed + turn, stop=list(bench.stop) or None)
+            sampled = {**common, **spec.truncation()}  # what decoding takes (replay runs at T = 0 only)
             on_prefix = all(h == "exact" for h in how)  # every turn before kept the reference's output
             if policy is None:
-                gen = engine.autoregressive(ids, **common)
+                gen = engine.autoregressive(ids, **sampled)
             elif _replayable(engine, spec, reference) and on_prefix and turn < len(reference["tokens"]):
                 from workers.replay import decisions, forced_pass, replay
                 from workers.stats import Generation
@@ -285,7 +298,7 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                         acc = passes[rule]
                     done = replay(engine, ids, ref, policy, spec.draft_len, **common, forced=forced, accepted=acc)
                 except Exception as err:  # noqa: BLE001 - a replay that cannot run decodes in full, said so
-                    gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
+                    gen = engine.generate(ids, policy, draft_len=spec.draft_len, **sampled)
                     how.append(f"full (replay failed: {type(err).__name__})")
                 else:
                     gen = done.generation
@@ -293,7 +306,7 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                                f"{'diverged' if done.reason == 'diverged' else done.reason.replace(' ', '-')}@"
                                f"{done.diverged_at if done.diverged_at is not None else done.decoded_from}")
             else:
-                gen = engine.generate(ids, policy, draft_len=spec.draft_len, **common)
+                gen = engine.generate(ids, policy, draft_len=spec.draft_len, **sampled)
                 if how:
                     how.append("full")
             total = total.plus(gen.stats)

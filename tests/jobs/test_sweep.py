@@ -186,7 +186,11 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
                      (["--engine", "vllm", "--draft-len", "3", "--max-num-seqs", "0"], "max_num_seqs"),
                      (["--engine", "vllm", "--draft-len", "3", "--kv-cache-gb", "0"], "--kv-cache-gb"),
                      (["--engine", "vllm", "--draft-len", "3", "--vllm-python", "/nonexistent/python"],
-                      "not an executable")):
+                      "not an executable"),
+                     (["--top-p", "0.9"], "--temperature 0"), (["--temperature", "0.7", "--top-p", "0"], "--top-p"),
+                     (["--temperature", "0.7", "--top-k", "-2"], "--top-k"),
+                     (["--engine", "vllm", "--draft-len", "3", "--temperature", "0.7", "--top-k", "20"],
+                      "--engine vllm cannot sample")):
         assert sweep_job.main([*BASE, "--runs-root", str(tmp_path), *bad]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
@@ -428,3 +432,29 @@ def test_on_the_int8_path_a_replayed_sweep_certifies_on_the_evidence_full_decodi
         assert [outcome(r) for r in rows[1:]] == [outcome(r) for r in evidence["off"][name][1:]], name
         assert any(",replayed: " in r for r in rows[1:]), "confirmation replayed on the int8 path"
         assert all(",decoded in full," in r for r in evidence["off"][name][1:] if ",ok," in r)
+
+
+def test_usage_truncated_sampling_sweep_runs_as_written(tmp_path, monkeypatch):
+    """docs/usage.md's --top-k/--top-p command, run as written (the runs root in a scratch folder): the study is
+    another than the untruncated one's and the chosen rule's file records the truncation beside the temperature."""
+    import shlex
+
+    from jobs import sweep as sweep_job
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    line = next(ln for ln in page.splitlines() if ln.startswith(".venv/bin/python jobs/sweep.py") and "--top-p" in ln)
+    argv = shlex.split(line)
+    assert argv[:2] == [".venv/bin/python", "jobs/sweep.py"]
+    monkeypatch.setenv("SPECTUNE_RUNS", str(tmp_path))
+    assert sweep_job.main(argv[2:]) == 0
+    chosen = json.loads(next(tmp_path.glob("**/report/chosen-budget-0.2.json")).read_text())
+    assert chosen["decode"] == {"temperature": 0.7, "seed": 0, "shots": 0, "max_new_tokens": 8, "top_k": 20,
+                                "top_p": 0.9}
+    from jobs.sweep_args import parse_args
+    from sweep.settings import parse_settings, study_name
+
+    plain = list(argv[2:])
+    cut = plain.index("--top-k")
+    del plain[cut:cut + 4]
+    assert study_name(parse_settings(parse_args(argv[2:]))) == chosen["sweep"]
+    assert study_name(parse_settings(parse_args(plain))) != chosen["sweep"]

@@ -3,6 +3,7 @@ every rule, at T = 0 and T > 0, with replay, whatever else is in the batch and w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -89,6 +90,14 @@ def test_sampling_rows_keep_their_own_seeded_streams(engine, bench, items, name)
     alone, _ = check(engine, bench, items, spec_for(name, temperature=0.8, draft_len=2))
     greedy = [evaluate_item(engine, bench, items[0], spec_for(name, draft_len=2))]
     assert alone[0].output_token_ids != greedy[0].output_token_ids or name == TARGET_ONLY
+
+
+@pytest.mark.parametrize("name", [TARGET_ONLY, "kl_judge"])
+def test_truncated_sampling_rows_equal_batch_1(engine, bench, items, name):
+    """top-k 20 / top-p 0.8 at T 0.7 (Qwen2.5's recommended sampling): each row truncates its own distributions."""
+    spec = dataclasses.replace(spec_for(name, temperature=0.7, draft_len=2), top_k=20, top_p=0.8)
+    alone, _ = check(engine, bench, items, spec)
+    assert all(r.error is None for r in alone)
 
 
 def test_replayed_rows_equal_replay_at_batch_1(engine, bench, items):

@@ -128,6 +128,25 @@ def test_seeded_sampling_is_reproducible(engine):
     assert r1.token_ids == r2.token_ids
 
 
+@pytest.mark.parametrize("cut", [dict(top_k=1), dict(top_p=1e-9)])
+def test_sampling_truncated_to_one_token_is_greedy_decoding_on_both_models(engine, cut):
+    """top-k 1 (or a nucleus of the first token) at T 0.7 leaves one token per distribution: target-only sampling is
+    greedy target-only, and lossless speculative sampling too (the draft's proposals greedy, the target's checks
+    and bonus draws greedy), so the truncation reaches the target's and the draft's distributions both."""
+    for text in PROMPTS[:3]:
+        ids = encode(engine, text)
+        greedy = engine.autoregressive(ids, max_new_tokens=24)
+        assert engine.autoregressive(ids, max_new_tokens=24, temperature=0.7, seed=3, **cut).token_ids == \
+            greedy.token_ids
+        got = engine.generate(ids, "lossless", draft_len=3, max_new_tokens=24, temperature=0.7, seed=3, **cut)
+        assert got.token_ids == greedy.token_ids
+        assert got.stats.num_accepted_tokens == engine.generate(ids, "lossless", draft_len=3,
+                                                                max_new_tokens=24).stats.num_accepted_tokens
+    wide = engine.autoregressive(encode(engine, PROMPTS[3]), max_new_tokens=24, temperature=0.7, seed=3, top_k=40)
+    assert wide.token_ids != engine.autoregressive(encode(engine, PROMPTS[3]), max_new_tokens=24).token_ids, \
+        "top-k 40 at T 0.7 still samples"
+
+
 def test_stats_are_consistent(engine):
     ids = encode(engine, PROMPTS[1])
     gen = engine.generate(ids, make_policy("kl_judge", threshold=0.3), draft_len=5, max_new_tokens=40)
@@ -156,6 +175,10 @@ def test_bad_inputs_get_clear_errors(engine):
         engine.generate([1, 2], "nope")
     with pytest.raises(ValueError, match="temperature"):
         engine.generate([1, 2], "lossless", temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        engine.generate([1, 2], "lossless", temperature=0.7, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        engine.autoregressive([1, 2], temperature=0.7, top_k=-2)
 
 
 def test_a_bad_fused_mode_is_refused_at_start_naming_the_variable(engine, monkeypatch):

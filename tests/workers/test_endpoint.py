@@ -439,3 +439,20 @@ def test_progress_comes_per_item_and_at_least_every_30_s_while_the_server_is_sil
     assert any(line.endswith("(waiting on the server)") for line in lines[1:-1]) and lines[-1].startswith(
         "concurrency 2: 2/4 requests done")
     assert Progress(lines.append, 1, total=1).every_s == 30.0
+
+
+def test_top_k_and_top_p_reach_the_server_on_both_sides_and_name_the_run(fake, tmp_path, capsys):
+    """The server samples both arms from the same truncated distribution: the reference (target alone) and the
+    candidate requests carry the same top_k / top_p, and the run's spec key holds them."""
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--temperature", "0.7", "--top-k", "20", "--top-p",
+                    "0.9", "--concurrency", "2") == 0
+    timed = [b for b in fake.b.bodies if b.get("max_tokens") == 16]
+    assert len(timed) == 12 and all(b["top_k"] == 20 and b["top_p"] == 0.9 for b in timed)
+    assert {b["spec_decode"]["policy"] for b in timed} == {"off", "kl_judge"}
+    assert not any("top_k" in b for b in fake.b.bodies if b.get("max_tokens") != 16), "warm-ups are not sampled"
+    fake.b.bodies.clear()
+    assert evaluate(fake, tmp_path, "--policy", "kl_judge", "--temperature", "0.7", "--top-p", "0.9", "--extra-body",
+                    '{"top_p": 0.5}') == 2
+    assert not fake.b.bodies, "a clash is refused before any request"
+    err = capsys.readouterr().err
+    assert "--extra-body sets top_p and so does --top-p" in err and "Traceback" not in err

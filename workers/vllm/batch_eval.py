@@ -42,6 +42,9 @@ def evaluate_items(decoder: Any, bench: Any, items: Sequence[Any], spec: Any,
     from workers.evaluation import TARGET_ONLY, evaluate_item
     from workers.prompts import encode_chat
 
+    if getattr(spec, "truncation", dict)():
+        raise ValueError(f"{spec.truncation()}: the vLLM engine cannot sample with top-k / top-p (its plugin "
+                         "refuses them at admission)")
     references = references or {}
     policy = None if spec.policy == TARGET_ONLY else make_policy(spec.policy, **spec.params_dict)
     results: list[list[Any]] = [[] for _ in items]
