@@ -104,6 +104,8 @@ class GenRequest:
     include_usage: bool
     spec: SpecChoice
     overridden: bool  # the request carried spec_decode
+    top_k: int = 0  # sampling truncation at T > 0 (policies.truncation): 0 / 1.0 are off
+    top_p: float = 1.0
 
 
 # -- field checks -----------------------------------------------------------------------------
@@ -150,7 +152,7 @@ def _only(body: dict, name: str, allowed: tuple, why: str) -> None:
         raise bad(name, f"{why} (got {json.dumps(value)[:40]})")
 
 
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed",
                  "user", "presence_penalty", "frequency_penalty", "logit_bias", "spec_decode"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "logprobs", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
@@ -170,7 +172,6 @@ def _common(body: Any, allowed_fields: set[str], model_name: str) -> dict:
             raise bad("model", "must be a string")
         raise ApiError(404, f"model {model[:100]!r} does not exist; this server serves {model_name!r}",
                        param="model", code="model_not_found")
-    _only(body, "top_p", (None, 1, 1.0), "only 1.0 is supported: the acceptance rules need the full distribution")
     _only(body, "n", (None, 1), "only one choice per request is supported")
     _only(body, "presence_penalty", (None, 0, 0.0), "penalties are not supported")
     _only(body, "frequency_penalty", (None, 0, 0.0), "penalties are not supported")
@@ -317,11 +318,15 @@ def _finish(body: dict, limits: Limits, default: SpecChoice, kind: str, prompt: 
     stream, include_usage = _stream(body)
     overridden = body.get("spec_decode") is not None
     spec = parse_spec(body["spec_decode"], default, limits) if overridden else default
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise bad("top_p", "must be in (0, 1] (1: the whole distribution), got 0")
+    top_k = _int(body, "top_k", -1, default=0)  # -1 and 0: off, as vLLM reads them
     return GenRequest(
         kind=kind, prompt=prompt, messages=messages, max_tokens=int(max_tokens),
         temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
         seed=None if seed is None else seed % (2 ** 63), stop=_stop(body, limits), stream=stream,
-        include_usage=include_usage, spec=spec, overridden=overridden,
+        include_usage=include_usage, spec=spec, overridden=overridden, top_k=max(int(top_k or 0), 0), top_p=top_p,
     )
 
 
@@ -335,11 +340,13 @@ def _ran(spec: SpecChoice) -> Any:
 
 def in_certificate(source: dict[str, Any], default: SpecChoice, req: GenRequest) -> bool:
     """Whether a request ran inside the served rule's certificate (``workers.results.scope.ran_inside``): the
-    request ran the served rule (its whole config and draft length) at the certificate's temperature."""
+    request ran the served rule (its whole config and draft length) at the certificate's temperature, top-k and
+    top-p."""
     from workers.results.scope import ran_inside
 
     # an uncertified source never builds the rules to compare them
-    return source.get("certified") is True and ran_inside(source, _ran(req.spec) == _ran(default), req.temperature)
+    return source.get("certified") is True and ran_inside(source, _ran(req.spec) == _ran(default), req.temperature,
+                                                          req.top_k, req.top_p)
 
 
 def spec_metrics(stats: Any, spec: SpecChoice, inside: bool | None = None) -> dict[str, Any]:

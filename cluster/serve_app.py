@@ -158,6 +158,11 @@ class SpecDecodeServer:
         if fixed and req.spec.policy is not None and req.spec.draft_len != self.s.draft_len:
             raise ApiError(400, f"spec_decode.draft_len: this server's vLLM engine runs draft length "
                                 f"{self.s.draft_len}, got {req.spec.draft_len}", param="spec_decode.draft_len")
+        if (req.top_k or req.top_p < 1.0) and req.temperature > 0.0 \
+                and not engine_traits(self.s.engine).truncates_sampling:
+            field = "top_k" if req.top_k else "top_p"
+            raise ApiError(400, f"{field}: this server's {self.s.engine} engine samples the whole distribution (its "
+                                "plugin refuses top-k and top-p): leave them out", param=field)
         if self.streaming and req.spec.policy is None and self.engine.exclusive:
             raise ApiError(400, "spec_decode: speculation off needs a second, target-only vLLM engine and this "
                                 "server runs one engine at a time (vLLM-CPU default; start it with "
@@ -227,7 +232,7 @@ class SpecDecodeServer:
                 raise RuntimeError("injected failure (fail_marker) after the first round")
         seed = secrets.randbits(31) if req.seed is None else req.seed  # the CPU engine draws from a seeded generator
         common = dict(max_new_tokens=req.max_tokens, temperature=req.temperature, seed=seed,
-                      stop=list(req.stop) or None, on_tokens=on_tokens)
+                      stop=list(req.stop) or None, on_tokens=on_tokens, top_k=req.top_k, top_p=req.top_p)
         if req.spec.policy is None:
             return self.engine.autoregressive(ids, **common)
         return self.engine.generate(ids, req.spec.build(), draft_len=req.spec.draft_len, **common)

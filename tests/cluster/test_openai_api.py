@@ -52,7 +52,7 @@ def test_prompt_forms():
 @pytest.mark.parametrize("field,value", [
     ("max_tokens", "5"), ("max_tokens", 0), ("max_tokens", 65), ("max_tokens", True), ("max_tokens", 2.5),
     ("temperature", -0.1), ("temperature", 2.5), ("temperature", "hot"), ("temperature", float("nan")),
-    ("top_p", 0.9), ("n", 2), ("n", True), ("echo", True), ("logprobs", 3), ("best_of", 2), ("suffix", "x"),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", "all"), ("top_k", -2), ("top_k", 2.5), ("n", 2), ("n", True), ("echo", True), ("logprobs", 3), ("best_of", 2), ("suffix", "x"),
     ("presence_penalty", 0.5), ("logit_bias", {"1": 5}), ("stop", 5), ("stop", ["a"] * 5), ("stop", [""]),
     ("stop", "x" * 65), ("seed", "1"), ("stream", "yes"), ("stream_options", {"include_usage": True}),
     ("user", 5), ("frobnicate", 1), ("spec_decode", "lossless"),
@@ -117,6 +117,29 @@ def test_a_request_is_inside_the_certificate_only_with_the_served_certified_rule
                ({**certified, "covers": {"temperature": "zero"}}, completion(temperature=0))]  # unreadable: not inside
     for source, req in outside:
         assert not in_certificate(source, DEFAULT, req), (source, req)
+
+
+def test_top_k_and_top_p_are_read_as_vllm_reads_them():
+    req = completion(temperature=0.7, top_k=20, top_p=0.8)
+    assert (req.top_k, req.top_p) == (20, 0.8)
+    assert (completion().top_k, completion().top_p) == (0, 1.0)
+    assert completion(top_k=-1).top_k == 0, "vLLM's -1: no top-k"
+
+
+def test_a_certificate_made_with_top_k_and_top_p_covers_requests_that_sample_so():
+    """At T > 0 a request runs inside only with the certificate's truncation (none recorded: the whole
+    distribution); at T = 0 truncation changes nothing and is not asked about."""
+    cut = {"kind": "sweep", "certified": True, "covers": {"temperature": 0.7, "top_k": 20, "top_p": 0.8}}
+    whole = {"kind": "sweep", "certified": True, "covers": {"temperature": 0.7}}
+    assert in_certificate(cut, DEFAULT, completion(temperature=0.7, top_k=20, top_p=0.8))
+    assert in_certificate(whole, DEFAULT, completion(temperature=0.7))
+    assert in_certificate(whole, DEFAULT, completion(temperature=0.7, top_k=0, top_p=1))
+    for source, req in ((cut, completion(temperature=0.7)), (cut, completion(temperature=0.7, top_k=20)),
+                        (cut, completion(temperature=0.7, top_k=20, top_p=0.9)),
+                        (whole, completion(temperature=0.7, top_p=0.8))):
+        assert not in_certificate(source, DEFAULT, req), (source, req)
+    greedy = {"kind": "sweep", "certified": True, "covers": {"temperature": 0.0}}
+    assert in_certificate(greedy, DEFAULT, completion(temperature=0, top_p=0.5))
 
 
 def test_stream_options_and_seed():

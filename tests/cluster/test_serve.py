@@ -150,12 +150,24 @@ def test_per_request_override_and_speculation_off(server):
     assert lenient["spec_decode"]["num_accepted_tokens"] >= 1
 
 
+def test_top_k_one_samples_what_greedy_decodes(server):
+    """top_k 1 at T 0.9 leaves one token to sample: the greedy output, whatever the seed (the CPU engine cuts the
+    target's and the draft's distributions; the rule judges the target's)."""
+    body = {"model": MODEL, "prompt": "def f(x):", "max_tokens": 16, "spec_decode": {"policy": "lossless"}}
+    greedy = post(server, "/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["text"]
+    for seed in (1, 2):
+        r = post(server, "/v1/completions", {**body, "temperature": 0.9, "seed": seed, "top_k": 1, "top_p": 0.9})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == greedy
+
+
 BAD = [
     (b'{"prompt": ', 400, None, "not valid JSON"),
     ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "integer"),
     ({"prompt": "x", "max_tokens": 301}, 400, "max_tokens", "[1, 300]"),
     ({"prompt": "x", "temperature": 9}, 400, "temperature", "[0.0, 2.0]"),
     ({"prompt": "x", "best_of": 3}, 400, "best_of", "best_of"),
+    ({"prompt": "x", "top_p": 0}, 400, "top_p", "(0, 1]"),
     ({"prompt": "x", "tool": 1}, 400, "tool", "unknown field"),
     ({"prompt": "x", "spec_decode": {"policy": "kl_jduge"}}, 400, "spec_decode.policy", "unknown policy"),
     ({"prompt": "x", "spec_decode": {"policy": "dropmatch", "params": {"p_drop": 1.5}}}, 400, "spec_decode.params", "p_drop"),

@@ -84,6 +84,10 @@ def test_another_draft_length_is_a_400_naming_the_field(server):
     err = r.json()["error"]
     assert err["param"] == "spec_decode.draft_len" and "draft length 4" in err["message"]
     assert requests.get(f"{server}/healthz", timeout=10).status_code == 200
+    r = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 4, "temperature": 0.7,
+                                         "top_p": 0.8, "spec_decode": {"policy": "lossless"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p", r.text  # the plugin samples the whole
+    assert "vllm engine samples the whole distribution" in r.json()["error"]["message"]  # distribution
 
 
 RULES = [{"policy": "lossless"}, {"policy": "kl_judge", "params": {"threshold": 2.0}},

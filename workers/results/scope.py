@@ -24,8 +24,8 @@ def covers(choice: dict[str, Any]) -> dict[str, Any]:
     decode = choice.get("decode") or {}
     out = {"benchmark": choice.get("benchmark"), "pair": choice.get("pair"), "dtype": choice.get("dtype"),
            "draft_len": choice.get("draft_len"), "drafter": DRAFTER, "engine": choice.get("engine"),
-           "temperature": decode.get("temperature"), "shots": decode.get("shots"),
-           "max_new_tokens": decode.get("max_new_tokens")}
+           "temperature": decode.get("temperature"), "top_k": decode.get("top_k"), "top_p": decode.get("top_p"),
+           "shots": decode.get("shots"), "max_new_tokens": decode.get("max_new_tokens")}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -117,16 +117,23 @@ def check_scope(choice: dict[str, Any], what: str, found: list[str], allow_uncer
     return {"certified": False, "outside_certificate": found}
 
 
-def ran_inside(source: dict[str, Any], same_rule: bool, temperature: float) -> bool:
+def ran_inside(source: dict[str, Any], same_rule: bool, temperature: float, top_k: int = 0,
+               top_p: float = 1.0) -> bool:
     """Whether a request ran inside the served rule's certificate: the served rule is certified and served
     within what its certificate covers (``source``, from ``jobs.serve``), the request ran that rule
-    (``same_rule``), and at the temperature the certificate was made at (unknown: not inside). Its prompts are
-    another matter: a certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
+    (``same_rule``), and at the temperature the certificate was made at (unknown: not inside), and, at T > 0,
+    with its top-k and top-p (a certificate that records none was made on the whole distribution). Its prompts
+    are another matter: a certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
     if source.get("certified") is not True or not same_rule:
         return False
-    certified_at = (source.get("covers") or {}).get("temperature")
+    covered = source.get("covers") or {}
+    certified_at = covered.get("temperature")
     known = isinstance(certified_at, (int, float)) and not isinstance(certified_at, bool)  # a hand-edited file's
-    return known and abs(temperature - float(certified_at)) <= 1e-6
+    if not known or abs(temperature - float(certified_at)) > 1e-6:
+        return False
+    if temperature == 0.0:  # greedy: the argmax, which every truncation keeps
+        return True
+    return int(covered.get("top_k") or 0) == top_k and abs(float(covered.get("top_p") or 1.0) - top_p) <= 1e-9
 
 
 def _conditions(choice: dict[str, Any]) -> str:
