@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from workers.benchmarks import BENCHMARKS, Benchmark, Item, get_benchmark
-from workers.cli import parse_batch_size, parse_params, parse_shard, sampling_truncation  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
+from workers.cli import parse_batch_size, parse_params, parse_shard, sampling_settings  # noqa: F401  (parse_params re-exported: jobs.serve, tests)
 from workers.cpu_engine import SpecDecoder
 from workers.engine_registry import engine_names, engine_traits
 from workers.evaluation import TARGET_ONLY, DecodeSpec, Record, evaluate_item, items_context, workload_profile
@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="nucleus sampling at T > 0: every arm samples the target's distribution cut to this mass and "
                          "the rule judges that distribution (1: off)")
     ap.add_argument("--top-k", type=int, default=0, help="top-k sampling at T > 0, as --top-p (0: off)")
+    ap.add_argument("--sampler", default="standard", help="standard, or coupled (T > 0, CPU engine): every arm "
+                    "draws token t by Gumbel-max with noise keyed by --seed and t, so lossless output equals "
+                    "target-only's and a lossy rule is the only source of a difference (its acceptance, and so every "
+                    "speed figure it gives, is below the standard sampler's)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
     ap.add_argument("--max-new-tokens", type=int, default=None, help="default: the benchmark's own")
     ap.add_argument("--cost-ratio", type=float, default=None, help="c for modelled speedups (default: measured here)")
@@ -253,7 +257,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
     settings = dict(temperature=args.temperature, seed=args.seed, max_new_tokens=max_new, shots=args.shots,
-                    **sampling_truncation(args))
+                    **sampling_settings(args))
     spec = DecodeSpec.make(args.policy, parse_params(args.param), args.draft_len, **settings)
     items = bench.items(limit=args.limit, shard=parse_shard(args.shard), seed=args.subset_seed)
     batch = 1
@@ -303,6 +307,10 @@ def _main(args: argparse.Namespace) -> int:
         print(f"  (CPU engine: {batch} items at once, each exact to batch 1; a batched record's seconds overlap its "
               "neighbours', so no measured speedup is stated: --batch-size 1 times one item at a time, "
               "python -m jobs.bench.throughput the batched engine's throughput)")
+    if spec.sampler == "coupled":
+        print("  (coupled sampler: every arm drew token t with the same noise, keyed by --seed and t, so lossless "
+              "output is target-only's and the rule alone makes a difference; its acceptance is below the standard "
+              "sampler's, so these speeds understate a deployment's and overstate a lossy rule's gain over lossless)")
     close = getattr(engine, "close", None)
     if close is not None:
         close()

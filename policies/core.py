@@ -67,6 +67,11 @@ class VerifyBatch:
     # placeholders): None when every position does. Emission never reaches past the first of them; a rule
     # that reads later positions (FLy's look-ahead) must not count them as accepted.
     draft_valid: Tensor | None = None
+    # [B, L+1, V'] Gumbel noise at the target's slots (policies.coupling), V' >= V, T > 0 only: the coupled
+    # sampler. ``lossless`` then accepts a draft token iff it is argmax(target / T + noise) there and emission
+    # takes that argmax, so lossless output equals target-only output under the same noise. None: the standard
+    # sampler (uniforms against p/q, residual sampling).
+    coupling: Tensor | None = None
 
     def __post_init__(self) -> None:
         ids, tl = self.draft_token_ids, self.target_logits
@@ -81,6 +86,10 @@ class VerifyBatch:
             )
         if self.draft_valid is not None and tuple(self.draft_valid.shape) != (b, n):
             raise ValueError(f"draft_valid must be [B, L] = [{b}, {n}], got {tuple(self.draft_valid.shape)}")
+        if self.coupling is not None and (self.coupling.dim() != 3 or tuple(self.coupling.shape[:2]) != (b, n + 1)
+                                          or self.coupling.shape[2] < tl.shape[2]):
+            raise ValueError(f"coupling must be [B, L+1, >= V] = [{b}, {n + 1}, >= {tl.shape[2]}], got "
+                             f"{tuple(self.coupling.shape)}")
         if self.target_hidden is not None and tuple(self.target_hidden.shape[:2]) != (b, n + 1):
             raise ValueError(f"target_hidden must be [B, L+1, d], got {tuple(self.target_hidden.shape)}")
         if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):

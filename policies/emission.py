@@ -4,7 +4,8 @@ Keep the leading run of accepted draft tokens (n of them), then emit one more to
 recovered token at position n if n < L, or the bonus token at position L if all L were accepted.
 T = 0: argmax of the target logits there. T > 0: a rejected position samples
 norm(max(0, p_t - q)) (p_t if that is all zero; q one-hot at the draft token when the drafter has
-no distribution), the bonus slot samples p_t. Only the one emitted row per sequence is
+no distribution), the bonus slot samples p_t; under the coupled sampler (``policies.coupling``) the emitted token
+is the target's Gumbel-max token there, whatever was rejected. Only the one emitted row per sequence is
 normalized, never the whole [B, L+1, V] block.
 """
 
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor
 
 from policies.core import Decision, Policy, Verification, VerifyBatch
+from policies.coupling import perturbed_argmax
 from policies.distributions import sample_from_probs
 from policies.randomness import sample_rows
 
@@ -39,6 +41,8 @@ def emit_tokens(batch: VerifyBatch, num_accepted: Tensor, num_draft: Tensor | No
     target_rows = _row_at(batch.target_f32, num_accepted)  # [B, V]
     if batch.temperature == 0.0:
         return target_rows.argmax(dim=-1)
+    if batch.coupling is not None:  # the coupled sampler: the target's own Gumbel-max token, accepted or not
+        return perturbed_argmax(target_rows, batch.temperature, _row_at(batch.coupling, num_accepted))
     probs = torch.softmax(target_rows / batch.temperature, dim=-1)  # [B, V]
     rejected = num_accepted < (n_draft if num_draft is None else num_draft)  # [B]; False: bonus slot
     # every row, rejected or not (no host read of ``rejected``): [B, V] rows, small beside [B, L, V]

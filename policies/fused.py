@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from policies.hashing import _numbers_by_element
+from policies.hashing import _gumbel_by_element, _numbers_by_element
 
 ENV = "SPECTUNE_FUSED"
 MIN_VOCAB = 32_768
@@ -119,8 +119,12 @@ def _stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tens
     return _numbers_by_element(key, n_heads, per_head, bits)
 
 
+def _gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
+    return _gumbel_by_element(keys, vocab)
+
+
 KERNELS = {"target": _target_stats, "pair": _pair_stats, "pair_at_t": _pair_at_t, "pair_at_one": _pair_at_one,
-           "streams": _stream_numbers}
+           "streams": _stream_numbers, "gumbel": _gumbel_noise}
 
 
 _lock = threading.Lock()
@@ -189,6 +193,29 @@ def _kernel(name: str) -> Any:
                 _compiled[name] = fn
     return fn
 
+
+
+def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
+    """The coupled sampler's noise (:func:`policies.hashing._gumbel_by_element`), float32 ``[M, vocab]``, in one
+    compiled pass where the fused kernels run and the block holds at least :data:`MIN_STREAM_NUMBERS` numbers (as
+    :func:`stream_numbers`), else eagerly (about 15 passes over the block). The hash is integer arithmetic and exact either way; the two logarithms may differ by an ulp between
+    the compiled and the eager path, so every arm of a comparison should run where the same path does (one
+    machine, this module's mode)."""
+    if not _streams_failed and keys.shape[0] * vocab >= MIN_STREAM_NUMBERS:
+        try:
+            want = mode()
+        except ValueError as err:
+            _report(str(err))
+            want = "0"
+        if want != "0" and not (want == "auto" and keys.device.type != "cpu"):
+            try:
+                noise = _kernel("gumbel")(keys, vocab)
+                CALLS["streams"] += 1
+                return noise
+            except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager passes instead
+                _switch_off(_streams_failed, err, "the fused random-stream kernel failed ({}); the eager hash draws "
+                            "the same numbers from now on in this process")
+    return _gumbel_by_element(keys, vocab)
 
 
 def stream_numbers(key: Tensor, n_heads: int, per_head: int, bits: int) -> Tensor | None:

@@ -62,3 +62,15 @@ def _numbers_by_element(key: Tensor, n_heads: int, per_head: int, bits: int) -> 
     # field j % 4 of the hash: bits 16·(j % 4) up; an arithmetic shift's sign bits never reach the low 16
     field = (h >> ((j & 3) << 4)) & 0xFFFF
     return (field.to(torch.float32) + 0.5) * (1.0 / (1 << 16))
+
+
+def _gumbel_by_element(keys: Tensor, vocab: int) -> Tensor:
+    """float32 ``[M, vocab]`` Gumbel(0, 1) noise: number ``v`` of the row keyed ``keys[m]`` from hash
+    ``_mix(key + v)``'s top 53 bits, ``u = (bits + 0.5) / 2^53``. What the tail needs is ``1 - u``, exact in
+    float64 and then relative to its own size in float32: ``w = (2^53 - bits - 0.5) / 2^53``, ``E = -log u =
+    -log1p(-w)`` ~ Exp(1), ``g = -log E`` (the tail reaches about 37). :func:`policies.fused.gumbel_noise`
+    compiles it into one loop."""
+    ids = torch.arange(int(vocab), dtype=torch.int64, device=keys.device)
+    top = _shr(_mix(keys.unsqueeze(-1) + ids), 11).to(torch.float64)
+    w = ((1 << 53) - top - 0.5) * (1.0 / (1 << 53))
+    return -torch.log(-torch.log1p(-w.to(torch.float32)))

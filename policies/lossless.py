@@ -11,13 +11,15 @@ import torch
 from torch import Tensor
 
 from policies.core import Decision, PolicyConfig, VerifyBatch
+from policies.coupling import perturbed_argmax
 from policies.distributions import gather_last
 from policies.randomness import uniform
 from policies.registry import Traits, register
 
 
 def lossless_accept(batch: VerifyBatch) -> Decision:
-    """T = 0: accept d iff d = argmax target. T > 0: accept iff u < min(1, p_t(d) / q(d)).
+    """T = 0: accept d iff d = argmax target. T > 0: accept iff u < min(1, p_t(d) / q(d)); under the coupled
+    sampler (``batch.coupling``) iff d = argmax(target / T + g), the token target-only samples there.
 
     Scores: the target logit margin z(d) - max z (<= 0) at T = 0, the acceptance probability
     min(1, p_t(d)/q(d)) at T > 0. Without a draft distribution the drafter is taken as
@@ -41,6 +43,9 @@ def lossless_accept(batch: VerifyBatch) -> Decision:
     else:
         draft_logp_d = gather_last(batch.draft_at(temperature), draft_ids) - batch.draft_lse(temperature)
     ratio = (target_logp_d - draft_logp_d).clamp(max=0.0).exp()  # [B, L]
+    if batch.coupling is not None:  # the coupled sampler: d must be the target's own Gumbel-max token
+        picked = perturbed_argmax(target, temperature, batch.coupling[:, :-1])
+        return Decision(accepted=picked == draft_ids, score=ratio)
     uniforms = uniform(tuple(draft_ids.shape), batch.generator, draft_ids.device, batch.streams)
     return Decision(accepted=uniforms < ratio, score=ratio)
 

@@ -105,3 +105,28 @@ def sampling_truncation(args: Any) -> dict[str, Any]:
         raise ValueError(f"--top-k/--top-p: --engine {engine} cannot sample with them (its plugin refuses top-k and "
                          "top-p at admission); use the CPU engine or a server (--engine openai)")
     return {k: v for k, v in (("top_k", top_k), ("top_p", top_p)) if v != (0 if k == "top_k" else 1.0)}
+
+
+def sampling_settings(args: Any) -> dict[str, Any]:
+    """:func:`sampling_truncation` and ``--sampler`` where it is not the standard one: the decode settings beyond
+    the temperature (every spec's, a study's name). ``--sampler coupled`` is refused at T = 0 (greedy decoding
+    draws nothing to couple) and on an engine that cannot sample so (it needs the CPU engine's own draws)."""
+    from policies.coupling import check_sampler
+    from workers.engine_registry import engine_traits
+
+    out = sampling_truncation(args)
+    sampler = getattr(args, "sampler", "standard")
+    try:
+        check_sampler(sampler)
+    except ValueError as err:
+        raise ValueError(f"--{err}") from None
+    if sampler == "standard":
+        return out
+    if args.temperature == 0.0:
+        raise ValueError("--sampler coupled couples the draws of sampling at T > 0; at --temperature 0 (greedy) "
+                         "there are none: leave it out or set --temperature")
+    engine = getattr(args, "engine", "cpu")
+    if not engine_traits(engine).couples_sampling:
+        raise ValueError(f"--sampler coupled: --engine {engine} draws its own tokens; the coupled sampler runs on "
+                         "the CPU engine")
+    return {**out, "sampler": sampler}

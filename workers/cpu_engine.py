@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from policies import Policy, VerifyBatch, make_policy, verify
+from policies.coupling import CoupledNoise, check_sampler, perturbed_argmax
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
 from policies.truncation import check_truncation, truncate
@@ -307,6 +308,7 @@ class SpecDecoder:
         generated_prefix: list[int] | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
+        sampler: str = "standard",
     ) -> Generation:
         """Speculative decoding of ``prompt_ids`` with ``policy`` (a Policy or a registered name).
 
@@ -321,13 +323,18 @@ class SpecDecoder:
         position's inputs alone, whatever the draft length or the rounds before (what replay relies on).
 
         ``top_k`` / ``top_p`` (T > 0 only; :mod:`policies.truncation`): the draft samples from its truncated
-        distribution and every rule sees the target's truncated one, as a deployment that samples so would."""
+        distribution and every rule sees the target's truncated one, as a deployment that samples so would.
+
+        ``sampler="coupled"`` (T > 0; :mod:`policies.coupling`): every token at sequence position t is a
+        Gumbel-max sample with noise keyed by ``seed`` and t, the draft's with the same noise: lossless output is
+        then target-only's under the same seed and sampler, token for token."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         if not isinstance(draft_len, int) or draft_len < 1:
             raise ValueError(f"draft_len must be an integer >= 1, got {draft_len!r}")
         prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop, top_k, top_p)
         cut = (top_k, top_p)
+        noise = self._noise(sampler, temperature, seed)
         generated: list[int] = list(generated_prefix or [])
         if len(generated) >= max_new_tokens:
             raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
@@ -342,7 +349,7 @@ class SpecDecoder:
         finish = None
         while finish is None:
             n_draft = min(draft_len, max_new_tokens - len(generated))  # never draft past the budget
-            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats, full, cut)
+            draft_ids, draft_logits = self._propose(tokens, n_draft, temperature, gen, stats, full, cut, noise)
             committed = len(tokens)
             t0 = time.perf_counter()
             feed = torch.tensor([[tokens[-1], *draft_ids]])
@@ -366,6 +373,7 @@ class SpecDecoder:
                 temperature=temperature,
                 generator=gen,
                 streams=streams,
+                coupling=None if noise is None else noise.at(range(committed, committed + n_draft + 1)).unsqueeze(0),
             ))
             n_acc = int(result.num_accepted[0])
             new = draft_ids[:n_acc] + [int(result.output_token_ids[0, n_acc])]
@@ -399,12 +407,14 @@ class SpecDecoder:
         generated_prefix: list[int] | None = None,
         top_k: int = 0,
         top_p: float = 1.0,
+        sampler: str = "standard",
     ) -> Generation:
         """Target-only decoding: the reference every speculative run is compared with. ``generated_prefix``:
         tokens already generated (they follow the prompt, count against ``max_new_tokens`` and stop strings, and
         lead the returned ``token_ids``; the stats count only the steps run here). ``top_k`` / ``top_p``: as
-        :meth:`generate`'s, the target's truncated distribution sampled at T > 0."""
+        :meth:`generate`'s, the target's truncated distribution sampled at T > 0; ``sampler`` as :meth:`generate`'s."""
         prompt, stopper, gen = self._start(prompt_ids, max_new_tokens, temperature, seed, stop, top_k, top_p)
+        noise = self._noise(sampler, temperature, seed)
         generated: list[int] = [int(t) for t in generated_prefix or []]
         if len(generated) >= max_new_tokens:
             raise ValueError(f"generated_prefix holds {len(generated)} tokens: nothing left of max_new_tokens "
@@ -424,7 +434,8 @@ class SpecDecoder:
             if rounds is not None:
                 rounds.append((len(tokens) - 1, logits.float().clone().unsqueeze(0)))
             t0 = time.perf_counter()
-            tok = self._pick(logits, temperature, gen)
+            tok = self._pick(logits, temperature, gen) if noise is None else \
+                int(perturbed_argmax(logits, temperature, noise.at([len(tokens)])[0]))
             stats.policy_time_s += time.perf_counter() - t0
             stats.num_drafts += 1
             kept, finish = stopper.cut(generated, [tok])
@@ -446,6 +457,12 @@ class SpecDecoder:
         stopper = _Stop(frozenset(self.pair.eos_token_ids), strings, max_new_tokens, self.pair.tokenizer)
         return prompt, stopper, torch.Generator().manual_seed(int(seed))
 
+    def _noise(self, sampler: str, temperature: float, seed: int) -> CoupledNoise | None:
+        """The coupled sampler's noise for one generation; None under the standard sampler and at T = 0."""
+        if check_sampler(sampler) == "standard" or temperature == 0.0:
+            return None
+        return CoupledNoise(seed, self.pair.vocab_size)
+
     def _prefill(self, prompt: list[int], stats: GenerationStats, draft: bool) -> list[int]:
         t0 = time.perf_counter()
         context = prompt[:-1]  # prefill logits are never used: the last prompt token starts decoding
@@ -463,8 +480,8 @@ class SpecDecoder:
         return list(prompt)
 
     def _propose(self, tokens: list[int], n: int, temperature: float, gen: torch.Generator,
-                 stats: GenerationStats, full: bool = True, cut: tuple[int, float] = (0, 1.0)
-                 ) -> tuple[list[int], Tensor | None]:
+                 stats: GenerationStats, full: bool = True, cut: tuple[int, float] = (0, 1.0),
+                 noise: CoupledNoise | None = None) -> tuple[list[int], Tensor | None]:
         """Draft n tokens; return them and the draft logits that proposed them ([1, n, V]; None at T = 0 when
         ``full`` is False). At T = 0 with a proposal vocabulary each step scores only its ids
         (``workers.models.proposal``), and the whole head runs once over the n rows when ``full``."""
@@ -485,7 +502,8 @@ class SpecDecoder:
                 rows.append(last)
             else:
                 logits = truncate(self.draft.head(last), temperature, *cut)  # [1, 1, V]
-                tok = self._pick(logits[0, 0], temperature, gen)
+                tok = self._pick(logits[0, 0], temperature, gen) if noise is None else \
+                    int(perturbed_argmax(logits[0, 0], temperature, noise.at([len(tokens) + i])[0]))
                 rows.append(logits)
             proposals.append(tok)
             if i < n - 1:

@@ -90,6 +90,8 @@ class EndpointEngine:
                      temperature=spec.temperature, seed=spec.seed)
 
     def _side(self, spec: DecodeSpec) -> Side:
+        if spec.sampler != "standard":
+            raise ValueError("a server draws its own tokens: the coupled sampler runs on the CPU engine")
         label = "reference" if spec.policy == TARGET_ONLY else "candidate"
         ep = replace(self.endpoint, extra_body={**self.endpoint.extra_body, **spec_body(spec), **spec.truncation()})
         return Side(label, ep, spec.policy, spec.params_dict, spec.draft_len)

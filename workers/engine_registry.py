@@ -39,6 +39,7 @@ class EngineTraits:
     streams: bool = False  # Serve replicas stream its tokens (an async engine)
     fast_path: bool = False  # runs the CPU fast path's dtypes (int8, int4+int8): --dtype auto is this machine's
     truncates_sampling: bool = False  # samples at T > 0 with top-k / top-p (--top-k, --top-p; policies.truncation)
+    couples_sampling: bool = False  # samples with the coupled sampler (--sampler coupled; policies.coupling)
 
 
 @runtime_checkable
@@ -116,7 +117,8 @@ def engine_factory(name: str) -> Factory:
 
 # the built-in engines, one line each (their factories live in workers.engines)
 register_engine("cpu", EngineTraits(reference=True, measures_cost=True, exact_replay=True, batched_rows=True,
-                                    fast_path=True, truncates_sampling=True), "workers.engines:cpu_engine")
+                                    fast_path=True, truncates_sampling=True,
+                                    couples_sampling=True), "workers.engines:cpu_engine")
 register_engine("vllm", EngineTraits(own_interpreter=True, fixed_draft_len=True, default_draft_len="5",
                                      takes_vllm_settings=True, tensor_parallel=True, batches_shards=True,
                                      streams=True), "workers.engines:vllm_engine")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
+from policies.coupling import check_sampler
 from policies.truncation import check_truncation
 from workers.benchmarks import Benchmark, Item
 from workers.engine_registry import ItemEngine
@@ -27,6 +28,7 @@ if TYPE_CHECKING:  # the engine calls these functions (SpecDecoder.evaluate_item
 
 TARGET_ONLY = "target-only"
 TRUNCATION_OFF: dict[str, Any] = {"top_k": 0, "top_p": 1.0}  # DecodeSpec's values that truncate nothing
+SAMPLING_DEFAULTS: dict[str, Any] = {**TRUNCATION_OFF, "sampler": "standard"}  # left out of keys where they hold
 
 
 @dataclass(frozen=True)
@@ -42,9 +44,11 @@ class DecodeSpec:
     shots: int = 0
     top_k: int = 0  # sampling truncation at T > 0 (policies.truncation): 0 / 1.0 are off, and a spec that leaves
     top_p: float = 1.0  # them off has the key and settings it had before they existed
+    sampler: str = "standard"  # "coupled": Gumbel-max noise keyed by seed and position (policies.coupling), T > 0
 
     def __post_init__(self) -> None:
         check_truncation(self.top_k, self.top_p)
+        check_sampler(self.sampler)
 
     @staticmethod
     def make(policy: str, params: dict | None = None, draft_len: int = 5, **settings: Any) -> DecodeSpec:
@@ -67,15 +71,20 @@ class DecodeSpec:
         """``top_k`` / ``top_p`` where set (an engine's keyword arguments), else nothing."""
         return {k: v for k, v in (("top_k", self.top_k), ("top_p", self.top_p)) if v != TRUNCATION_OFF[k]}
 
+    def sampling(self) -> dict[str, Any]:
+        """How tokens are drawn beyond the temperature, where it is not the default: the truncation and the
+        coupled sampler (the CPU engine's keyword arguments)."""
+        return {**self.truncation(), **({"sampler": self.sampler} if self.sampler != "standard" else {})}
+
     def settings_key(self) -> dict[str, Any]:
         """What makes two runs comparable item by item (everything but the rule)."""
         return {"temperature": self.temperature, "seed": self.seed, "max_new_tokens": self.max_new_tokens,
-                "shots": self.shots, **self.truncation()}
+                "shots": self.shots, **self.sampling()}
 
     def key(self) -> str:
         """A short stable id of the whole spec (file names, caches)."""
-        whole = {k: v for k, v in asdict(self).items() if k not in TRUNCATION_OFF}
-        blob = json.dumps({**whole, **self.truncation(), "params": self.params_dict}, sort_keys=True, default=str)
+        whole = {k: v for k, v in asdict(self).items() if k not in SAMPLING_DEFAULTS}
+        blob = json.dumps({**whole, **self.sampling(), "params": self.params_dict}, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
     def label(self) -> str:
@@ -274,7 +283,7 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                               getattr(bench, "chat", None))
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           seed=spec.seed + turn, stop=list(bench.stop) or None)
-            sampled = {**common, **spec.truncation()}  # what decoding takes (replay runs at T = 0 only)
+            sampled = {**common, **spec.sampling()}  # what decoding takes (replay runs at T = 0 only)
             on_prefix = all(h == "exact" for h in how)  # every turn before kept the reference's output
             if policy is None:
                 gen = engine.autoregressive(ids, **sampled)

@@ -93,6 +93,9 @@ def test_target_only_and_lossless_policies(tmp_path):
     (["--draft-len", "0"], "draft_len"),
     (["--shard", "3/2"], "--shard"),
     (["--limit", "0"], "--limit"),
+    (["--sampler", "gumbel", "--temperature", "0.7"], "--sampler must be one of standard, coupled"),
+    (["--sampler", "coupled"], "--temperature 0"),
+    (["--top-p", "1.5", "--temperature", "0.7"], "--top-p"),
 ])
 def test_bad_input_is_one_clear_error(tmp_path, capsys, bad, message):
     args = ["--benchmark", "gsm8k", "--limit", "1", "--max-new-tokens", "4"]
@@ -136,3 +139,30 @@ def test_the_vllm_engine_reruns_itself_where_vllm_imports(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "jobs.evaluate", "--engine", "vllm", "--vllm-python", "/nonexistent",
                           "--benchmark", "gsm8k"], cwd=root, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --vllm-python /nonexistent: not an executable file"
+
+
+def test_the_coupled_sampler_makes_lossless_output_target_only_output_at_t_above_0(tmp_path, capsys, monkeypatch):
+    """docs/usage.md's --sampler coupled command, run as written (runs root in a scratch folder), at T 0.8 with
+    top-k/top-p: the noise floor (lossless against target-only) reads 0 differing outputs, where the standard
+    sampler's two independent samples differ; the spec keys keep the coupled and the standard runs apart."""
+    import shlex
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    line = next(ln for ln in page.splitlines() if ln.startswith(".venv/bin/python -m jobs.evaluate")
+                and "--sampler coupled" in ln)
+    argv = shlex.split(line)
+    assert argv[:3] == [".venv/bin/python", "-m", "jobs.evaluate"]
+    monkeypatch.setenv("SPECTUNE_RUNS", str(tmp_path))
+    assert evaluate.main(argv[3:]) == 0
+    out = capsys.readouterr().out
+    assert "noise floor (lossless vs target-only, 4 items): outputs differ on 0.0%" in out, out
+    assert "coupled sampler: every arm drew token t with the same noise" in out
+    standard = argv[3:-2]
+    assert argv[-2:] == ["--sampler", "coupled"]
+    assert evaluate.main(standard) == 0
+    out = capsys.readouterr().out
+    assert "noise floor (lossless vs target-only, 4 items): outputs differ on 0.0%" not in out, out
+    assert sorted(s["args"]["sampler"] for s in summaries(tmp_path)) == ["coupled", "standard"], "two summaries"
+    plain = DecodeSpec.make("kl_judge", {}, 3, temperature=0.8)
+    assert DecodeSpec.make("kl_judge", {}, 3, temperature=0.8, sampler="coupled").key() != plain.key()
+    assert DecodeSpec.make("kl_judge", {}, 3, temperature=0.8, sampler="standard").key() == plain.key()

@@ -100,6 +100,19 @@ def test_truncated_sampling_rows_equal_batch_1(engine, bench, items, name):
     assert all(r.error is None for r in alone)
 
 
+@pytest.mark.parametrize("name", [TARGET_ONLY, "lossless", "kl_judge"])
+def test_coupled_sampling_rows_equal_batch_1_and_lossless_rows_equal_target_only(engine, bench, items, name):
+    """The coupled sampler's noise is keyed by each row's seed and position, so a batched row is its batch-1 twin;
+    lossless rows output what target-only rows output."""
+    spec = dataclasses.replace(spec_for(name, temperature=0.7, draft_len=3), sampler="coupled")
+    alone, _ = check(engine, bench, items, spec)
+    assert all(r.error is None for r in alone)
+    if name == "lossless":
+        ref, _ = check(engine, bench, items, dataclasses.replace(spec_for(TARGET_ONLY, temperature=0.7),
+                                                                  sampler="coupled"))
+        assert [r.output_token_ids for r in alone] == [r.output_token_ids for r in ref]
+
+
 def test_replayed_rows_equal_replay_at_batch_1(engine, bench, items):
     refs = {r.item_id: reference_payload(r) for r in
             engine.evaluate_items(bench, items, spec_for(TARGET_ONLY), batch_size=8)}

@@ -305,3 +305,32 @@ def test_greedy_drafting_over_a_proposal_vocabulary_stays_lossless_and_feeds_rul
     assert rounds and all(set(d) <= allowed for d, _ in rounds)
     assert any(q is None for _, q in rounds)  # lossless: no full draft head at all
     assert any(q is not None and q.shape[-1] == pair.vocab_size for _, q in rounds)  # the KL judge reads it
+
+
+@pytest.mark.parametrize("draft_len", [1, 4])
+def test_coupled_lossless_sampling_equals_coupled_target_only_sampling(engine, draft_len):
+    """The coupled sampler (policies.coupling) at T 0.8: lossless speculative decoding outputs target-only's
+    tokens for the same seed, token for token, with truncation too; a draft token is sometimes rejected (the
+    equality is not a draft that always agrees); another seed samples another output."""
+    rejected = False
+    for text in PROMPTS:
+        ids = encode(engine, text)
+        for seed, cut in ((0, {}), (1, {"top_k": 20, "top_p": 0.9})):
+            common = dict(max_new_tokens=24, temperature=0.8, seed=seed, sampler="coupled", **cut)
+            ref = engine.autoregressive(ids, **common)
+            got = engine.generate(ids, "lossless", draft_len=draft_len, **common)
+            assert got.token_ids == ref.token_ids, (text, seed, cut)
+            rejected |= got.stats.num_accepted_tokens < got.stats.num_draft_tokens
+    assert rejected
+    ids = encode(engine, PROMPTS[0])
+    outputs = {tuple(engine.autoregressive(ids, max_new_tokens=16, temperature=0.8, seed=s,
+                                           sampler="coupled").token_ids) for s in range(4)}
+    assert len(outputs) > 1
+
+
+def test_the_coupled_sampler_is_refused_by_name_and_is_greedy_decoding_at_t_0(engine):
+    ids = encode(engine, PROMPTS[0])
+    with pytest.raises(ValueError, match="sampler must be one of standard, coupled"):
+        engine.generate(ids, "lossless", max_new_tokens=4, temperature=0.7, sampler="gumbel")
+    greedy = engine.autoregressive(ids, max_new_tokens=12).token_ids
+    assert engine.autoregressive(ids, max_new_tokens=12, sampler="coupled").token_ids == greedy

@@ -42,6 +42,8 @@ def evaluate_items(decoder: Any, bench: Any, items: Sequence[Any], spec: Any,
     from workers.evaluation import TARGET_ONLY, evaluate_item
     from workers.prompts import encode_chat
 
+    if getattr(spec, "sampler", "standard") != "standard":
+        raise ValueError("the vLLM engine draws its own tokens: the coupled sampler runs on the CPU engine")
     if getattr(spec, "truncation", dict)():
         raise ValueError(f"{spec.truncation()}: the vLLM engine cannot sample with top-k / top-p (its plugin "
                          "refuses them at admission)")

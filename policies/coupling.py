@@ -1,0 +1,88 @@
+"""The coupled sampler: Gumbel-max sampling with noise keyed by the item's seed and the absolute position.
+
+At T > 0 the standard sampler draws each token from its own generator, so two arms of one item (target-only and
+a rule) are two independent samples, and their paired outcomes disagree on most items by chance. The coupled
+sampler draws the token at sequence position ``t`` as
+
+    argmax_v  z_v / T + g_v(seed, t),     g_v ~ Gumbel(0, 1), independent over v,
+
+which is a sample of softmax(z / T) (the Gumbel-max trick), with ``g`` a pure function of the seed and ``t``
+(the counter hash of :mod:`policies.hashing`, salted apart from every rule's draws). Every arm uses the same ``g``
+at the same position:
+
+- target-only samples the target's token so;
+- the draft proposes its own Gumbel-max token with the *same* noise (the coupling: the draft agrees with the
+  target more often the closer their distributions are);
+- ``lossless`` accepts a draft token exactly when it equals the target's Gumbel-max token there, and emits that
+  token where it rejects (:func:`policies.lossless.lossless_accept`, :func:`policies.emission.emit_tokens`).
+
+So lossless speculative decoding outputs, token for token, what target-only outputs for the same seed: at T > 0
+as at T = 0, wherever the verify pass's logits equal a single step's bit for bit (the int8 path). A lossy rule is
+then the only source of a difference between the arms. Its price: a coupled lossless rule accepts with
+probability P(argmax(z_q/T + g) = argmax(z_p/T + g)), which lies in [(1 - TV) / (1 + TV), 1 - TV], below the
+standard sampler's 1 - TV; speed is therefore timed with the standard sampler.
+
+What carries over to the standard sampler: a rule that decides on (p, q) alone (the KL judge, the entropy rules)
+emits, at each position given the prefix, the draft's token where it accepts and the lossless outcome where it
+does not, under either sampler; each is a sample of the same law under both, so its output distribution is the
+same. A rule that looks at the token drawn (top-k, relaxed top-k, typical, DropMatch, FLy's look-ahead) has no
+such argument: its quality under the standard sampler is an empirical question.
+
+The uniforms behind ``g`` carry 53 bits (one 64-bit hash per token), and the tail's ``1 - u`` is computed without
+cancellation, so the Gumbel tail reaches about 37 and the noise's resolution there stays fine: a token far below
+the top is sampled at its own small chance, not at a grid's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from policies import fused
+from policies.hashing import _M1, _mix, _signed
+
+SAMPLERS = ("standard", "coupled")
+_SALT = 0x436F75706C65644E  # "CoupledN": the coupling's draws never meet a rule's draws at the same seed
+
+
+def check_sampler(sampler: object) -> str:
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    return str(sampler)
+
+
+def gumbel(seed: int, positions: Tensor, vocab: int) -> Tensor:
+    """float32 ``[B, N, vocab]`` Gumbel(0, 1) noise; row ``b``'s slot ``n`` a pure function of ``seed`` and
+    ``positions[b, n]`` (the same numbers in any batch, block or process)."""
+    keys = _mix(positions.to(torch.int64) + _signed((int(seed) ^ _SALT) * _M1))  # one per (seed, position)
+    return fused.gumbel_noise(keys.flatten(), int(vocab)).view(*positions.shape, int(vocab))
+
+
+def perturbed_argmax(logits: Tensor, temperature: float, noise: Tensor) -> Tensor:
+    """``argmax(logits / T + noise)`` over the last dimension (``noise`` at least as wide as ``logits``: the
+    draft's narrower head reads the first ids' noise). -inf logits (a truncation's) stay out."""
+    width = logits.shape[-1]
+    return (logits.float() / temperature + noise[..., :width]).argmax(dim=-1)
+
+
+class CoupledNoise:
+    """One generation's noise, position by position: the draft's proposal at a position and the verify pass
+    over it read the same numbers, computed once (positions behind the last asked for are dropped)."""
+
+    def __init__(self, seed: int, vocab: int) -> None:
+        self.seed, self.vocab = int(seed), int(vocab)
+        self._held: dict[int, Tensor] = {}
+
+    def at(self, positions: Sequence[int]) -> Tensor:
+        """float32 ``[len(positions), vocab]``."""
+        positions = [int(p) for p in positions]
+        missing = [p for p in positions if p not in self._held]
+        if missing:
+            fresh = gumbel(self.seed, torch.tensor([missing]), self.vocab)[0]
+            self._held.update(zip(missing, fresh, strict=True))
+        low = min(positions)
+        for p in [p for p in self._held if p < low]:
+            del self._held[p]
+        return torch.stack([self._held[p] for p in positions])
