@@ -36,3 +36,20 @@ def test_real_pair_rows_equal_batch_1(engine):
         got = engine.evaluate_items(bench, items, spec, given, batch_size=3)
         assert [(r.output_token_ids, r.num_accepted_tokens, r.replay) for r in got] == \
             [(r.output_token_ids, r.num_accepted_tokens, r.replay) for r in want], spec.label()
+
+
+def test_real_pair_coupled_lossless_equals_coupled_target_only_at_t_07(engine):
+    """The coupled sampler on the int8 path, at Qwen2.5's recommended sampling (T 0.7, top-k 20, top-p 0.8): lossless
+    speculative decoding outputs target-only's tokens for the same seed, token for token, item by item and as
+    batched rows (the verify pass's int8 logits equal a single step's bit for bit: what the equality rests on)."""
+    bench = get_benchmark("gsm8k")
+    items = bench.items(limit=3)
+    common = dict(max_new_tokens=24, shots=1, temperature=0.7, top_k=20, top_p=0.8, sampler="coupled", seed=3)
+    reference = DecodeSpec.make(TARGET_ONLY, **common)
+    lossless = DecodeSpec.make("lossless", {}, 4, **common)
+    want = [evaluate_item(engine, bench, item, reference).output_token_ids for item in items]
+    alone = [evaluate_item(engine, bench, item, lossless) for item in items]
+    assert [r.output_token_ids for r in alone] == want
+    assert sum(r.num_draft_tokens - r.num_accepted_tokens for r in alone) > 0, "some drafts were rejected"
+    batched = engine.evaluate_items(bench, items, lossless, batch_size=3)
+    assert [r.output_token_ids for r in batched] == want
