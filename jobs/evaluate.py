@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "the rule judges that distribution (1: off)")
     ap.add_argument("--top-k", type=int, default=0, help="top-k sampling at T > 0, as --top-p (0: off)")
     ap.add_argument("--sampler", default="standard", help="standard, or coupled (T > 0, CPU engine): every arm "
-                    "draws token t by Gumbel-max with noise keyed by --seed and t, so lossless output equals "
+                    "draws token t by Gumbel-max with noise keyed by --seed, the item and t, so lossless output equals "
                     "target-only's and a lossy rule is the only source of a difference (its acceptance, and so every "
                     "speed figure it gives, is below the standard sampler's)")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed")
@@ -308,9 +308,9 @@ def _main(args: argparse.Namespace) -> int:
               "neighbours', so no measured speedup is stated: --batch-size 1 times one item at a time, "
               "python -m jobs.bench.throughput the batched engine's throughput)")
     if spec.sampler == "coupled":
-        print("  (coupled sampler: every arm drew token t with the same noise, keyed by --seed and t, so lossless "
+        print("  (coupled sampler: every arm drew token t with the same noise, keyed by --seed, the item and t, so lossless "
               "output is target-only's and the rule alone makes a difference; its acceptance is below the standard "
-              "sampler's, so these speeds understate a deployment's and overstate a lossy rule's gain over lossless)")
+              "sampler's, so these speeds understate a deployment's and may overstate a lossy rule's gain over lossless)")
     close = getattr(engine, "close", None)
     if close is not None:
         close()

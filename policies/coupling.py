@@ -28,13 +28,14 @@ does not, under either sampler; each is a sample of the same law under both, so 
 same. A rule that looks at the token drawn (top-k, relaxed top-k, typical, DropMatch, FLy's look-ahead) has no
 such argument: its quality under the standard sampler is an empirical question.
 
-The uniforms behind ``g`` carry 53 bits (one 64-bit hash per token), and the tail's ``1 - u`` is computed without
-cancellation, so the Gumbel tail reaches about 37 and the noise's resolution there stays fine: a token far below
-the top is sampled at its own small chance, not at a grid's.
+The uniforms behind ``g`` carry 53 bits (one 64-bit hash per token), and the upper tail's ``1 - u`` is computed
+without cancellation in float64, so the Gumbel tail reaches about 37 and the noise's resolution there stays fine: a
+token far below the top is sampled at its own small chance, not at a grid's.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,13 @@ def check_sampler(sampler: object) -> str:
     return str(sampler)
 
 
+def item_seed(seed: int, item: str, turn: int = 0) -> int:
+    """A generation's seed for the coupled sampler: ``seed``, the item's id and the turn hashed together, so no
+    two items (nor two turns of one, nor seed s at turn 1 and seed s + 1 at turn 0) share noise at a position."""
+    digest = hashlib.sha256(f"{int(seed)}\x00{item}\x00{int(turn)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 62) - 1)
+
+
 def gumbel(seed: int, positions: Tensor, vocab: int) -> Tensor:
     """float32 ``[B, N, vocab]`` Gumbel(0, 1) noise; row ``b``'s slot ``n`` a pure function of ``seed`` and
     ``positions[b, n]`` (the same numbers in any batch, block or process)."""
@@ -69,7 +77,8 @@ def perturbed_argmax(logits: Tensor, temperature: float, noise: Tensor) -> Tenso
 
 class CoupledNoise:
     """One generation's noise, position by position: the draft's proposal at a position and the verify pass
-    over it read the same numbers, computed once (positions behind the last asked for are dropped)."""
+    over it read the same numbers, each position's computed once and alone (a one-row block, so every arm builds
+    it the same way) and held until :meth:`release` passes it."""
 
     def __init__(self, seed: int, vocab: int) -> None:
         self.seed, self.vocab = int(seed), int(vocab)
@@ -78,11 +87,12 @@ class CoupledNoise:
     def at(self, positions: Sequence[int]) -> Tensor:
         """float32 ``[len(positions), vocab]``."""
         positions = [int(p) for p in positions]
-        missing = [p for p in positions if p not in self._held]
-        if missing:
-            fresh = gumbel(self.seed, torch.tensor([missing]), self.vocab)[0]
-            self._held.update(zip(missing, fresh, strict=True))
-        low = min(positions)
-        for p in [p for p in self._held if p < low]:
-            del self._held[p]
+        for p in positions:
+            if p not in self._held:
+                self._held[p] = gumbel(self.seed, torch.tensor([[p]]), self.vocab)[0, 0]
         return torch.stack([self._held[p] for p in positions])
+
+    def release(self, below: int) -> None:
+        """Drop the positions before ``below`` (committed: never asked for again)."""
+        for p in [p for p in self._held if p < below]:
+            del self._held[p]

@@ -197,11 +197,11 @@ def _kernel(name: str) -> Any:
 
 def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
     """The coupled sampler's noise (:func:`policies.hashing._gumbel_by_element`), float32 ``[M, vocab]``, in one
-    compiled pass where the fused kernels run and the block holds at least :data:`MIN_STREAM_NUMBERS` numbers (as
-    :func:`stream_numbers`), else eagerly (about 15 passes over the block). The hash is integer arithmetic and exact either way; the two logarithms may differ by an ulp between
+    compiled pass where the fused kernels run and the vocabulary holds at least :data:`MIN_STREAM_NUMBERS` ids (by
+    the vocabulary alone, so every block of one pair takes one path), else eagerly (about 15 passes). The hash is integer arithmetic and exact either way; the two logarithms may differ by an ulp between
     the compiled and the eager path, so every arm of a comparison should run where the same path does (one
     machine, this module's mode)."""
-    if not _streams_failed and keys.shape[0] * vocab >= MIN_STREAM_NUMBERS:
+    if not _streams_failed and vocab >= MIN_STREAM_NUMBERS:  # by the vocabulary alone: one path for every block
         try:
             want = mode()
         except ValueError as err:
@@ -214,7 +214,8 @@ def gumbel_noise(keys: Tensor, vocab: int) -> Tensor:
                 return noise
             except Exception as err:  # noqa: BLE001 - no compiler, an Inductor bug: the eager passes instead
                 _switch_off(_streams_failed, err, "the fused random-stream kernel failed ({}); the eager hash draws "
-                            "the same numbers from now on in this process")
+                            "from now on in this process (the same integers; a coupled sampler's noise may differ "
+                            "by an ulp from what the compiled loop gave)")
     return _gumbel_by_element(keys, vocab)
 
 

@@ -66,11 +66,11 @@ def _numbers_by_element(key: Tensor, n_heads: int, per_head: int, bits: int) -> 
 
 def _gumbel_by_element(keys: Tensor, vocab: int) -> Tensor:
     """float32 ``[M, vocab]`` Gumbel(0, 1) noise: number ``v`` of the row keyed ``keys[m]`` from hash
-    ``_mix(key + v)``'s top 53 bits, ``u = (bits + 0.5) / 2^53``. What the tail needs is ``1 - u``, exact in
-    float64 and then relative to its own size in float32: ``w = (2^53 - bits - 0.5) / 2^53``, ``E = -log u =
-    -log1p(-w)`` ~ Exp(1), ``g = -log E`` (the tail reaches about 37). :func:`policies.fused.gumbel_noise`
+    ``_mix(key + v * golden)``'s top 53 bits, ``u = (bits + 0.5) / 2^53``. What the upper tail needs is ``1 - u``,
+    exact in float64: ``w = (2^53 - bits - 0.5) / 2^53``, ``E = -log u = -log1p(-w)`` ~ Exp(1), ``g = -log E``, all
+    in float64 (both tails finite: g in about [-3.6, 37]), then float32. :func:`policies.fused.gumbel_noise`
     compiles it into one loop."""
     ids = torch.arange(int(vocab), dtype=torch.int64, device=keys.device)
-    top = _shr(_mix(keys.unsqueeze(-1) + ids), 11).to(torch.float64)
+    top = _shr(_mix(keys.unsqueeze(-1) + ids * _GOLDEN), 11).to(torch.float64)  # SplitMix64's own counter step
     w = ((1 << 53) - top - 0.5) * (1.0 / (1 << 53))
-    return -torch.log(-torch.log1p(-w.to(torch.float32)))
+    return (-torch.log(-torch.log1p(-w))).to(torch.float32)

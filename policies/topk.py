@@ -18,8 +18,11 @@ from policies.registry import Leniency, register
 
 
 def target_rank(target: Tensor, draft_ids: Tensor) -> Tensor:
-    """[B, L, V] x [B, L] -> [B, L] long: 0 for the argmax."""
-    return (target > gather_last(target, draft_ids).unsqueeze(-1)).sum(dim=-1)
+    """[B, L, V] x [B, L] -> [B, L] long: 0 for the argmax; V for a token the target's distribution excludes (a
+    -inf logit: outside a top-k / top-p truncation), which no bound min(k, V) admits."""
+    at = gather_last(target, draft_ids)
+    rank = (target > at.unsqueeze(-1)).sum(dim=-1)
+    return torch.where(torch.isneginf(at), target.shape[-1], rank)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ def decide_top_k(batch: VerifyBatch, config: TopKConfig) -> Decision:
     """Accept a draft token within the target's top-k. Score: the token's rank (0 = argmax)."""
     lossless = lossless_accept(batch)
     rank = target_rank(batch.target_f32[:, :-1], batch.draft_token_ids)
-    return with_lossless(lossless, rank < config.k, rank.to(torch.float32))
+    return with_lossless(lossless, rank < min(config.k, batch.vocab_size), rank.to(torch.float32))
 
 
 @dataclass(frozen=True)
@@ -62,5 +65,5 @@ def decide_relaxed_topk(batch: VerifyBatch, config: RelaxedTopKConfig) -> Decisi
     rank = target_rank(batch.target_f32[:, :-1], batch.draft_token_ids)
     logp = batch.target_logp  # [B, L, V], shared with other rules on this batch
     gap = logp.amax(dim=-1).exp() - gather_last(logp, batch.draft_token_ids).exp()
-    relaxed = (rank < config.n) & (gap <= config.delta)
+    relaxed = (rank < min(config.n, batch.vocab_size)) & (gap <= config.delta)
     return with_lossless(lossless, relaxed, gap)

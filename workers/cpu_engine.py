@@ -388,6 +388,8 @@ class SpecDecoder:
             tokens += new
             if on_tokens is not None and kept and on_tokens(kept) is False and finish is None:
                 finish = "abort"
+            if noise is not None:
+                noise.release(len(tokens) - 1)  # the last token's position was drawn; the next block starts after it
             self.target.crop(committed + n_acc)  # all committed tokens but the emitted one
             if self.draft.length > len(tokens) - 1:
                 self.draft.crop(len(tokens) - 1)
@@ -434,6 +436,8 @@ class SpecDecoder:
             if rounds is not None:
                 rounds.append((len(tokens) - 1, logits.float().clone().unsqueeze(0)))
             t0 = time.perf_counter()
+            if noise is not None:
+                noise.release(len(tokens))
             tok = self._pick(logits, temperature, gen) if noise is None else \
                 int(perturbed_argmax(logits, temperature, noise.at([len(tokens)])[0]))
             stats.policy_time_s += time.perf_counter() - t0

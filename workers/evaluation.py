@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
-from policies.coupling import check_sampler
+from policies.coupling import check_sampler, item_seed
 from policies.truncation import check_truncation
 from workers.benchmarks import Benchmark, Item
 from workers.engine_registry import ItemEngine
@@ -281,8 +281,10 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
         for turn in range(len(item.turns)):
             ids = encode_chat(engine.pair.tokenizer, bench.messages(item, shots=spec.shots, turn=turn, previous=previous),
                               getattr(bench, "chat", None))
+            # the coupled sampler keys its noise by item too: items never share noise at a position
+            seed = spec.seed + turn if spec.sampler == "standard" else item_seed(spec.seed, item.id, turn)
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
-                          seed=spec.seed + turn, stop=list(bench.stop) or None)
+                          seed=seed, stop=list(bench.stop) or None)
             sampled = {**common, **spec.sampling()}  # what decoding takes (replay runs at T = 0 only)
             on_prefix = all(h == "exact" for h in how)  # every turn before kept the reference's output
             if policy is None:

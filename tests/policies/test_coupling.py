@@ -23,7 +23,6 @@ def test_noise_depends_on_seed_and_position_alone():
     noise = CoupledNoise(7, 50)
     assert torch.equal(noise.at([11, 12]), block[0, 1:])
     assert torch.equal(noise.at([12, 13])[0], block[0, 2]), "a held position is read back"
-    assert 11 not in noise._held, "positions behind the last asked for are dropped"
 
 
 def test_the_noise_is_gumbel():
@@ -101,3 +100,19 @@ def test_bad_coupling_and_sampler_names_are_refused():
     assert check_sampler("coupled") == "coupled"
     with pytest.raises(ValueError, match="sampler must be one of standard, coupled"):
         check_sampler("gumbel")
+
+
+def test_item_seeds_keep_items_and_turns_apart():
+    from policies.coupling import item_seed
+
+    seeds = {item_seed(s, i, t) for s in (0, 1) for i in ("gsm8k/test/0", "gsm8k/test/1") for t in (0, 1)}
+    assert len(seeds) == 8 and all(0 <= x < 1 << 62 for x in seeds)
+    assert item_seed(0, "a", 1) != item_seed(1, "a", 0) and item_seed(3, "a") == item_seed(3, "a", 0)
+
+
+def test_each_position_is_drawn_alone_and_held_until_released():
+    noise = CoupledNoise(4, 64)
+    block = noise.at([5, 6, 7])
+    assert torch.equal(block[1], gumbel(4, torch.tensor([[6]]), 64)[0, 0])
+    noise.release(6)
+    assert sorted(noise._held) == [6, 7] and torch.equal(noise.at([7])[0], block[2])

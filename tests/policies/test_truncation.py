@@ -107,3 +107,22 @@ def test_lossless_samples_exactly_the_truncated_target():
     assert set(first.unique().tolist()) <= set(support), "nothing outside the truncated set"
     expected = (p[support] * rows).tolist()
     assert stats.chisquare(counts[support].tolist(), expected).pvalue > 1e-3
+
+
+def test_rank_rules_never_accept_a_token_the_truncated_target_excludes():
+    """top_k and relaxed_topk read ranks and probabilities: a draft token at a -inf target logit (outside a
+    top-p set smaller than k) is rank V, probability 0, and neither accepts it, however lenient."""
+    import math as _math
+
+    from policies import VerifyBatch, make_policy
+
+    target = torch.full((1, 2, 10), -_math.inf)
+    target[0, :, 0], target[0, :, 1] = 5.0, 4.0  # the truncated target keeps ids 0 and 1
+    draft = torch.zeros(1, 1, 10)
+    batch = VerifyBatch(draft_token_ids=torch.tensor([[7]]), draft_logits=draft, target_logits=target,
+                        temperature=0.7, generator=torch.Generator().manual_seed(0))
+    for name, params in (("top_k", {"k": 64}), ("relaxed_topk", {"n": 16, "delta": 1.0})):
+        assert not bool(make_policy(name, **params).decide(batch).accepted.any()), name
+    inside = VerifyBatch(draft_token_ids=torch.tensor([[1]]), draft_logits=draft, target_logits=target,
+                         temperature=0.7, generator=torch.Generator().manual_seed(0))
+    assert bool(make_policy("top_k", k=2).decide(inside).accepted.all())
