@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from policies import fused
 from policies.hashing import _M1, _mix, _signed
+from policies.truncation import truncate
 
 SAMPLERS = ("standard", "coupled")
 _SALT = 0x436F75706C65644E  # "CoupledN": the coupling's draws never meet a rule's draws at the same seed
@@ -96,3 +98,30 @@ class CoupledNoise:
         """Drop the positions before ``below`` (committed: never asked for again)."""
         for p in [p for p in self._held if p < below]:
             del self._held[p]
+
+
+@dataclass(frozen=True)
+class CoupledDraw:
+    """One generation's coupled draws as a whole (what a teacher-forced pass needs of the sampler): the temperature,
+    the truncation and the generation's seed. Row ``i`` of ``logits`` at ``first + i`` is cut, then drawn with the
+    noise of its absolute position, each position's built alone as :class:`CoupledNoise` builds it live."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0.0:
+            raise ValueError(f"the coupled sampler draws at T > 0, got T = {self.temperature}")
+
+    def cut(self, logits: Tensor) -> Tensor:
+        return truncate(logits, self.temperature, self.top_k, self.top_p)
+
+    def noise(self, first: int, rows: int, vocab: int) -> Tensor:
+        """float32 ``[rows, vocab]``: positions ``first .. first + rows - 1``."""
+        return CoupledNoise(self.seed, vocab).at(range(int(first), int(first) + int(rows)))
+
+    def tokens(self, cut_logits: Tensor, noise: Tensor) -> Tensor:
+        """``[N]``: each row's draw from its cut logits ``[N, V']`` and its noise ``[N, >= V']``."""
+        return perturbed_argmax(cut_logits, self.temperature, noise)

@@ -47,11 +47,24 @@ def truncate(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 
         kth = out.topk(top_k, dim=-1).values[..., -1:]
         out.masked_fill_(out < kth, -math.inf)
     if top_p < 1.0:
-        probs = torch.softmax(out / temperature, dim=-1)
-        order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        before = order.values.cumsum(dim=-1) - order.values  # the mass of the tokens ahead of each
-        drop_sorted = before >= top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order.indices, drop_sorted)
-        out.masked_fill_(drop, -math.inf)
+        probs = torch.softmax(out / temperature, dim=-1)  # over the whole row: the sums every path shares
+        if 0 < top_k < v:  # only the top-k set can be kept: sort its ids alone (~20 of ~150k)
+            width = int((out > -math.inf).sum(dim=-1).max())  # k, or more where ties at the boundary stay
+            ids = out.topk(width, dim=-1).indices.sort(dim=-1).values  # the set (and -inf fill) in id order
+            out.masked_fill_(_top_p_drop(probs.gather(-1, ids), top_p, ids, v), -math.inf)
+        else:
+            out.masked_fill_(_top_p_drop(probs, top_p, None, v), -math.inf)
     return out
+
+
+def _top_p_drop(probs: Tensor, top_p: float, ids: Tensor | None, vocab: int) -> Tensor:
+    """Boolean ``[..., vocab]``: the tokens top-p drops, from ``probs`` over ``ids`` (each row's ids ascending;
+    None: the whole vocabulary). A stable sort keeps equal probabilities in id order, and a row's cumulative sum runs
+    in sequence in a wider accumulator, so the mass ahead of a token is the same number over a row's top-k ids as over
+    the whole vocabulary (its other tokens hold probability 0 and sort after): one set either way, bit for bit."""
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = order.values.cumsum(dim=-1) - order.values  # the mass of the tokens ahead of each
+    drop_sorted = before >= top_p
+    drop_sorted[..., 0] = False
+    where = order.indices if ids is None else ids.gather(-1, order.indices)
+    return torch.zeros(*probs.shape[:-1], vocab, dtype=torch.bool, device=probs.device).scatter_(-1, where, drop_sorted)

@@ -327,7 +327,8 @@ class SpecDecoder:
 
         ``sampler="coupled"`` (T > 0; :mod:`policies.coupling`): every token at sequence position t is a
         Gumbel-max sample with noise keyed by ``seed`` and t, the draft's with the same noise: lossless output is
-        then target-only's under the same seed and sampler, token for token."""
+        then target-only's under the same seed and sampler, token for token. A rule's own random numbers are then
+        keyed by position too, as at T = 0, so a run replays from one teacher-forced pass (``workers.replay``)."""
         if isinstance(policy, str):
             policy = make_policy(policy)
         if not isinstance(draft_len, int) or draft_len < 1:
@@ -362,7 +363,7 @@ class SpecDecoder:
                 rounds.append((committed - 1, target_logits[0].float().clone()))
             t0 = time.perf_counter()
             streams = PositionStreams(seed, torch.arange(committed, committed + n_draft).unsqueeze(0)) \
-                if temperature == 0.0 else None
+                if temperature == 0.0 or noise is not None else None
             result = verify(policy, VerifyBatch(
                 draft_token_ids=torch.tensor([draft_ids]),
                 draft_logits=draft_logits,

@@ -206,7 +206,7 @@ def _threads() -> int:
 
 
 def _replayable(engine: Any, spec: DecodeSpec, reference: dict[str, Any] | None) -> bool:
-    return (reference is not None and spec.policy != TARGET_ONLY and spec.temperature == 0.0
+    return (reference is not None and spec.policy != TARGET_ONLY and (spec.temperature == 0.0 or spec.sampler == "coupled")
             and hasattr(engine, "target") and hasattr(engine, "draft") and bool(reference.get("tokens")))
 
 
@@ -285,12 +285,12 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
             seed = spec.seed + turn if spec.sampler == "standard" else item_seed(spec.seed, item.id, turn)
             common = dict(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
                           seed=seed, stop=list(bench.stop) or None)
-            sampled = {**common, **spec.sampling()}  # what decoding takes (replay runs at T = 0 only)
+            sampled = {**common, **spec.sampling()}  # what decoding takes (and replay, at T = 0 or coupled)
             on_prefix = all(h == "exact" for h in how)  # every turn before kept the reference's output
             if policy is None:
                 gen = engine.autoregressive(ids, **sampled)
             elif _replayable(engine, spec, reference) and on_prefix and turn < len(reference["tokens"]):
-                from workers.replay import decisions, forced_pass, replay
+                from workers.replay import decisions, draw_for, forced_pass, replay
                 from workers.stats import Generation
 
                 try:
@@ -298,16 +298,17 @@ def evaluate_item(engine: SpecDecoder, bench: Benchmark, item: Item, spec: Decod
                                      GenerationStats())
                     forced = acc = None
                     if passes is not None:  # shared with the bundle's other specs (evaluate_bundle)
-                        key = (tuple(ids), tuple(ref.token_ids), ref.finish_reason)
+                        draw = draw_for(spec.temperature, spec.top_k, spec.top_p, spec.sampler, common["seed"])
+                        key = (tuple(ids), tuple(ref.token_ids), ref.finish_reason, draw)
                         if key not in passes:
                             passes[key] = forced_pass(engine, ids, ref.token_ids, ref.finish_reason,
-                                                      extend=max(extend or 0, spec.draft_len))
+                                                      extend=max(extend or 0, spec.draft_len), draw=draw)
                         forced = passes[key]
                         rule = (key, spec.policy, json.dumps(spec.params_dict, sort_keys=True), common["seed"])
                         if rule not in passes:
                             passes[rule] = decisions(engine, forced, policy, common["seed"])
                         acc = passes[rule]
-                    done = replay(engine, ids, ref, policy, spec.draft_len, **common, forced=forced, accepted=acc)
+                    done = replay(engine, ids, ref, policy, spec.draft_len, **sampled, forced=forced, accepted=acc)
                 except Exception as err:  # noqa: BLE001 - a replay that cannot run decodes in full, said so
                     gen = engine.generate(ids, policy, draft_len=spec.draft_len, **sampled)
                     how.append(f"full (replay failed: {type(err).__name__})")

@@ -1,4 +1,5 @@
-"""Replay evaluation at T = 0: a rule's speculative run from one teacher-forced pass over the target-only output.
+"""Replay at T = 0 and under the coupled sampler: a rule's speculative run from one teacher-forced pass over the
+target-only output.
 
 At temperature 0 with greedy drafting, speculative decoding reproduces the target-only output y up to the
 first verify round whose accepted run holds a draft token that differs from y there. Until then every
@@ -22,9 +23,13 @@ the modelled cost and the first divergence, or none.
 The contract is exactness: the replayed tokens, acceptance counts and modelled cost equal a full speculative
 decode's (``tests/workers/test_replay.py``, every registered rule). What can break it is numerics: the pass
 computes the same logits in other shapes than incremental decoding does; where the target's argmax of the pass
-disagrees with y (a near-tie), the item is decoded in full and counted (``Replayed.reason``). T > 0 is not
-replayable (a sampled run leaves the target-only output at its first draw): :func:`replay` refuses it, and the
-callers decode in full and say so.
+disagrees with y (a near-tie), the item is decoded in full and counted (``Replayed.reason``).
+
+At T > 0 the standard sampler is not replayable (a sampled run leaves the target-only output at its first draw):
+:func:`replay` refuses it, and the callers decode in full and say so. The coupled sampler is
+(``policies.coupling``): every token is the Gumbel-max draw of its cut distribution with noise keyed by the seed and
+the absolute position, so lossless draws target-only's tokens, and the argument above holds with "argmax" read as
+"the draw with the position's noise" (``CoupledDraw``), for the target, the draft and every rule's decision.
 
 Knows two models' engine (``workers.cpu_engine.SpecDecoder``) and ``policies``; nothing about benchmarks,
 Ray or MLflow.
@@ -40,6 +45,7 @@ import torch
 from torch import Tensor
 
 from policies import Policy, VerifyBatch, decide_local, lookahead, make_policy, traits
+from policies.coupling import CoupledDraw
 from policies.randomness import PositionStreams
 from policies.registry import needs_draft_logits
 from workers.resets import resets_on_error
@@ -82,7 +88,19 @@ def exact_rule(policy: Policy | str, params: dict[str, Any] | None = None) -> bo
 
 
 class NotReplayable(ValueError):
-    """A run replay cannot reproduce exactly (T > 0): decode it in full."""
+    """A run replay cannot reproduce exactly (T > 0 under the standard sampler): decode it in full."""
+
+
+def draw_for(temperature: float, top_k: int = 0, top_p: float = 1.0, sampler: str = "standard",
+             seed: int = 0) -> CoupledDraw | None:
+    """How a replayable run draws its tokens: None at T = 0 (greedy), the coupled sampler's settings at T > 0;
+    ``NotReplayable`` for the standard sampler at T > 0 (a sampled run leaves the target-only output at its first
+    draw)."""
+    if temperature == 0.0:
+        return None
+    if sampler != "coupled":
+        raise NotReplayable(f"replay at T = {temperature} needs the coupled sampler (got {sampler!r}): decode in full")
+    return CoupledDraw(float(temperature), int(top_k), float(top_p), int(seed))
 
 
 @dataclass
@@ -95,12 +113,19 @@ class Forced:
     target_logits: Tensor  # [T + 1, V] float32
     target_hidden: Tensor  # [T + 1, d]
     draft_logits: Tensor  # [T + 1, V] float32
-    draft_tokens: Tensor  # [T + 1] long: the greedy draft's proposal at each row (its proposal vocabulary's argmax)
-    agrees: int  # rows 0 .. agrees - 1: the pass's target argmax is the prefix's token (near-ties can break it)
-    near_ties: int  # rows whose target or draft top-2 logits lie within NEAR_TIE of each other
+    draft_tokens: Tensor  # [T + 1] long: the draft's proposal at each row (greedy: its proposal vocabulary's argmax)
+    agrees: int  # rows 0 .. agrees - 1: the pass's target draw is the prefix's token (near-ties can break it)
+    near_ties: int  # rows whose target or draft top-2 scores lie within NEAR_TIE of each other
     seconds: float = 0.0
-    after: list[int] = field(default_factory=list)  # the target's greedy tokens past y's end (``extend``)
-    tail_ok: bool = True  # False: the reference ended on EOS but the pass's argmax there is no EOS (a near-tie)
+    after: list[int] = field(default_factory=list)  # the target's own tokens past y's end (``extend``)
+    tail_ok: bool = True  # False: the reference ended on EOS but the pass's draw there is no EOS (a near-tie)
+    target_tokens: Tensor | None = None  # [T + 1 + extension] long: the target's draw at each row (argmax at T = 0)
+    draw: CoupledDraw | None = None  # the coupled sampler's settings at T > 0 (None: greedy)
+    noise: Tensor | None = None  # [rows, V] float32: the coupled sampler's noise at each row's position
+
+    def __post_init__(self) -> None:
+        if self.target_tokens is None:  # greedy: the target's token at a row is its argmax
+            self.target_tokens = self.target_logits.argmax(dim=-1)
 
     @property
     def positions(self) -> int:
@@ -115,57 +140,88 @@ def _near_ties(logits: Tensor) -> int:
 
 @resets_on_error
 @torch.inference_mode()
-def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str, extend: int = 0) -> Forced:
+def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: str, extend: int = 0,
+                draw: CoupledDraw | None = None) -> Forced:
     """One forward of each model over ``prompt + generated`` (the prompt's KV entries reused from the engine's
     prefix cache), keeping the T + 1 rows that score the generated tokens and the one after.
 
     ``extend``: where the reference ended on EOS or a stop string, continue the prefix past its end with the
-    target's own greedy tokens (EOS first, then whatever the target would say after it; ``extend`` of them, by
+    target's own tokens (EOS first, then whatever the target would say after it; ``extend`` of them, by
     incremental decoding, the draft's rows in one forward), so a round that accepts the end and drafts on is
     still on the prefix: lossless then replays without decoding at any L <= ``extend`` (a lossy rule that
-    accepts a mismatch there resumes live, as anywhere)."""
+    accepts a mismatch there resumes live, as anywhere).
+
+    ``draw``: the coupled sampler at T > 0 (``policies.coupling``): every row's logits are cut as live decoding
+    cuts them (top-k / top-p), and the target's and the draft's tokens at a row are their Gumbel-max draws with
+    the noise of the row's absolute position, as a live run draws them; greedy (argmax) without it."""
     t0 = time.perf_counter()
     prompt = [int(t) for t in prompt]
     seq = prompt + [int(t) for t in generated]
-    rows = _forced_rows(engine, prompt, seq)
+    # every row's noise, the extension's too (rows T + 1 .. T + extend - 1), each position's built alone
+    noise = None if draw is None else draw.noise(len(prompt), len(generated) + max(extend, 1), engine.pair.vocab_size)
+    rows = _forced_rows(engine, prompt, seq, draw, noise)
+    target_tokens = _draws(rows["target"], draw, noise)
     after: list[int] = []
     if extend > 0 and finish != "length":
-        after = [int(rows["target"][-1].argmax())]
+        after = [int(target_tokens[-1])]
         more: dict[str, list[Tensor]] = {"target": [], "hidden": []}
         for _ in range(extend - 1):  # rows T + 1 .. T + extend - 1, incremental like live decoding
             hidden = engine.target.forward(torch.tensor([[after[-1]]]))
-            logits = engine.target.head(hidden)[0].float()
+            logits = _cut(engine.target.head(hidden)[0].float(), draw)
             more["target"].append(logits)
             more["hidden"].append(hidden[0])
-            after.append(int(logits[-1].argmax()))
+            row = len(seq) - len(prompt) + len(after)
+            after.append(int(_draws(logits, draw, None if noise is None else noise[row: row + 1])[-1]))
         if extend > 1:
             hidden = engine.draft.forward(torch.tensor([after[:-1]]))
-            draft, proposed, proposal_logits = _draft_rows(engine, hidden)
+            first = len(seq) - len(prompt) + 1
+            draft, proposed, proposal_logits = _draft_rows(engine, hidden, draw,
+                                                           None if noise is None else noise[first:])
             rows = {"target": torch.cat([rows["target"], *more["target"]]),
                     "hidden": torch.cat([rows["hidden"], *more["hidden"]]), "draft": torch.cat([rows["draft"], draft]),
                     "proposed": torch.cat([rows["proposed"], proposed]),
                     "proposal_logits": torch.cat([rows["proposal_logits"], proposal_logits])}
+            target_tokens = torch.cat([target_tokens, torch.tensor(after[1:], dtype=torch.long)])
     target = rows["target"]
     ext = torch.tensor(generated + after, dtype=torch.long)
-    argmax = target[: len(ext)].argmax(dim=-1)
-    differ = torch.nonzero(argmax != ext)
+    differ = torch.nonzero(target_tokens[: len(ext)] != ext)
     agrees = int(differ[0, 0]) if len(differ) else len(ext)
-    tail_ok = finish != "eos" or int(target[len(generated)].argmax()) in set(engine.pair.eos_token_ids)
+    tail_ok = finish != "eos" or int(target_tokens[len(generated)]) in set(engine.pair.eos_token_ids)
+    scores = (lambda x, n: x) if draw is None else (  # what a draw compares: the perturbed scores under coupling
+        lambda x, n: x / draw.temperature + n[: x.shape[0], : x.shape[1]])
+    ties = _near_ties(scores(target, noise)) + _near_ties(scores(rows["proposal_logits"], noise))
     return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], rows["proposed"], agrees,
-                  _near_ties(target) + _near_ties(rows["proposal_logits"]), time.perf_counter() - t0, after, tail_ok)
+                  ties, time.perf_counter() - t0, after, tail_ok, target_tokens, draw,
+                  None if noise is None else noise[: target.shape[0]])
 
 
-def _draft_rows(engine: Any, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """From the draft's hidden states [1, n, d]: its full logits [n, V], its greedy proposals [n] and the logits
-    they were chosen from [n, P] (the proposal vocabulary's, ``SpecDecoder.proposal``, or the full ones)."""
-    full = engine.draft.head(hidden)[0].float()
+def _cut(logits: Tensor, draw: CoupledDraw | None) -> Tensor:
+    return logits if draw is None else draw.cut(logits)
+
+
+def _draws(cut_logits: Tensor, draw: CoupledDraw | None, noise: Tensor | None) -> Tensor:
+    """Each row's token: the argmax (greedy), or the coupled draw with its row's noise."""
+    if draw is None:
+        return cut_logits.argmax(dim=-1)
+    return draw.tokens(cut_logits, noise[: cut_logits.shape[0]])
+
+
+def _draft_rows(engine: Any, hidden: Tensor, draw: CoupledDraw | None = None,
+                noise: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """From the draft's hidden states [1, n, d]: its full logits [n, V] (cut, under coupling), its proposals [n]
+    and the logits they were chosen from [n, P] (greedy: the proposal vocabulary's, ``SpecDecoder.proposal``, or
+    the full ones; coupled: the full head's, as live sampling proposes)."""
+    full = _cut(engine.draft.head(hidden)[0].float(), draw)
     proposal = getattr(engine, "proposal", None)
+    if draw is not None:
+        return full, _draws(full, draw, noise), full
     if proposal is None:
         return full, full.argmax(dim=-1), full
     return full, proposal.argmax(hidden[0]), proposal.logits(hidden[0]).float()
 
 
-def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Tensor]:
+def _forced_rows(engine: Any, prompt: list[int], seq: list[int], draw: CoupledDraw | None = None,
+                 noise: Tensor | None = None) -> dict[str, Tensor]:
     rows: dict[str, Tensor] = {}
     for name, lm in (("target", engine.target), ("draft", engine.draft)):
         if engine.prefix_cache:
@@ -177,10 +233,10 @@ def _forced_rows(engine: Any, prompt: list[int], seq: list[int]) -> dict[str, Te
             lm.forward(torch.tensor([prompt[lm.length: len(prompt) - 1]]))
         hidden = lm.forward(torch.tensor([seq[len(prompt) - 1:]]))  # [1, T + 1, d]
         if name == "target":
-            rows[name] = lm.head(hidden)[0].float()
+            rows[name] = _cut(lm.head(hidden)[0].float(), draw)
             rows["hidden"] = hidden[0]
         else:
-            rows[name], rows["proposed"], rows["proposal_logits"] = _draft_rows(engine, hidden)
+            rows[name], rows["proposed"], rows["proposal_logits"] = _draft_rows(engine, hidden, draw, noise)
     return rows
 
 
@@ -202,22 +258,26 @@ class Decided:
 
 @torch.inference_mode()
 def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> Decided:
-    """The rule's decision at every position of the pass for the greedy draft token there, all in one
-    ``decide`` (the positions as one block: a T = 0 decision depends on its own position's inputs and its
-    position-keyed randomness alone). A look-ahead rule decides each position from its own inputs
-    (``policies.decide_local``) and says where its block could still decide otherwise (:class:`Decided`)."""
+    """The rule's decision at every position of the pass for the draft token there, all in one ``decide`` (the
+    positions as one block: a decision depends on its own position's inputs and its position-keyed randomness
+    alone, at T = 0 and under the coupled sampler, whose noise is the position's too). A look-ahead rule decides
+    each position from its own inputs (``policies.decide_local``) and says where its block could still decide
+    otherwise (:class:`Decided`)."""
     draft_tokens = forced.draft_tokens  # [P]
     target = torch.cat([forced.target_logits, forced.target_logits[-1:]])  # the bonus slot: never read
     hidden = torch.cat([forced.target_hidden, forced.target_hidden[-1:]])
     positions = torch.arange(forced.prompt_len, forced.prompt_len + forced.positions).unsqueeze(0)
     # the draft's distribution exactly where a live round hands it to the rule (``SpecDecoder.generate``'s ``full`` at
     # T = 0): a rule that does not read it gets None, as live, so the same statistics kernel decides both
-    full = getattr(engine, "proposal", None) is None or needs_draft_logits(policy)
+    # (at T > 0 a live round always hands it over: the draft sampled from it)
+    full = forced.draw is not None or getattr(engine, "proposal", None) is None or needs_draft_logits(policy)
+    coupling = None if forced.noise is None else torch.cat([forced.noise, forced.noise[-1:]]).unsqueeze(0)
     batch = VerifyBatch(draft_token_ids=draft_tokens.unsqueeze(0),
                         draft_logits=forced.draft_logits.unsqueeze(0) if full else None,
                         target_logits=target.unsqueeze(0), target_hidden=hidden.unsqueeze(0),
-                        lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias, temperature=0.0,
-                        generator=None, streams=PositionStreams(seed, positions))
+                        lm_head_weight=engine.lm_head_weight, lm_head_bias=engine.lm_head_bias,
+                        temperature=0.0 if forced.draw is None else forced.draw.temperature,
+                        generator=None, streams=PositionStreams(seed, positions), coupling=coupling)
     window = lookahead(policy)
     if window == 0:
         return Decided(policy.decide(batch).accepted[0].bool(), draft_tokens)
@@ -252,7 +312,7 @@ def simulate(accepted: Tensor, draft_tokens: Tensor, forced: Forced, draft_len: 
     acc, drafts = accepted.tolist(), draft_tokens.tolist()
     open_ = still_open.tolist() if still_open is not None else None
     y, end = forced.generated, len(forced.generated)
-    nxt = [int(forced.target_logits[end].argmax())] if forced.positions > end and not forced.after else []
+    nxt = [int(forced.target_tokens[end])] if forced.positions > end and not forced.after else []
     ext = y + (forced.after or nxt)  # the prefix every on-prefix round sees, and the target's tokens after it
     finish_at = end if forced.finish == "eos" else end - 1  # the generated index of the round's last token
     trusted = min(forced.agrees, len(ext)) if forced.after else (len(ext) if forced.agrees >= end else forced.agrees)
@@ -303,13 +363,16 @@ class Replayed:
 
 def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy | str, draft_len: int,
            max_new_tokens: int, temperature: float = 0.0, seed: int = 0, stop: Any = None,
-           forced: Forced | None = None, accepted: Decided | None = None) -> Replayed:
+           forced: Forced | None = None, accepted: Decided | None = None, top_k: int = 0, top_p: float = 1.0,
+           sampler: str = "standard") -> Replayed:
     """``policy`` at ``draft_len`` on ``prompt`` as a live speculative decode would run it, from the
-    target-only ``reference`` (the same prompt, max_new_tokens and stop strings): exact at T = 0
-    (``NotReplayable`` otherwise). ``forced`` / ``accepted``: a pass and decisions already computed (the
-    same item under several L)."""
-    if temperature != 0.0:
-        raise NotReplayable(f"replay is exact at T = 0 only (got T = {temperature}): decode in full")
+    target-only ``reference`` (the same prompt, max_new_tokens, stop strings and sampling): exact at T = 0, and
+    at T > 0 under the coupled sampler (``sampler="coupled"``, the reference drawn with it at the same ``seed``,
+    ``top_k`` and ``top_p``), where target-only and lossless draw the same tokens; ``NotReplayable`` otherwise.
+    ``forced`` / ``accepted``: a pass and decisions already computed (the same item under several L)."""
+    draw = draw_for(temperature, top_k, top_p, sampler, seed)
+    if forced is not None and forced.draw != draw:
+        raise ValueError(f"the pass was made for {forced.draw}, the run draws with {draw}")
     if reference.finish_reason == "abort":
         raise NotReplayable("the reference run was aborted: decode in full")
     made = len(reference.token_ids)
@@ -321,7 +384,8 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
     if isinstance(policy, str):
         policy = make_policy(policy)
     t0 = time.perf_counter()
-    forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason, extend=draft_len)
+    forced = forced or forced_pass(engine, prompt, reference.token_ids, reference.finish_reason, extend=draft_len,
+                                   draw=draw)
     decided = accepted or decisions(engine, forced, policy, seed)
     t1 = time.perf_counter()
     sim = simulate(decided.accepted, decided.drafts, forced, draft_len, max_new_tokens, decided.still_open,
@@ -335,8 +399,9 @@ def replay(engine: Any, prompt: list[int], reference: Generation, policy: Policy
     reason = "near-tie" if sim.reason == "past the pass" and (forced.agrees < len(forced.generated)
                                                                 or not forced.tail_ok) else sim.reason
     t2 = time.perf_counter()
-    live = engine.generate(prompt, policy, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=0.0,
-                           seed=seed, stop=stop, generated_prefix=forced.generated[:g])
+    sampling = {} if draw is None else {"top_k": top_k, "top_p": top_p, "sampler": sampler}
+    live = engine.generate(prompt, policy, draft_len=draft_len, max_new_tokens=max_new_tokens, temperature=temperature,
+                           seed=seed, stop=stop, generated_prefix=forced.generated[:g], **sampling)
     seconds["decode_s"] = time.perf_counter() - t2
     stats = replace(sim.stats.plus(live.stats), num_generated=len(live.token_ids))
     return Replayed(Generation(live.token_ids, live.text, live.finish_reason, stats), reason, g, sim.diverged_at,

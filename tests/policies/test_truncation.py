@@ -54,6 +54,34 @@ def test_rows_truncate_independently():
     assert torch.equal(together, alone)
 
 
+def _top_p_over_the_whole_vocabulary(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The definition, written plainly: top-k's cut, then one stable sort of the whole vocabulary for top-p."""
+    out = logits.float().clone()
+    kth = out.topk(top_k, dim=-1).values[..., -1:]
+    out.masked_fill_(out < kth, -math.inf)
+    probs = torch.softmax(out / temperature, dim=-1)
+    order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    before = order.values.cumsum(dim=-1) - order.values
+    drop_sorted = before >= top_p
+    drop_sorted[..., 0] = False
+    return out.masked_fill_(torch.zeros_like(drop_sorted).scatter_(-1, order.indices, drop_sorted), -math.inf)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 20, 200])
+def test_top_p_after_top_k_sorts_the_top_k_set_alone_and_keeps_the_same_set(top_k):
+    """Sorting only the top-k ids gives the whole-vocabulary sort's set bit for bit, on wide rows (the real
+    vocabulary's width), with ties at the top-k boundary and inside the set, at several temperatures and masses."""
+    g = torch.Generator().manual_seed(top_k)
+    rows = torch.randn(6, 4, 151_936, generator=g) * 3
+    rows[0, 0, :64] = rows[0, 0].max()  # 64 ties at the top: wider than k
+    rows[1, 1] = torch.round(rows[1, 1])  # many ties everywhere, the boundary among them
+    rows[2, 2, 1000:] = -math.inf  # a padded head
+    for t, p in ((0.7, 0.8), (1.0, 0.95), (0.3, 0.5), (1.5, 0.999)):
+        fast = truncate(rows, t, top_k=top_k, top_p=p)
+        assert torch.equal(fast, _top_p_over_the_whole_vocabulary(rows, t, top_k, p)), (t, p)
+        assert torch.isfinite(fast).sum(dim=-1).min() >= 1
+
+
 @pytest.mark.parametrize("top_k, top_p, message", [(-1, 1.0, "top_k must be an integer >= 0"),
                                                    (2.5, 1.0, "top_k must be an integer >= 0"),
                                                    (True, 1.0, "top_k must be an integer >= 0"),

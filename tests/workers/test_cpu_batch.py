@@ -132,6 +132,29 @@ def test_bundles_batch_like_batch_1(engine, bench, items):
             assert not same(x, y)
 
 
+def test_coupled_bundles_replay_lossless_at_every_l_as_full_decoding_and_batch_1_do(engine, bench, items):
+    """Under the coupled sampler (T 0.7, top-k 20, top-p 0.8) a bundle replays lossless at L 1 and 4 from one pass
+    per item: every record is target-only's output, said "exact" (nothing decoded), with the counts a full decode
+    makes; a lossy rule replays as its full decode; batched rows equal batch 1."""
+    common = dict(temperature=0.7, top_k=20, top_p=0.8, sampler="coupled", seed=5, max_new_tokens=24)
+    reference = engine.evaluate_items(bench, items, DecodeSpec.make(TARGET_ONLY, **common), batch_size=4)
+    refs = {r.item_id: reference_payload(r) for r in reference}
+    specs = [DecodeSpec.make("lossless", {}, n, **common) for n in (1, 4)] + \
+        [DecodeSpec.make("kl_judge", {"threshold": 2.0}, 4, **common)]
+    alone = engine.evaluate_bundles(bench, items, specs, refs, batch_size=1)
+    batched = engine.evaluate_bundles(bench, items, specs, refs, batch_size=6)
+    for a, b in zip(alone, batched, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert not same(x, y)
+    full = [[evaluate_item(engine, bench, item, spec) for spec in specs] for item in items]
+    for ref, got, want in zip(reference, alone, full, strict=True):
+        for x, y in zip(got, want, strict=True):
+            assert same(x, y) == ["replay"], (x.spec_key, x.replay)
+        assert [x.replay for x in got[:2]] == ["exact", "exact"]
+        assert got[0].output_token_ids == got[1].output_token_ids == ref.output_token_ids
+    assert sum(r[1].num_draft_tokens - r[1].num_accepted_tokens for r in alone) > 0, "drafts were rejected"
+
+
 @pytest.mark.parametrize("size", [2, 3, 5, 8])
 def test_any_batch_size_and_joining_order_gives_the_same_rows(engine, bench, items, size):
     spec = spec_for("kl_judge", draft_len=4)

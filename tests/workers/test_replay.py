@@ -1,6 +1,7 @@
 """Replay at T = 0 is exact: for every registered rule, on the tiny pair, the replayed output tokens,
-acceptance counts and modelled cost equal a full speculative decode's, item by item and L by L; T > 0 is
-refused (decoded in full by the callers); a decision depends on its position alone (the masks are keyed by
+acceptance counts and modelled cost equal a full speculative decode's, item by item and L by L; so at T > 0
+under the coupled sampler on the int8 path; T > 0 under the standard sampler is refused (decoded in full by the
+callers); a decision depends on its position alone (the masks are keyed by
 the seed and the absolute position)."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ import pytest
 import torch
 
 from policies import POLICIES, get_spec, make_policy
+from policies.coupling import CoupledDraw
 from workers.cpu_engine import SpecDecoder
 from workers.metrics.cost import modelled_cost
 from workers.models.pair import load_pair
-from workers.replay import REPLAY_VERSION, NotReplayable, decisions, forced_pass, replay
+from workers.replay import REPLAY_VERSION, NotReplayable, decisions, draw_for, forced_pass, replay
 
 PROMPTS = ["Hello world, this is a test", "Q: 12 + 30 = ?\nA:", "def add(a, b):\n    return", "The quick brown fox",
            "x", "Natalia sold clips to 48 of her friends in April, and then half as many in May."]
@@ -88,10 +90,10 @@ def test_lenient_rules_diverge_and_are_decoded_from_the_round_that_left_the_pref
     assert "diverged" in reasons, reasons
 
 
-def test_sampling_is_not_replayed(engine):
+def test_sampling_is_not_replayed_under_the_standard_sampler(engine):
     ids = engine.pair.tokenizer.encode(PROMPTS[0])
     ref = engine.autoregressive(ids, max_new_tokens=8)
-    with pytest.raises(NotReplayable, match="T = 0 only"):
+    with pytest.raises(NotReplayable, match="needs the coupled sampler"):
         replay(engine, ids, ref, "lossless", 3, 8, temperature=0.7)
 
 
@@ -215,6 +217,61 @@ def test_on_the_int8_path_at_one_thread_replay_is_full_decoding_for_every_rule(i
                     assert getattr(got.generation.stats, f) == getattr(full.stats, f), (where, f)
     finally:
         torch.set_num_threads(threads)
+
+
+COUPLED = [dict(temperature=0.7, top_k=20, top_p=0.8), dict(temperature=1.0)]
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_under_the_coupled_sampler_replay_is_full_decoding_for_every_rule(int8_engine, name):
+    """At T > 0 under the coupled sampler (truncated as Qwen2.5 recommends, and untruncated at T 1), on the int8 path
+    at one thread: the pass's draws are the target-only run's tokens, lossless replays without decoding a token, and
+    every rule's replayed run is its full decode, token for token and count for count (its random numbers keyed by
+    position, as the noise is)."""
+    engine = int8_engine
+    policy = make_policy(name, **LENIENT.get(name, dict(get_spec(name).example)))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    reasons = []
+    try:
+        for sampling in COUPLED:
+            for i, text in enumerate(PROMPTS[:4]):
+                ids = engine.pair.tokenizer.encode(text)
+                stop = ["e"] if i == 3 else None
+                settings = dict(max_new_tokens=32, seed=11 + i, stop=stop, sampler="coupled", **sampling)
+                ref = engine.autoregressive(ids, **settings)
+                draw = draw_for(sampling["temperature"], sampling.get("top_k", 0), sampling.get("top_p", 1.0),
+                                "coupled", 11 + i)
+                forced = forced_pass(engine, ids, ref.token_ids, ref.finish_reason, extend=4, draw=draw)
+                assert forced.agrees >= len(ref.token_ids) and forced.tail_ok, (name, i, sampling)
+                acc = decisions(engine, forced, policy, seed=11 + i)
+                for draft_len in (1, 4):
+                    got = replay(engine, ids, ref, policy, draft_len, forced=forced, accepted=acc, **settings)
+                    full = engine.generate(ids, policy, draft_len=draft_len, **settings)
+                    where = f"{name} {sampling} prompt {i} L={draft_len} ({got.reason})"
+                    assert got.reason != "near-tie", where
+                    assert got.generation.token_ids == full.token_ids, where
+                    for f in FIELDS:
+                        assert getattr(got.generation.stats, f) == getattr(full.stats, f), (where, f)
+                    if name == "lossless":
+                        assert got.reason == "exact" and full.token_ids == ref.token_ids, where
+                    reasons.append(got.reason)
+    finally:
+        torch.set_num_threads(threads)
+    if name == "lossless":
+        assert sum(1 for r in reasons if r == "exact") == len(reasons)
+
+
+def test_a_coupled_pass_is_not_used_for_another_draw(int8_engine):
+    engine = int8_engine
+    ids = engine.pair.tokenizer.encode(PROMPTS[1])
+    settings = dict(max_new_tokens=8, temperature=0.7, seed=2, sampler="coupled")
+    ref = engine.autoregressive(ids, **settings)
+    forced = forced_pass(engine, ids, ref.token_ids, ref.finish_reason, draw=draw_for(0.7, 0, 1.0, "coupled", 2))
+    with pytest.raises(ValueError, match="the pass was made for"):
+        replay(engine, ids, ref, "lossless", 3, forced=forced, **{**settings, "seed": 3})
+    with pytest.raises(ValueError, match="coupled sampler draws at T > 0"):
+        CoupledDraw(0.0, 0, 1.0, 1)
 
 
 def test_a_pass_that_fails_part_way_leaves_no_cache_behind(engine):
