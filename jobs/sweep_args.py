@@ -233,6 +233,12 @@ def build_parser() -> SweepParser:
                          "target's distribution cut to this mass, and the rules judge that distribution "
                          "(1: off; Qwen2.5 recommends T 0.7, top-p 0.8, top-k 20)")
     ap.add_argument("--top-k", type=int, default=0, help="top-k sampling at T > 0, as --top-p (0: off)")
+    ap.add_argument("--sampler", default="standard",
+                    help="standard, or coupled (T > 0, CPU engine): every arm draws token t by Gumbel-max with noise "
+                         "keyed by --seed, the item and t, so lossless output equals target-only's, a lossy rule is "
+                         "the only source of a difference, and rules replay from one pass per item as at T = 0; the "
+                         "search's modelled speeds are the coupled sampler's (it accepts less than the standard one), "
+                         "and a certificate's timed speed is the standard sampler's")
     ap.add_argument("--seed", type=int, default=0, help="sampling seed and Optuna sampler seed")
     ap.add_argument("--max-new-tokens", type=int | None, default=None, help="default: the benchmark's own")
     ap.add_argument("--shots", type=int, default=0)

@@ -60,7 +60,8 @@ def union_traits(config: AnyOfConfig) -> Traits:
     members = [traits(m) for m in config.members]
     return Traits(needs_hidden=any(t.needs_hidden for t in members),
                   draws_when_greedy=any(t.draws_when_greedy for t in members),
-                  replays_exactly=all(t.replays_exactly for t in members))
+                  replays_exactly=all(t.replays_exactly for t in members),
+                  decides_on_distributions=all(t.decides_on_distributions for t in members))
 
 
 @register(

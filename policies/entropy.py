@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from policies.core import Decision, PolicyConfig, SearchRange, Valid, VerifyBatch, knob, require
 from policies.distributions import entropy_from_logprobs
 from policies.lossless import lossless_accept, with_lossless
-from policies.registry import Leniency, register
+from policies.registry import Leniency, Traits, register
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class TargetEntropyConfig(PolicyConfig):
     config=TargetEntropyConfig,
     off={"threshold": math.inf},
     leniency=Leniency("threshold", (math.inf, 6.0, 3.0, 1.0, 0.1, 0.0)),
+    traits=Traits(decides_on_distributions=True),  # H(p_t)
 )
 def decide_target_entropy(batch: VerifyBatch, config: TargetEntropyConfig) -> Decision:
     """Accept any draft token where the target's entropy is at least the threshold."""
@@ -44,6 +45,7 @@ class DraftEntropyConfig(PolicyConfig):
     config=DraftEntropyConfig,
     off={"threshold": 0.0},
     leniency=Leniency("threshold", (0.0, 0.01, 0.3, 1.0, 3.0, math.inf)),
+    traits=Traits(decides_on_distributions=True),  # H(q)
 )
 def decide_draft_entropy(batch: VerifyBatch, config: DraftEntropyConfig) -> Decision:
     """Accept any draft token the draft model was confident about (entropy at most the threshold)."""

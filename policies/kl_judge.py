@@ -29,7 +29,8 @@ class KLJudgeConfig(PolicyConfig):
     config=KLJudgeConfig,
     off={"threshold": 0.0},
     leniency=Leniency("threshold", (0.0, 0.05, 0.5, 2.0, 10.0, math.inf), {"confidence": 1.0}),
-    traits=Traits(cpu_block="fused"),  # its KL and max p are the fused kernel's (policies.fused)
+    # its KL and max p are the fused kernel's (policies.fused), and decide on (p_t, q) alone
+    traits=Traits(cpu_block="fused", decides_on_distributions=True),
 )
 def decide_kl_judge(batch: VerifyBatch, config: KLJudgeConfig) -> Decision:
     """Accept when KL(target ‖ draft) <= threshold where the target is not confident."""

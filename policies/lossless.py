@@ -60,7 +60,7 @@ class LosslessConfig(PolicyConfig):
     pass
 
 
-@register("lossless", config=LosslessConfig, lossy=False, traits=Traits(cpu_block="fused"))
+@register("lossless", config=LosslessConfig, lossy=False, traits=Traits(cpu_block="fused", decides_on_distributions=True))
 def decide_lossless(batch: VerifyBatch, config: LosslessConfig) -> Decision:
     """Exact speculative sampling: the output distribution is the target's."""
     return lossless_accept(batch)

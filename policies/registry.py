@@ -54,6 +54,11 @@ class Traits:
     # full-vocabulary head logits it holds per row (DropMatch's exact mode: K): a ragged batch's chunks shrink by
     # it (twice that at T > 0), so that the heads stay within one block
     vocab_heads: int = 0
+    # what it adds to lossless decides on the two distributions (p_t, q) alone, never on the token drawn: at each
+    # position it emits the draft's token where it relaxes and lossless's outcome elsewhere, a law the sampler does
+    # not change, so its quality under the coupled sampler is its quality under the standard one (policies.coupling).
+    # False for rules that look at the token (its rank, its probability, a dropout head's vote, a look-ahead)
+    decides_on_distributions: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_block not in ("eager", "fused", "heads"):

@@ -193,9 +193,14 @@ class References:
                 and not r.fused_off)}
         return held, dict(held)
 
+    def replayable_draws(self) -> bool:
+        """Whether the sweep's draws replay (``workers.replay.draw_for``): greedy (T = 0), or the coupled sampler."""
+        decode = self.settings.decode
+        return decode["temperature"] == 0.0 or decode.get("sampler") == "coupled"
+
     def replays(self, confirm: bool = False, spec: DecodeSpec | None = None) -> bool:
         """Whether rules are replayed from the target-only output (``workers.replay``): on the CPU engine at
-        T = 0 unless ``--replay off``; for what a certificate is decided on (``confirm``: confirmation and its
+        T = 0 or under the coupled sampler, unless ``--replay off``; for what a certificate is decided on (``confirm``: confirmation and its
         lossless reference) only where replay is full decoding by construction (``workers.replay.exact_for``: the
         int8 path at one thread per actor) and for a rule whose own arithmetic keeps it so (``spec``'s:
         ``workers.replay.exact_rule``), else those items decode in full."""
@@ -203,7 +208,7 @@ class References:
 
         args = self.settings.args
         exact = engine_traits(args.engine).exact_replay
-        on = args.replay != "off" and exact and self.settings.decode["temperature"] == 0.0
+        on = args.replay != "off" and exact and self.replayable_draws()
         threads = max(1, int(getattr(args, "cpus_per_actor", 1) or 1))  # the actors' torch threads (make_workers)
         rule_ok = spec is None or spec.policy == TARGET_ONLY or exact_rule(spec.policy, spec.params_dict)
         return on and (not confirm or (exact_for(args.dtype, threads) and rule_ok))
@@ -230,13 +235,13 @@ class References:
     def _lossless_bundle(self, lengths: list[int]) -> None:
         """Lossless references at every L of ``lengths`` on the search items, item by item on the actors, one
         teacher-forced pass per item for all of them (``evaluate_bundle``), into each L's reference store; the
-        CPU engine at T = 0 only (elsewhere, and if the actors are lost, each L runs on its own as any reference
+        CPU engine at T = 0 or under the coupled sampler only (elsewhere, and if the actors are lost, each L runs on its own as any reference
         does)."""
         from cluster.pool import CHUNK, PoolError, run_bundles
 
         args = self.settings.args
         exact = engine_traits(args.engine).exact_replay
-        if not exact or self.settings.decode["temperature"] != 0.0 or args.replay == "off":
+        if not exact or not self.replayable_draws() or args.replay == "off":
             return
         specs = [self.lossless_spec(n) for n in lengths]
         stores = [self.store(s) for s in specs]

@@ -21,7 +21,7 @@ from typing import Any
 from sweep.progress import log
 from sweep.space import check_families, search_ranges
 from workers.benchmarks import get_benchmark
-from workers.cli import require_positive, sampling_truncation
+from workers.cli import require_positive, sampling_settings
 from workers.engine_registry import engine_traits
 from workers.engines import check_engine
 from workers.results.store import slug
@@ -40,7 +40,7 @@ class Settings:
     enqueue: list[dict[str, Any]]  # the study's parameters of each --enqueue
     ranges: dict[str, dict[str, Any]]  # family -> knob -> its search range
     search_overrides: dict[str, Any] | None  # --search-space as given (part of the study's identity)
-    decode: dict[str, Any]  # temperature, seed, shots, max_new_tokens (top_k, top_p where they truncate)
+    decode: dict[str, Any]  # temperature, seed, shots, max_new_tokens (top_k, top_p, sampler where not the default)
 
     @property
     def lengths(self) -> list[int]:
@@ -197,7 +197,7 @@ def parse_settings(given: argparse.Namespace) -> Settings:
                     ranges=ranges, search_overrides=getattr(args, "search_space", None) or None,
                     decode=dict(temperature=args.temperature, seed=args.seed, shots=args.shots,
                                 max_new_tokens=args.max_new_tokens or bench.default_max_new_tokens,
-                                **sampling_truncation(args)))
+                                **sampling_settings(args)))
 
 
 

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from policies import make_policy
@@ -75,6 +75,11 @@ class DecodeSpec:
         """How tokens are drawn beyond the temperature, where it is not the default: the truncation and the
         coupled sampler (the CPU engine's keyword arguments)."""
         return {**self.truncation(), **({"sampler": self.sampler} if self.sampler != "standard" else {})}
+
+    def standard(self) -> DecodeSpec:
+        """This spec under the standard sampler: how a deployment draws, so how a speed is timed (the coupled
+        sampler accepts less than standard speculative sampling, :mod:`policies.coupling`)."""
+        return replace(self, sampler="standard")
 
     def settings_key(self) -> dict[str, Any]:
         """What makes two runs comparable item by item (everything but the rule)."""

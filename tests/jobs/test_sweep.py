@@ -190,7 +190,11 @@ def test_bad_arguments_are_clear_errors(tmp_path, capsys):
                      (["--top-p", "0.9"], "--temperature 0"), (["--temperature", "0.7", "--top-p", "0"], "--top-p"),
                      (["--temperature", "0.7", "--top-k", "-2"], "--top-k"),
                      (["--engine", "vllm", "--draft-len", "3", "--temperature", "0.7", "--top-k", "20"],
-                      "--engine vllm cannot sample")):
+                      "--engine vllm cannot sample"),
+                     (["--sampler", "coupled"], "--temperature 0"),
+                     (["--sampler", "gumbel", "--temperature", "0.7"], "--sampler must be one of standard, coupled"),
+                     (["--engine", "vllm", "--draft-len", "3", "--temperature", "0.7", "--sampler", "coupled"],
+                      "--engine vllm draws its own tokens")):
         assert sweep_job.main([*BASE, "--runs-root", str(tmp_path), *bad]) == 2
         err = capsys.readouterr().err
         assert msg in err and "Traceback" not in err
@@ -458,3 +462,32 @@ def test_usage_truncated_sampling_sweep_runs_as_written(tmp_path, monkeypatch):
     del plain[cut:cut + 4]
     assert study_name(parse_settings(parse_args(argv[2:]))) == chosen["sweep"]
     assert study_name(parse_settings(parse_args(plain))) != chosen["sweep"]
+
+
+def test_usage_coupled_sampling_sweep_runs_as_written(tmp_path, monkeypatch):
+    """docs/usage.md's --sampler coupled sweep, as written: every arm coupled (the chosen file says so), lossless at
+    every L replayed from one pass with nothing decoded, the certificate's timed arms sampled with the standard
+    sampler and the coupled records audited against full coupled decodes."""
+    import shlex
+
+    from jobs import sweep as sweep_job
+    from workers.results.store import RecordStore
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "usage.md").read_text()
+    line = next(ln for ln in page.splitlines() if ln.startswith(".venv/bin/python jobs/sweep.py") and "--sampler" in ln)
+    argv = shlex.split(line)
+    monkeypatch.setenv("SPECTUNE_RUNS", str(tmp_path))
+    assert sweep_job.main(argv[2:]) == 0
+    chosen = json.loads(next(tmp_path.glob("**/report/chosen-budget-0.2.json")).read_text())
+    assert chosen["decode"]["sampler"] == "coupled" and chosen["decode"]["top_k"] == 20
+    from workers.results.scope import covers
+
+    assert covers(chosen)["sampler"] == "coupled"
+    assert covers(chosen)["transfers_to_standard"] is (chosen["policy"] == "kl_judge")
+    vl = chosen["vs_lossless"]
+    assert vl["modelled_sampler"] == "coupled" and vl["timed_sampler"] == "standard" and vl["timed"]["items"] == 3
+    assert chosen["replay_check"]["status"] == "identical", chosen["replay_check"]
+    lossless = sorted(d.name.split("-")[1] for d in tmp_path.glob("references/*/gsm8k/lossless-L*") if d.is_dir())
+    assert lossless == ["L1", "L2", "L3"], lossless
+    records = [r for d in tmp_path.glob("references/*/gsm8k/lossless-L*") for r in RecordStore(d).load().values()]
+    assert len(records) >= 18 and {r.replay for r in records} == {"exact"}, {r.replay for r in records}

@@ -266,3 +266,40 @@ def test_a_union_derives_its_traits_from_its_members():
     assert not (plain.needs_hidden or plain.draws_when_greedy) and plain.replays_exactly
     assert traits(make_policy("dropmatch", mode="exact", p_drop=0.0)).replays_exactly  # no dropout: one GEMM row alike
     assert traits(make_policy("dropmatch", mode="candidate")).replays_exactly
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_a_rule_said_to_decide_on_the_distributions_never_looks_at_the_token(name):
+    """``decides_on_distributions`` (what lets a certificate made under the coupled sampler cover the standard one):
+    with the draft's token the target's own draw at some positions (the same in every variant) and one it does not
+    draw at the others (lossless rejects there), what the rule accepts must not move when the latter are swapped for
+    other such tokens, at every leniency; a rule that does not declare it must move for some."""
+    from policies import traits
+    from policies.coupling import gumbel, perturbed_argmax
+    from policies.truncation import truncate
+
+    spec = get_spec(name)
+    configs = [dict(spec.example)] + ([{**spec.leniency.fixed, spec.leniency.param: v} for v in spec.leniency.values]
+                                      if spec.leniency else [])
+    moved = False
+    for seed in range(6):
+        batch = make_batch(seed=seed, temperature=1.0, draft_noise=2.0)
+        if seed % 2:  # a truncated target (top-8): a token outside its set is one some rules look at
+            batch = dataclasses.replace(batch, target_logits=truncate(batch.target_logits, 1.0, top_k=8))
+        b, n = batch.draft_token_ids.shape
+        noise = gumbel(seed, torch.arange(n + 1).expand(b, n + 1) + 100 * torch.arange(b).unsqueeze(1), batch.vocab_size)
+        picked = perturbed_argmax(batch.target_f32[:, :n], 1.0, noise[:, :n])  # the target's draws
+        order = batch.draft_f32.argsort(dim=-1, descending=True)  # candidates: the draft's likeliest tokens first
+        swaps = []
+        for shift in (0, 1, 2):  # the shift-th likeliest draft token that is not the target's draw
+            ids = torch.stack([order[..., j] for j in range(4)], dim=-1)  # [B, L, 4]
+            usable = ids != picked.unsqueeze(-1)
+            other = torch.gather(ids, -1, usable.float().cumsum(-1).sub(1 + shift).abs().argmin(-1, keepdim=True))
+            keep = torch.rand(b, n, generator=torch.Generator().manual_seed(seed)) < 0.5  # the same in every variant
+            swaps.append(torch.where(keep, picked, other.squeeze(-1)))
+        for config in configs:
+            rule = make_policy(name, **config)
+            decided = [rule.decide(reseeded(dataclasses.replace(batch, draft_token_ids=d, coupling=noise), 3)).accepted
+                       for d in swaps]
+            moved |= any(not torch.equal(decided[0], x) for x in decided[1:])
+    assert moved is not traits(make_policy(name, **spec.example)).decides_on_distributions, name

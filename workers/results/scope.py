@@ -25,8 +25,24 @@ def covers(choice: dict[str, Any]) -> dict[str, Any]:
     out = {"benchmark": choice.get("benchmark"), "pair": choice.get("pair"), "dtype": choice.get("dtype"),
            "draft_len": choice.get("draft_len"), "drafter": DRAFTER, "engine": choice.get("engine"),
            "temperature": decode.get("temperature"), "top_k": decode.get("top_k"), "top_p": decode.get("top_p"),
-           "shots": decode.get("shots"), "max_new_tokens": decode.get("max_new_tokens")}
+           "shots": decode.get("shots"), "max_new_tokens": decode.get("max_new_tokens"),
+           "sampler": decode.get("sampler")}
+    if decode.get("sampler") == "coupled":
+        out["transfers_to_standard"] = _transfers(choice)
     return {k: v for k, v in out.items() if v is not None}
+
+
+def _transfers(choice: dict[str, Any]) -> bool:
+    """Whether a certificate made under the coupled sampler covers the standard one, which a deployment samples
+    with: by argument for a rule that decides on the two distributions alone (``policies.Traits``'s
+    ``decides_on_distributions``), for no other (an equivalence test would have to show it)."""
+    from policies import make_policy, traits
+
+    try:
+        return bool(traits(make_policy(str(choice.get("policy")), **(choice.get("params") or {})))
+                    .decides_on_distributions)
+    except (ValueError, TypeError, KeyError):
+        return False
 
 
 def withdrawn(*folders: Path) -> tuple[str, Path] | None:
@@ -88,8 +104,12 @@ def same_dtype(a: str, b: str) -> bool:
 def changes(choice: dict[str, Any], *, pair: Any = None, dtype: str | None = None, draft_len: int | None = None,
             drafter: str | None = None, engine: str | None = None, cache_dir: str | None = None) -> list[str]:
     """What the given settings change of the conditions the choice was certified under, one phrase each
-    (empty: inside them). A setting left None is the choice's own."""
+    (empty: inside them). A setting left None is the choice's own. A deployment samples with the standard sampler:
+    a certificate made under the coupled one covers it only for a rule whose quality carries over (:func:`covers`)."""
     out = []
+    if (choice.get("decode") or {}).get("sampler") == "coupled" and not _transfers(choice):
+        out.append("the standard sampler (certified under the coupled sampler, and this rule looks at the token "
+                   "drawn: its quality under the standard sampler is not shown)")
     if pair is not None and not same_pair(choice.get("pair"), pair, choice.get("pair_fingerprint"), cache_dir):
         shown = "+".join(str(p) for p in pair) if isinstance(pair, (tuple, list)) else str(pair)
         out.append(f"pair {shown} (certified: {choice.get('pair')})")
@@ -122,7 +142,9 @@ def ran_inside(source: dict[str, Any], same_rule: bool, temperature: float, top_
     """Whether a request ran inside the served rule's certificate: the served rule is certified and served
     within what its certificate covers (``source``, from ``jobs.serve``), the request ran that rule
     (``same_rule``), and at the temperature the certificate was made at (unknown: not inside), and, at T > 0,
-    with its top-k and top-p (a certificate that records none was made on the whole distribution). Its prompts
+    with its top-k and top-p (a certificate that records none was made on the whole distribution) and, where it
+    was made under the coupled sampler, for a rule whose quality carries over to the standard sampler every
+    request here draws with (``transfers_to_standard``). Its prompts
     are another matter: a certificate bounds the drop on its benchmark's items, not on whatever a client sends."""
     if source.get("certified") is not True or not same_rule:
         return False
@@ -133,6 +155,8 @@ def ran_inside(source: dict[str, Any], same_rule: bool, temperature: float, top_
         return False
     if temperature == 0.0:  # greedy: the argmax, which every truncation keeps
         return True
+    if covered.get("sampler", "standard") != "standard" and covered.get("transfers_to_standard") is not True:
+        return False
     return int(covered.get("top_k") or 0) == top_k and abs(float(covered.get("top_p") or 1.0) - top_p) <= 1e-9
 
 

@@ -57,3 +57,21 @@ def test_check_scope_refuses_in_one_line_or_reports_when_allowed():
     assert check_scope(CHOICE, "x", [], allow_uncertified=False) == {}
     with pytest.raises(ValueError, match=r"is certified for the pair's draft model, and this changes"):
         check_scope({"policy": "lossless", "certified": True}, "x", found, allow_uncertified=False)
+
+
+def test_a_coupled_certificate_covers_the_standard_sampler_only_for_a_rule_that_decides_on_the_distributions():
+    from workers.results.scope import ran_inside
+
+    sampled = {**CHOICE, "decode": {**CHOICE["decode"], "temperature": 0.7, "top_k": 20, "top_p": 0.8,
+                                    "sampler": "coupled"}}
+    kl = covers(sampled)
+    assert kl["sampler"] == "coupled" and kl["transfers_to_standard"] is True
+    assert changes(sampled) == []  # the KL judge decides on (p, q) alone: served as certified
+    assert ran_inside({"certified": True, "covers": kl}, True, 0.7, 20, 0.8)
+    token = {**sampled, "policy": "top_k", "params": {"k": 3}}
+    assert covers(token)["transfers_to_standard"] is False
+    assert [c.split(" (")[0] for c in changes(token)] == ["the standard sampler"]
+    assert not ran_inside({"certified": True, "covers": covers(token)}, True, 0.7, 20, 0.8)
+    with pytest.raises(ValueError, match="looks at the token drawn"):
+        check_scope(token, "the rule", changes(token), allow_uncertified=False)
+    assert "sampler" not in covers(CHOICE), "a standard-sampler certificate's scope is what it was"
