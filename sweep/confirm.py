@@ -231,7 +231,8 @@ def speed_over_lossless(state: SweepState, attempt: Attempt, row: dict[str, Any]
                            int(str(s.args.concurrency)))
         if spec.sampler == "coupled":
             audit = time_items(state.workers[0], s.bench.ref, specs, order, 1)
-    return over_lossless(records, lossless, reference, draft_len, state.cost, timed, audit)
+    return over_lossless(records, lossless, reference, draft_len, state.cost, timed, audit,
+                         coupled=spec.sampler == "coupled")
 
 
 def certify(state: SweepState, frame: Any, out: Path) -> Certification:

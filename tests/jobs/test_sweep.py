@@ -483,7 +483,10 @@ def test_usage_coupled_sampling_sweep_runs_as_written(tmp_path, monkeypatch):
     from workers.results.scope import covers
 
     assert covers(chosen)["sampler"] == "coupled"
-    assert covers(chosen)["transfers_to_standard"] is (chosen["policy"] == "kl_judge")
+    from policies import make_policy, traits
+
+    declared = traits(make_policy(chosen["policy"], **chosen["params"])).decides_on_distributions
+    assert covers(chosen)["transfers_to_standard"] is declared
     vl = chosen["vs_lossless"]
     assert vl["modelled_sampler"] == "coupled" and vl["timed_sampler"] == "standard" and vl["timed"]["items"] == 3
     assert chosen["replay_check"]["status"] == "identical", chosen["replay_check"]

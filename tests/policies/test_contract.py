@@ -302,4 +302,7 @@ def test_a_rule_said_to_decide_on_the_distributions_never_looks_at_the_token(nam
             decided = [rule.decide(reseeded(dataclasses.replace(batch, draft_token_ids=d, coupling=noise), 3)).accepted
                        for d in swaps]
             moved |= any(not torch.equal(decided[0], x) for x in decided[1:])
+            # and never vetoes what lossless accepts (the draft's token where the target draws it): the argument
+            # needs "lossless, or a relaxation of (p, q)", so a rule without lossless's acceptances is no such rule
+            assert all(bool(x[keep].all()) for x in decided), (name, config)
     assert moved is not traits(make_policy(name, **spec.example)).decides_on_distributions, name

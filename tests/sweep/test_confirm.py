@@ -271,6 +271,27 @@ def test_at_a_concurrency_measured_speed_is_output_tokens_over_each_arms_walls()
     assert math.isnan(out["vs_lossless"]["measured"]) and out["vs_target_only"]["measured"] == pytest.approx(1.0)
 
 
+def test_under_the_coupled_sampler_only_the_standard_samplers_timed_items_are_stated():
+    """Coupled records model the coupled sampler's speed (below a deployment's): the stated figure is the timed
+    items' (standard sampler), the model on their counts where it agrees with the measurement; untimed, none."""
+    from workers.metrics.cost import CostModel
+    from workers.metrics.speed import Timed, over_lossless
+
+    held = {k: rec(k, 1.0, tokens=10) for k in "ab"}
+    untimed = over_lossless(held, held, held, 3, CostModel(0.4), None, coupled=True)
+    for side in ("vs_lossless", "vs_target_only"):
+        assert untimed[side]["modelled_sampler"] == "coupled" and untimed[side]["timed_sampler"] == "standard"
+        assert math.isnan(untimed[side]["stated"]) and untimed[side]["stated_from"].startswith("none")
+        assert math.isfinite(untimed[side]["modelled"]), "the coupled figure is kept, labelled, not stated"
+    arms = tuple([rec(k, 1.0, tokens=10) for k in "ab"] for _ in range(3))
+    timed = over_lossless(held, held, held, 3, CostModel(0.4), Timed(arms), Timed(arms), coupled=True)
+    vl = timed["vs_lossless"]
+    assert vl["stated"] in (vl["modelled_timed"], vl["measured"]) and math.isfinite(vl["stated"])
+    assert timed["replay_check"]["status"] != "unchecked", "the coupled arms audit the records"
+    plain = over_lossless(held, held, held, 3, CostModel(0.4), None)
+    assert "modelled_sampler" not in plain["vs_lossless"] and plain["vs_lossless"]["stated"] == plain["vs_lossless"]["modelled"]
+
+
 def test_a_certificate_never_stands_on_an_unaudited_or_contradicted_replay():
     from dataclasses import replace
 

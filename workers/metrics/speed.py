@@ -188,18 +188,18 @@ def comparable(records: dict[str, Record], lossless: dict[str, Record], referenc
 
 
 def over_lossless(records: dict[str, Record], lossless: dict[str, Record], reference: dict[str, Record],
-                  draft_len: int, cost: CostModel, timed: Timed | None = None, audit: Timed | None = None
-                  ) -> dict[str, Any]:
+                  draft_len: int, cost: CostModel, timed: Timed | None = None, audit: Timed | None = None,
+                  coupled: bool = False) -> dict[str, Any]:
     """A candidate's confirmation ``records`` against ``lossless`` (at the search's best L, ``draft_len``) and
     against target-only (``reference``): modelled on the items all three hold, measured from ``timed`` (the
     like-for-like run of the first ``--speed-items`` of them, :class:`Timed`), and the figure a certificate
     states (:func:`stated_figure`).
 
-    ``audit``: where the records were drawn with the coupled sampler (``policies.coupling``), ``timed`` samples as a
-    deployment does (the standard sampler, which accepts more) and ``audit`` holds the same arms decoded in full
+    ``coupled``: the records were drawn with the coupled sampler (``policies.coupling``); ``timed`` then samples as
+    a deployment does (the standard sampler, which accepts more) and ``audit`` holds the same arms decoded in full
     with the records' own sampler, for the replay check. The modelled figure over all items is then the coupled
-    sampler's, said so, and the stated figure comes from the timed items' (the model on their standard-sampler
-    counts, if it agrees with the measurement; else the measurement)."""
+    sampler's, said so, and the stated figure comes from the timed items alone (the model on their standard-sampler
+    counts, if it agrees with the measurement; else the measurement), or is none where nothing was timed so."""
     keys = comparable(records, lossless, reference)
     mine, ll, ar = ([d[k] for k in keys] for d in (records, lossless, reference))
     out: dict[str, Any] = {
@@ -210,10 +210,12 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
     }
     out["replay_check"] = {"status": "unchecked", "items": 0, "replayed": 0, "replayed_differ": [], "full_differ": [],
                            "candidate_items": []}
-    if audit is not None:
+    if coupled:
         for side in ("vs_lossless", "vs_target_only"):
             out[side]["modelled_sampler"] = "coupled"  # below the standard sampler's acceptance: not a deployment's
             out[side]["timed_sampler"] = "standard"
+            out[side].update(stated=math.nan, stated_from="none: the coupled sampler's modelled figure is not a "
+                             "deployment's, and nothing was timed with the standard sampler")
     if timed is not None and timed.error is not None:
         for side in ("vs_lossless", "vs_target_only"):
             out[side]["timed"] = {"error": timed.error}
@@ -255,11 +257,10 @@ def over_lossless(records: dict[str, Record], lossless: dict[str, Record], refer
         out["vs_target_only"].update(measured=measured_ar, modelled_timed=modelled_ar, timed=like)
         out["replay_check"] = replay_check(timed if audit is None else audit, records, lossless, reference)
     for side in ("vs_lossless", "vs_target_only"):
-        figures = out[side] if audit is None else {**out[side], "modelled": out[side].get("modelled_timed", math.nan)}
-        out[side].update(stated_figure(figures))
-        if audit is not None and not math.isfinite(out[side].get("modelled_timed", math.nan)):
-            out[side].update(stated=math.nan, stated_from="none: the coupled sampler's modelled figure is not a "
-                             "deployment's, and nothing was timed with the standard sampler (--speed-items 0)")
+        if not coupled:
+            out[side].update(stated_figure(out[side]))
+        elif math.isfinite(out[side].get("modelled_timed", math.nan)):  # the timed items' figures alone
+            out[side].update(stated_figure({**out[side], "modelled": out[side]["modelled_timed"]}))
     return out
 
 
