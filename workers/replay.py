@@ -121,7 +121,8 @@ class Forced:
     tail_ok: bool = True  # False: the reference ended on EOS but the pass's draw there is no EOS (a near-tie)
     target_tokens: Tensor | None = None  # [T + 1 + extension] long: the target's draw at each row (argmax at T = 0)
     draw: CoupledDraw | None = None  # the coupled sampler's settings at T > 0 (None: greedy)
-    noise: Tensor | None = None  # [rows, V] float32: the coupled sampler's noise at each row's position
+    noise: Tensor | None = None  # [rows + 1, V] float32: the coupled sampler's noise at each row's position (and a
+    # bonus slot's after the last row, never read: the shape a verify batch takes, so a rule's decision copies nothing)
 
     def __post_init__(self) -> None:
         if self.target_tokens is None:  # greedy: the target's token at a row is its argmax
@@ -158,7 +159,8 @@ def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: st
     prompt = [int(t) for t in prompt]
     seq = prompt + [int(t) for t in generated]
     # every row's noise, the extension's too (rows T + 1 .. T + extend - 1), each position's built alone
-    noise = None if draw is None else draw.noise(len(prompt), len(generated) + max(extend, 1), engine.pair.vocab_size)
+    noise = None if draw is None else draw.noise(len(prompt), len(generated) + max(extend, 1) + 1,
+                                                 engine.pair.vocab_size)
     rows = _forced_rows(engine, prompt, seq, draw, noise)
     target_tokens = _draws(rows["target"], draw, noise)
     after: list[int] = []
@@ -192,7 +194,7 @@ def forced_pass(engine: Any, prompt: list[int], generated: list[int], finish: st
     ties = _near_ties(scores(target, noise)) + _near_ties(scores(rows["proposal_logits"], noise))
     return Forced(len(prompt), list(generated), finish, target, rows["hidden"], rows["draft"], rows["proposed"], agrees,
                   ties, time.perf_counter() - t0, after, tail_ok, target_tokens, draw,
-                  None if noise is None else noise[: target.shape[0]])
+                  None if noise is None else noise[: target.shape[0] + 1])
 
 
 def _cut(logits: Tensor, draw: CoupledDraw | None) -> Tensor:
@@ -271,7 +273,7 @@ def decisions(engine: Any, forced: Forced, policy: Policy, seed: int) -> Decided
     # T = 0): a rule that does not read it gets None, as live, so the same statistics kernel decides both
     # (at T > 0 a live round always hands it over: the draft sampled from it)
     full = forced.draw is not None or getattr(engine, "proposal", None) is None or needs_draft_logits(policy)
-    coupling = None if forced.noise is None else torch.cat([forced.noise, forced.noise[-1:]]).unsqueeze(0)
+    coupling = None if forced.noise is None else forced.noise.unsqueeze(0)  # [1, P + 1, V]: the bonus slot's too
     batch = VerifyBatch(draft_token_ids=draft_tokens.unsqueeze(0),
                         draft_logits=forced.draft_logits.unsqueeze(0) if full else None,
                         target_logits=target.unsqueeze(0), target_hidden=hidden.unsqueeze(0),
